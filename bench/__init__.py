@@ -1,0 +1,1 @@
+"""fastcomm benchmarks (importable as ``fastcomm_bench``)."""

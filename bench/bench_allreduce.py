@@ -1,0 +1,323 @@
+"""All-reduce microbenchmark: fastcomm against NCCL and the other baselines, as rows of the same run.
+
+Prints an nccl-tests-shaped table (time per call inside a CUDA graph of -G back-to-back calls, median of
+replays; and eager) and writes JSON beside it. Run on N local GPUs:
+
+    fastcomm bench -b 1K -e 64M -f 2 --world 2 --json results.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+KB, MB = 1 << 10, 1 << 20
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper()
+    for suffix, mult in (("G", 1 << 30), ("M", MB), ("K", KB)):
+        if text.endswith(suffix):
+            return int(float(text[:-1]) * mult)
+    return int(text)
+
+
+def sizes(lo: int, hi: int, factor: float) -> list[int]:
+    out, s = [], lo
+    while s <= hi:
+        out.append(int(s))
+        s = s * factor if factor > 1 else s + lo
+    return out
+
+
+# ---- per-rank body -------------------------------------------------------------------------------------
+
+def _timers(torch, fn, calls: int, iters: int, warmup: int, graph: bool) -> float:
+    """Median microseconds per call: graph replays of `calls` calls, or eager loops of `calls` calls."""
+    import torch.distributed as dist
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+        if graph:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=s):
+                for _ in range(calls):
+                    fn()
+        run = g.replay if graph else (lambda: [fn() for _ in range(calls)])
+        for _ in range(warmup):
+            run()
+        torch.cuda.synchronize()
+        dist.barrier()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(iters):
+            e0.record(s)
+            run()
+            e1.record(s)
+            e1.synchronize()
+            times.append(e0.elapsed_time(e1) * 1000.0 / calls)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def _impls(torch, rank, world, gloo, opts):
+    """name -> (setup(n, dtype) -> (fn, out, in) or None when the impl cannot serve that size)."""
+    import torch.distributed as dist
+
+    import fastcomm
+
+    impls = {}
+    workspaces = []
+    if "p2p" in opts.transports:
+        try:
+            ws = fastcomm.Workspace(gloo, rank, transport="p2p", max_bytes=opts.max_bytes)
+            workspaces.append(ws)
+            for algo in ("one_shot", "two_shot", "auto"):
+                impls[f"fastcomm-{algo}"] = (ws, algo)
+        except fastcomm.FastcommError as e:
+            print(f"[rank {rank}] no P2P workspace: {e}")
+    if "host" in opts.transports:
+        ws = fastcomm.Workspace(gloo, rank, transport="host", max_bytes=min(opts.max_bytes, opts.host_max_bytes))
+        workspaces.append(ws)
+        for algo in ("one_shot", "two_shot", "auto"):
+            impls[f"fastcomm-host-{algo}"] = (ws, algo)
+    if opts.islands and "p2p" in opts.transports:
+        isl = tuple((r,) for r in range(world)) if world == 2 else (tuple(range(world // 2)), tuple(range(world // 2, world)))
+        ws = fastcomm.Workspace(gloo, rank, transport="p2p", max_bytes=opts.max_bytes, islands=isl)
+        workspaces.append(ws)
+        impls["fastcomm-islands-one_shot"] = (ws, "one_shot")
+    impls["nccl"] = ("nccl", None)
+    if opts.symm:
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            impls["symm-one_shot"] = ("symm", "one_shot")
+            impls["symm-two_shot"] = ("symm", "two_shot")
+            symm = {}
+            group_name = dist.group.WORLD.group_name
+
+            def symm_buf(dtype):
+                if dtype not in symm:
+                    t = symm_mem.empty(opts.max_bytes // torch.tensor([], dtype=dtype).element_size(), dtype=dtype,
+                                       device=torch.device("cuda", rank))
+                    symm_mem.rendezvous(t, group_name)
+                    symm[dtype] = t
+                return symm[dtype]
+        except Exception as e:
+            print(f"[rank {rank}] torch symmetric memory unavailable: {e}")
+            symm_buf, group_name = None, None
+    try:
+        from vllm.distributed.device_communicators.custom_all_reduce import CustomAllreduce  # noqa: F401
+
+        # vLLM's custom all-reduce needs vLLM's own distributed state; measured end to end in bench_decode.
+    except Exception:
+        pass
+
+    def setup(name, n, dtype):
+        kind, algo = impls[name]
+        dev = torch.device("cuda", rank)
+        nbytes = n * torch.tensor([], dtype=dtype).element_size()
+        if kind == "nccl":
+            x = torch.empty(n, dtype=dtype, device=dev)
+            return (lambda: dist.all_reduce(x)), x, x
+        if kind == "symm":
+            if symm_buf is None or nbytes > opts.max_bytes:
+                return None
+            buf = symm_buf(dtype)[:n]
+            if algo == "one_shot":
+                return (lambda: torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group_name)), None, buf
+            return (lambda: torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", group_name)), buf, buf
+        ws = kind
+        if ws.algo_for(nbytes, algo) is fastcomm.Algo.NCCL:
+            return None
+        x = torch.empty(n, dtype=dtype, device=dev)
+        out = torch.empty_like(x)
+        return (lambda: fastcomm.all_reduce(x, ws, algo=algo, out=out)), out, x
+
+    return impls, setup, workspaces
+
+
+def _check(torch, fn, out, inp, rank) -> int:
+    """#wrong: elements differing from the exact sum of small integers (the in-place baselines too)."""
+    import torch.distributed as dist
+
+    n = inp.numel()
+    base = (torch.arange(n, device=inp.device) % 7 - 3).to(inp.dtype)
+    inp.copy_(base * (rank + 1))
+    res = fn()
+    got = out if out is not None else res
+    torch.cuda.synchronize()
+    world = dist.get_world_size()
+    want = (base.float() * (world * (world + 1) // 2)).to(inp.dtype)
+    return int((got != want).sum().item())
+
+
+def bench_rank(rank, world, gloo, opts):
+    import torch
+    import torch.distributed as dist
+
+    dtype = getattr(torch, opts.dtype)
+    impls, setup, workspaces = _impls(torch, rank, world, gloo, opts)
+    names = [n for n in impls if not opts.only or any(o in n for o in opts.only)]
+    rows = []
+    elem = torch.tensor([], dtype=dtype).element_size()
+    for nbytes in sizes(opts.min_bytes, opts.max_size, opts.factor):
+        n = max(1, nbytes // elem)
+        for name in names:
+            dist.barrier()
+            got = setup(name, n, dtype)
+            ok = torch.tensor([0 if got is None else 1], dtype=torch.int32)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=gloo)
+            if not ok.item():
+                continue
+            fn, out, inp = got
+            wrong = _check(torch, fn, out, inp, rank)
+            t_graph = _timers(torch, fn, opts.graph_calls, opts.iters, opts.warmup, graph=True)
+            t_eager = _timers(torch, fn, opts.graph_calls, max(3, opts.iters // 4), 2, graph=False)
+            rows.append(dict(size=n * elem, count=n, type=opts.dtype, redop="sum", impl=name,
+                             graph_us=t_graph, eager_us=t_eager, wrong=wrong))
+    if opts.fused:
+        rows += _bench_fused(torch, rank, world, gloo, workspaces, opts)
+    for ws in workspaces:
+        ws.close()
+    return rows if rank == 0 else None
+
+
+def _bench_fused(torch, rank, world, gloo, workspaces, opts):
+    """Fused all-reduce + add + RMSNorm against all-reduce followed by a one-kernel add + RMSNorm."""
+    import torch.distributed as dist
+
+    import fastcomm
+    from fastcomm_bench.norm_baseline import add_rmsnorm
+
+    rows = []
+    dtype = getattr(torch, opts.dtype)
+    dev = torch.device("cuda", rank)
+    for ws in workspaces:
+        if ws.islands is not None:
+            continue
+        tag = "" if ws.transport.value == "p2p" else "host-"
+        for tokens in (1, 8, 32, 64):
+            hidden = opts.hidden
+            x = torch.randn(tokens, hidden, dtype=dtype, device=dev)
+            res = torch.randn_like(x)
+            w = torch.rand(hidden, dtype=dtype, device=dev) + 0.5
+            out, rout, ar = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
+            if not ws.can_fuse(x, res):
+                continue
+            variants = {
+                f"{tag}fused": lambda: fastcomm.fused_all_reduce_rmsnorm(x, w, 1e-5, ws, residual=res, out=out, residual_out=rout),
+                f"{tag}allreduce+norm": lambda: (fastcomm.all_reduce(x, ws, out=ar), add_rmsnorm(ar, res, w, 1e-5, out, rout)),
+                "nccl+norm": lambda: (ar.copy_(x), dist.all_reduce(ar), add_rmsnorm(ar, res, w, 1e-5, out, rout)),
+            }
+            for name, fn in variants.items():
+                if name == "nccl+norm" and tag:
+                    continue
+                dist.barrier()
+                t_graph = _timers(torch, fn, opts.graph_calls, opts.iters, opts.warmup, graph=True)
+                t_eager = _timers(torch, fn, opts.graph_calls, max(3, opts.iters // 4), 2, graph=False)
+                rows.append(dict(size=tokens * hidden * x.element_size(), count=tokens * hidden, type=opts.dtype,
+                                 redop="fused", impl=f"{name} {tokens}x{hidden}", graph_us=t_graph, eager_us=t_eager,
+                                 wrong=-1))
+    return rows
+
+
+# ---- reporting -----------------------------------------------------------------------------------------
+
+def table(rows: list[dict], world: int) -> str:
+    lines = [f"# fastcomm all-reduce benchmark, {world} ranks; time = us per call (graph: median of replays of "
+             "G back-to-back calls; eager: same loop without a graph)",
+             f"#{'size':>12} {'count':>10} {'type':>8} {'redop':>6} {'impl':>28} {'graph us':>9} {'algbw':>7} "
+             f"{'busbw':>7} {'eager us':>9} {'#wrong':>7}"]
+    for r in rows:
+        algbw = r["size"] / (r["graph_us"] * 1e-6) / 1e9
+        busbw = algbw * 2 * (world - 1) / world
+        lines.append(f" {r['size']:>12} {r['count']:>10} {r['type']:>8} {r['redop']:>6} {r['impl']:>28} "
+                     f"{r['graph_us']:>9.2f} {algbw:>7.2f} {busbw:>7.2f} {r['eager_us']:>9.2f} "
+                     f"{('n/a' if r['wrong'] < 0 else r['wrong']):>7}")
+    return "\n".join(lines)
+
+
+def ratios(rows: list[dict]) -> str:
+    """fastcomm-auto (and host-auto) over NCCL and over torch symmetric-memory one-shot, per size."""
+    by = {(r["impl"], r["size"]): r["graph_us"] for r in rows if r["redop"] == "sum"}
+    out = ["# ratios (graph mode): impl / baseline, lower is better"]
+    for impl in ("fastcomm-auto", "fastcomm-host-auto"):
+        for base in ("nccl", "symm-one_shot"):
+            pairs = [(s, by[(impl, s)] / by[(base, s)]) for (i, s) in by if i == impl and (base, s) in by]
+            if pairs:
+                out.append(f"{impl} / {base}: " + ", ".join(f"{_fmt(s)} {q:.2f}" for s, q in sorted(pairs)))
+    return "\n".join(out)
+
+
+def _fmt(n):
+    return f"{n // MB}M" if n >= MB else f"{n // KB}K" if n >= KB else f"{n}B"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-b", "--minbytes", dest="min_bytes", type=parse_size, default=KB)
+    p.add_argument("-e", "--maxbytes", dest="max_size", type=parse_size, default=64 * MB)
+    p.add_argument("-f", "--stepfactor", dest="factor", type=float, default=2.0)
+    p.add_argument("-n", "--iters", type=int, default=50, help="timed graph replays (eager: a quarter)")
+    p.add_argument("-w", "--warmup_iters", dest="warmup", type=int, default=5)
+    p.add_argument("-G", "--graph-calls", dest="graph_calls", type=int, default=20,
+                   help="back-to-back calls captured in one graph (per-call time = replay / G)")
+    p.add_argument("-d", "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--world", type=int, default=0, help="ranks (default: all visible GPUs)")
+    p.add_argument("--transports", default="p2p", help="comma list of p2p,host")
+    p.add_argument("--max-bytes", dest="max_bytes", type=parse_size, default=64 * MB, help="workspace size")
+    p.add_argument("--host-max-bytes", dest="host_max_bytes", type=parse_size, default=4 * MB)
+    p.add_argument("--no-symm", dest="symm", action="store_false", help="skip torch symmetric memory rows")
+    p.add_argument("--islands", action="store_true", help="add forced-island (hierarchical) one-shot rows")
+    p.add_argument("--fused", action="store_true", help="also time the fused all-reduce + RMSNorm")
+    p.add_argument("--hidden", type=int, default=6144)
+    p.add_argument("--only", action="append", help="only impls whose name contains this (repeatable)")
+    p.add_argument("--json", help="write rows and metadata here")
+    p.add_argument("--label", default="", help="free text stored in the JSON (machine, env)")
+    p.add_argument("--timeout", type=float, default=900)
+
+
+def run(opts) -> int:
+    import torch
+
+    from fastcomm.spawn import run_ranks
+
+    world = opts.world or torch.cuda.device_count()
+    if world < 2:
+        raise SystemExit("fastcomm bench needs at least 2 GPUs")
+    opts.transports = [t.strip() for t in opts.transports.split(",") if t.strip()]
+    t0 = time.time()
+    results = run_ranks(bench_rank, world, opts, timeout=opts.timeout)
+    bad = {r: v for r, (s, v) in results.items() if s != "ok"}
+    if bad:
+        for r, v in sorted(bad.items()):
+            print(f"--- rank {r} failed:\n{v}")
+        return 1
+    rows = results[0][1]
+    print(table(rows, world))
+    print(ratios(rows))
+    if opts.json:
+        meta = dict(world=world, label=opts.label, seconds=round(time.time() - t0, 1), torch=torch.__version__,
+                    nccl=".".join(map(str, torch.cuda.nccl.version())), device=torch.cuda.get_device_name(0),
+                    env={k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "FASTCOMM_", "TORCH_SYMM"))},
+                    args={k: v for k, v in vars(opts).items() if k != "func"})
+        with open(opts.json, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="fastcomm bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

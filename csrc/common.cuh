@@ -1,0 +1,280 @@
+// Device primitives shared by every fastcomm kernel: sizes, the peer table, flag loads/stores at system
+// scope, flag-in-data packets, dtype conversions, bounded waits and the per-launch epoch.
+//
+// No CUDA headers are included, so the same text compiles under NVRTC (at first use) and nvcc (in CI).
+// No peer atomics anywhere: many PCIe topologies do not carry them. Peers only ever receive plain stores.
+#pragma once
+
+typedef unsigned long long u64;
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+// Mirrored in fastcomm/policy.py (PACKET_BYTES, PACKET_PAYLOAD, MAX_WORLD, MAX_BLOCKS).
+#define FC_MAX_WORLD 8
+#define FC_MAX_BLOCKS 128
+#define FC_PACKET_BYTES 16
+#define FC_PACKET_PAYLOAD 8
+// The fused kernel keeps a row in registers: at most this many packets per thread (1024 threads).
+#define FC_ROW_PACKETS_PER_THREAD 8
+
+static_assert(FC_PACKET_BYTES == 2 * FC_PACKET_PAYLOAD, "a packet is (4B data, 4B flag) x 2");
+
+// Steps named in timeout errors; mirrored in fastcomm/errors.py.
+#define FC_STEP_ONE_SHOT 1
+#define FC_STEP_RS 2
+#define FC_STEP_AG 3
+#define FC_STEP_FUSED 4
+
+// Written by the first thread that times out, read by the host (pinned, mapped memory survives the trap).
+struct FcError {
+  u32 code;  // 0: none; 1: timeout. Written last, after the other fields.
+  u32 rank;
+  u32 peer;
+  u32 step;
+  u32 epoch;
+  u32 block;
+  u32 group;
+  u32 pad;
+};
+
+// Everything a kernel needs to find its peers, written once when the workspace is built (device memory).
+// Each table is one communication group (all ranks, or an island, or the partners across islands) with its
+// own epoch counter, so that the double-buffer argument below holds per group.
+//
+// Buffers come in two halves picked by the epoch's parity. Why two are enough: a rank writes into a peer's
+// half h for call k+2 only after finishing call k+1, and call k+1 cannot finish before that peer has sent
+// its call-(k+1) data, which it does only after its own call k (stream order). So the peer is done reading
+// half h of call k before anyone overwrites it. Every algorithm receives from every rank it sends to,
+// which is what the argument needs.
+struct FcTable {
+  u32 rank;        // my index in this group
+  u32 world;       // group size
+  u32 group_id;    // for error messages: 0 flat, 1 island, 2 partners
+  u32 global_rank; // my rank in the whole workspace
+  u32 global_of[FC_MAX_WORLD];  // group index -> global rank, for error messages
+  u64 timeout_ns;
+  FcError* err;    // host-mapped
+  u32* state;      // my own device memory: [0] last completed epoch, [1] blocks done in this launch
+
+  // One-shot packets. Push: where my packets go (P2P: every peer's slot for me; host: my one host slot).
+  u32 n_ll_push;
+  u32 n_ag_push;
+  char* ll_push[2][FC_MAX_WORLD];
+  char* ll_pull[2][FC_MAX_WORLD];  // [half][src]: where src's packets arrive for me
+
+  // Two-shot. rs_push[h][s]: where I put my copy of segment s (s != rank); rs_pull[h][p]: where rank p's
+  // copy of my segment lands. Flags are arrays of FC_MAX_BLOCKS words, one per block.
+  char* rs_push[2][FC_MAX_WORLD];
+  char* rs_pull[2][FC_MAX_WORLD];
+  u32* rs_flag_push[2][FC_MAX_WORLD];
+  u32* rs_flag_pull[2][FC_MAX_WORLD];
+  char* ag_push[2][FC_MAX_WORLD];   // n_ag_push destinations of my reduced segment
+  u32* ag_flag_push[2][FC_MAX_WORLD];
+  char* ag_pull[2][FC_MAX_WORLD];   // [h][p]: where segment p's result arrives
+  u32* ag_flag_pull[2][FC_MAX_WORLD];
+};
+
+// ---- memory operations ---------------------------------------------------------------------------------
+
+// 16-byte packet store; volatile so it is neither cached nor split. Readiness is in the data, so no fence.
+__device__ __forceinline__ void fc_store_packet(char* p, u32 d0, u32 f0, u32 d1, u32 f1) {
+  asm volatile("st.volatile.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(d0), "r"(f0), "r"(d1), "r"(f1)
+               : "memory");
+}
+
+__device__ __forceinline__ void fc_load_packet(const char* p, u32& d0, u32& f0, u32& d1, u32& f1) {
+  asm volatile("ld.volatile.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(d0), "=r"(f0), "=r"(d1), "=r"(f1)
+               : "l"(p)
+               : "memory");
+}
+
+// Flag release: every write this thread (and, through the preceding __syncthreads, its block) made before
+// becomes visible to whoever acquires the flag, at system scope (peer GPUs and host memory).
+__device__ __forceinline__ void fc_st_release_sys(u32* p, u32 v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ u32 fc_ld_acquire_sys(const u32* p) {
+  u32 v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Data written by a peer: bypass L1 (not coherent with remote writers).
+__device__ __forceinline__ uint4 fc_load_cv16(const char* p) {
+  uint4 v;
+  asm volatile("ld.volatile.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ u64 fc_globaltimer() {
+  u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// ---- bounded waits --------------------------------------------------------------------------------------
+
+// Record who stalled, then kill the context: a wrong result must never escape. The host reads the record
+// (fastcomm.errors) to turn CUDA's generic launch failure into a message naming rank, peer and step.
+__device__ __noinline__ void fc_fail(const FcTable* t, u32 src, u32 step, u32 epoch) {
+  FcError* e = t->err;
+  volatile u32* v = reinterpret_cast<volatile u32*>(e);
+  v[1] = t->global_rank;
+  v[2] = t->global_of[src];
+  v[3] = step;
+  v[4] = epoch;
+  v[5] = blockIdx.x;
+  v[6] = t->group_id;
+  __threadfence_system();
+  v[0] = 1;
+  __threadfence_system();
+  __trap();
+}
+
+// Spin-wait helper: the clock is read only every 1024 polls, which keeps the loop tight.
+struct FcDeadline {
+  u64 limit;
+  u32 polls;
+  __device__ __forceinline__ explicit FcDeadline(u64 timeout_ns) : limit(fc_globaltimer() + timeout_ns), polls(0) {}
+  __device__ __forceinline__ bool expired() {
+    if ((++polls & 1023u) != 0) return false;
+    return fc_globaltimer() > limit;
+  }
+};
+
+// Wait for one packet of epoch `epoch`; both flags must match because only 8-byte halves are atomic.
+__device__ __forceinline__ uint2 fc_wait_packet(const FcTable* t, const char* p, u32 epoch, u32 src, u32 step) {
+  u32 d0, f0, d1, f1;
+  fc_load_packet(p, d0, f0, d1, f1);
+  if (f0 != epoch || f1 != epoch) {
+    FcDeadline dl(t->timeout_ns);
+    do {
+      if (dl.expired()) fc_fail(t, src, step, epoch);
+      fc_load_packet(p, d0, f0, d1, f1);
+    } while (f0 != epoch || f1 != epoch);
+  }
+  return make_uint2(d0, d1);
+}
+
+__device__ __forceinline__ void fc_wait_flag(const FcTable* t, const u32* flag, u32 epoch, u32 src, u32 step) {
+  if (fc_ld_acquire_sys(flag) == epoch) return;
+  FcDeadline dl(t->timeout_ns);
+  while (fc_ld_acquire_sys(flag) != epoch) {
+    if (dl.expired()) fc_fail(t, src, step, epoch);
+  }
+}
+
+// ---- epochs ---------------------------------------------------------------------------------------------
+
+// The epoch of this launch: one more than the last completed launch on this group. It lives in device
+// memory (not a kernel argument) so that CUDA-graph replays, whose arguments are frozen, still advance it.
+// 0 is never used (buffers start zeroed); skipping to 2 keeps the parity alternating across the wrap.
+__device__ __forceinline__ u32 fc_next_epoch(u32 last) {
+  u32 e = last + 1u;
+  return e == 0u ? 2u : e;
+}
+
+__device__ __forceinline__ u32 fc_begin(const FcTable* t) {
+  return fc_next_epoch(*reinterpret_cast<volatile u32*>(&t->state[0]));
+}
+
+// The last block to finish publishes the epoch; by then every block has read the old value. The next
+// launch on the stream sees it (kernel boundary). Only this GPU's own memory is touched atomically.
+__device__ __forceinline__ void fc_end(const FcTable* t, u32 epoch) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    u32 done = atomicAdd(&t->state[1], 1u);
+    if (done == gridDim.x - 1) {
+      t->state[1] = 0u;
+      t->state[0] = epoch;
+      __threadfence();
+    }
+  }
+}
+
+// ---- dtypes ---------------------------------------------------------------------------------------------
+// Each type maps a raw storage word to fp32 and back (round to nearest even). Raw bits, no headers.
+
+struct FcBF16 {
+  typedef u16 raw;
+  static __device__ __forceinline__ float to_f(raw b) { return __uint_as_float(((u32)b) << 16); }
+  static __device__ __forceinline__ raw from_f(float f) {
+    raw r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+  }
+};
+
+struct FcF16 {
+  typedef u16 raw;
+  static __device__ __forceinline__ float to_f(raw b) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(b));
+    return f;
+  }
+  static __device__ __forceinline__ raw from_f(float f) {
+    raw r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+  }
+};
+
+struct FcF32 {
+  typedef u32 raw;
+  static __device__ __forceinline__ float to_f(raw b) { return __uint_as_float(b); }
+  static __device__ __forceinline__ raw from_f(float f) { return __float_as_uint(f); }
+};
+
+// 8 payload bytes as elements of D.
+template <class D>
+struct FcPayload {
+  static constexpr int N = 8 / sizeof(typename D::raw);
+  __device__ static __forceinline__ void unpack(uint2 v, float* out) {
+    typename D::raw r[N];
+    *reinterpret_cast<uint2*>(r) = v;
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = D::to_f(r[i]);
+  }
+  __device__ static __forceinline__ uint2 pack(const float* in) {
+    typename D::raw r[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) r[i] = D::from_f(in[i]);
+    return *reinterpret_cast<uint2*>(r);
+  }
+};
+
+// Payload i of a byte range [base, base+limit): 8 bytes when whole and aligned; else byte by byte with
+// zero padding (the tail of a message, or rows whose start is not 8-byte aligned).
+__device__ __forceinline__ uint2 fc_load_payload(const char* base, u64 i, u64 limit) {
+  u64 off = i * FC_PACKET_PAYLOAD;
+  const char* p = base + off;
+  if (off + FC_PACKET_PAYLOAD <= limit && ((reinterpret_cast<u64>(p) & 7u) == 0)) {
+    return *reinterpret_cast<const uint2*>(p);
+  }
+  uint2 v = make_uint2(0u, 0u);
+  char* d = reinterpret_cast<char*>(&v);
+  u64 n = limit - off < FC_PACKET_PAYLOAD ? limit - off : FC_PACKET_PAYLOAD;
+  for (u64 b = 0; b < n; ++b) d[b] = p[b];
+  return v;
+}
+
+__device__ __forceinline__ void fc_store_payload(char* base, u64 i, u64 limit, uint2 v) {
+  u64 off = i * FC_PACKET_PAYLOAD;
+  char* p = base + off;
+  if (off + FC_PACKET_PAYLOAD <= limit && ((reinterpret_cast<u64>(p) & 7u) == 0)) {
+    *reinterpret_cast<uint2*>(p) = v;
+    return;
+  }
+  const char* s = reinterpret_cast<const char*>(&v);
+  u64 n = limit - off < FC_PACKET_PAYLOAD ? limit - off : FC_PACKET_PAYLOAD;
+  for (u64 b = 0; b < n; ++b) p[b] = s[b];
+}
+
+static_assert(sizeof(FcTable) == 1360, "FcTable layout must match fastcomm/layout.py (TABLE_BYTES)");
+static_assert(sizeof(FcError) == 32, "FcError layout must match fastcomm/errors.py");

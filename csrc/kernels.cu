@@ -1,0 +1,25 @@
+// The launch file: one extern "C" entry point per (kernel family, dtype), so the host can look kernels up
+// by plain names (fc_<family>_<dtype>) without C++ name mangling.
+#include "common.cuh"
+#include "one_shot.cuh"
+#include "two_shot.cuh"
+#include "fused_rmsnorm.cuh"
+
+#define FC_DEFINE(NAME, D)                                                                                     \
+  extern "C" __global__ void __launch_bounds__(1024) fc_one_shot_##NAME(const FcTable* t, const char* in,      \
+                                                                       char* out, u64 nbytes) {               \
+    fc_one_shot<D>(t, in, out, nbytes);                                                                        \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(1024) fc_two_shot_##NAME(const FcTable* t, const char* in,      \
+                                                                       char* out, u64 n, u64 seg, u64 chunk) { \
+    fc_two_shot<D>(t, in, out, n, seg, chunk);                                                                 \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(1024)                                                           \
+      fc_fused_rmsnorm_##NAME(const FcTable* t, const char* in, const char* residual, const char* weight,      \
+                              char* out, char* residual_out, u32 tokens, u32 hidden, float eps) {              \
+    fc_fused_rmsnorm<D>(t, in, residual, weight, out, residual_out, tokens, hidden, eps);                       \
+  }
+
+FC_DEFINE(bf16, FcBF16)
+FC_DEFINE(f16, FcF16)
+FC_DEFINE(f32, FcF32)

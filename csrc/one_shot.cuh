@@ -1,0 +1,42 @@
+// One-shot all-reduce for small messages.
+//
+// Every rank pushes its whole input, as flag-in-data packets, into each peer's receive slot (P2P) or into
+// its own slot of the shared host segment (host transport), then reads every rank's packets from the pull
+// side and sums them locally. One hop, no barrier round trip: a packet is ready when both its flags carry
+// this launch's epoch, so the reader never waits for anything but the data itself.
+//
+// Each thread owns whole packets; it reads only the packets it pushed itself (same index on every rank),
+// so blocks never wait on each other, only on the same-index block of their peers. For the same reason
+// out may alias in: a thread reads its input packet before it writes the same bytes of the output.
+#pragma once
+#include "common.cuh"
+
+template <class D>
+__device__ __forceinline__ void fc_one_shot(const FcTable* __restrict__ t, const char* in,
+                                            char* out, u64 nbytes) {
+  typedef FcPayload<D> P;
+  const u32 epoch = fc_begin(t);
+  const u32 h = epoch & 1u;
+  const u32 world = t->world;
+  const u32 me = t->rank;
+  const u32 npush = t->n_ll_push;
+  const u64 npk = (nbytes + FC_PACKET_PAYLOAD - 1) / FC_PACKET_PAYLOAD;
+
+  for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < npk; i += (u64)gridDim.x * blockDim.x) {
+    const uint2 mine = fc_load_payload(in, i, nbytes);
+    for (u32 j = 0; j < npush; ++j) fc_store_packet(t->ll_push[h][j] + i * FC_PACKET_BYTES, mine.x, epoch, mine.y, epoch);
+
+    // Sum in rank order 0..world-1 on every rank, so all ranks produce bitwise-identical results. The first
+    // term seeds the accumulator (not 0.0f + x), which keeps -0.0 inputs -0.0 as NCCL does.
+    float acc[P::N];
+    float v[P::N];
+    for (u32 src = 0; src < world; ++src) {
+      const uint2 d = (src == me) ? mine : fc_wait_packet(t, t->ll_pull[h][src] + i * FC_PACKET_BYTES, epoch, src, FC_STEP_ONE_SHOT);
+      P::unpack(d, v);
+#pragma unroll
+      for (int e = 0; e < P::N; ++e) acc[e] = (src == 0) ? v[e] : acc[e] + v[e];
+    }
+    fc_store_payload(out, i, nbytes, P::pack(acc));
+  }
+  fc_end(t, epoch);
+}

@@ -1,0 +1,111 @@
+"""Every FASTCOMM_* environment variable, read in one place.
+
+Constructor arguments override the environment; nothing else in the package reads ``os.environ``
+for fastcomm settings, and no op reads it on the hot path: a ``Config`` is resolved once per workspace.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Mapping
+
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Var:
+    name: str
+    default: str
+    meaning: str
+
+
+# The single list of variables (also printed by `fastcomm env`).
+VARIABLES: tuple[Var, ...] = (
+    Var("FASTCOMM_TIMEOUT_S", "30", "Bound on every device-side wait; a peer that does not arrive in time "
+        "aborts the kernel with an error naming rank, peer and step."),
+    Var("FASTCOMM_MAX_BYTES", str(8 * MiB), "Largest message the workspace serves; larger ones are refused "
+        "(the vLLM integration sends them to NCCL)."),
+    Var("FASTCOMM_ONE_SHOT_MAX_BYTES", str(1 * MiB), "Largest message the one-shot (flag-in-data) buffers hold; "
+        "also caps the fused all-reduce + RMSNorm."),
+    Var("FASTCOMM_TRANSPORT", "auto", "auto | p2p | host: peer GPU memory or shared pinned host memory."),
+    Var("FASTCOMM_ALGO", "auto", "auto | one_shot | two_shot: force an algorithm for every call."),
+    Var("FASTCOMM_ISLANDS", "", "Force a hierarchical island layout, e.g. '0,1;2,3' (ranks per island)."),
+    Var("FASTCOMM_MAX_BLOCKS", "0", "Cap on thread blocks per kernel; 0 picks from the device."),
+    Var("FASTCOMM_CACHE_DIR", "~/.cache/fastcomm", "Where compiled kernels (cubins) are cached."),
+    Var("FASTCOMM_TUNE_FILE", "", "Tuning cache written by `fastcomm tune`; read at workspace start if set "
+        "or present at the default path under FASTCOMM_CACHE_DIR."),
+    Var("FASTCOMM_VLLM", "1", "0 turns the vLLM plugin off (vLLM then runs unchanged)."),
+    Var("FASTCOMM_LOG", "info", "Log level of the 'fastcomm' logger."),
+)
+_BY_NAME = {v.name: v for v in VARIABLES}
+
+TRANSPORTS = ("auto", "p2p", "host")
+ALGOS = ("auto", "one_shot", "two_shot")
+
+
+def _get(env: Mapping[str, str], name: str) -> str:
+    raw = env.get(name)
+    return _BY_NAME[name].default if raw is None or raw == "" else raw
+
+
+def _parse_islands(text: str) -> tuple[tuple[int, ...], ...] | None:
+    text = text.strip()
+    if not text:
+        return None
+    try:
+        return tuple(tuple(int(r) for r in part.split(",") if r.strip()) for part in text.split(";") if part.strip())
+    except ValueError as e:
+        raise ValueError(f"FASTCOMM_ISLANDS={text!r}: expected ranks like '0,1;2,3'") from e
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    timeout_s: float = 30.0
+    max_bytes: int = 8 * MiB
+    one_shot_max_bytes: int = 1 * MiB
+    transport: str = "auto"
+    algo: str = "auto"
+    islands: tuple[tuple[int, ...], ...] | None = None
+    max_blocks: int = 0
+    cache_dir: Path = Path("~/.cache/fastcomm").expanduser()
+    tune_file: Path | None = None
+    vllm_enabled: bool = True
+    log_level: str = "info"
+
+    def __post_init__(self):
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.algo not in ALGOS:
+            raise ValueError(f"algo must be one of {ALGOS}, got {self.algo!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.max_bytes <= 0 or self.one_shot_max_bytes <= 0:
+            raise ValueError("max_bytes and one_shot_max_bytes must be positive")
+        if self.max_blocks < 0:
+            raise ValueError("max_blocks must be >= 0")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> "Config":
+        """Resolve the environment, then apply explicit ``overrides`` (constructor arguments win)."""
+        env = os.environ if env is None else env
+        tune = _get(env, "FASTCOMM_TUNE_FILE")
+        values = dict(
+            timeout_s=float(_get(env, "FASTCOMM_TIMEOUT_S")),
+            max_bytes=int(_get(env, "FASTCOMM_MAX_BYTES")),
+            one_shot_max_bytes=int(_get(env, "FASTCOMM_ONE_SHOT_MAX_BYTES")),
+            transport=_get(env, "FASTCOMM_TRANSPORT").lower(),
+            algo=_get(env, "FASTCOMM_ALGO").lower(),
+            islands=_parse_islands(_get(env, "FASTCOMM_ISLANDS")),
+            max_blocks=int(_get(env, "FASTCOMM_MAX_BLOCKS")),
+            cache_dir=Path(_get(env, "FASTCOMM_CACHE_DIR")).expanduser(),
+            tune_file=Path(tune).expanduser() if tune else None,
+            vllm_enabled=_get(env, "FASTCOMM_VLLM").lower() not in ("0", "false", "off", "no"),
+            log_level=_get(env, "FASTCOMM_LOG").lower(),
+        )
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def describe_variables() -> str:
+    return "\n".join(f"{v.name} (default {v.default!r}): {v.meaning}" for v in VARIABLES)

@@ -1,0 +1,176 @@
+"""Where everything lives in the shared buffers, and the peer tables the kernels read.
+
+Pure bookkeeping over integers (addresses are plain ints), so all of it is tested without a GPU.
+``FcTable`` mirrors ``struct FcTable`` in csrc/common.cuh field for field; the size is checked on both sides.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from typing import Sequence
+
+from .policy import ALIGN, MAX_BLOCKS, MAX_WORLD, ll_bytes
+
+FLAT, ISLAND, PARTNER = 0, 1, 2  # group ids, as printed in timeout errors
+
+
+def round_up(x: int, a: int) -> int:
+    return -(-x // a) * a
+
+
+_P16 = ctypes.c_uint64 * MAX_WORLD
+_H2 = _P16 * 2
+
+
+class FcTable(ctypes.Structure):
+    _fields_ = [
+        ("rank", ctypes.c_uint32), ("world", ctypes.c_uint32), ("group_id", ctypes.c_uint32),
+        ("global_rank", ctypes.c_uint32), ("global_of", ctypes.c_uint32 * MAX_WORLD),
+        ("timeout_ns", ctypes.c_uint64), ("err", ctypes.c_uint64), ("state", ctypes.c_uint64),
+        ("n_ll_push", ctypes.c_uint32), ("n_ag_push", ctypes.c_uint32),
+        ("ll_push", _H2), ("ll_pull", _H2),
+        ("rs_push", _H2), ("rs_pull", _H2), ("rs_flag_push", _H2), ("rs_flag_pull", _H2),
+        ("ag_push", _H2), ("ag_flag_push", _H2), ("ag_pull", _H2), ("ag_flag_pull", _H2),
+    ]
+
+
+TABLE_BYTES = 1360
+assert ctypes.sizeof(FcTable) == TABLE_BYTES, ctypes.sizeof(FcTable)  # == sizeof(FcTable) in common.cuh
+FLAG_ARRAY_BYTES = MAX_BLOCKS * 4
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupLayout:
+    """Offsets (bytes) of one group's regions inside a buffer; sizes per half-slot."""
+
+    members: tuple[int, ...]  # global ranks, in group order
+    group_id: int
+    ll_slot: int
+    seg: int                  # two-shot segment bytes (0: no two-shot in this group)
+    ll_off: int
+    rs_off: int
+    ag_off: int
+    rs_flag_off: int
+    ag_flag_off: int
+    end: int
+
+
+def _group_regions(members: Sequence[int], group_id: int, ll_slot: int, seg: int, start: int,
+                   host: bool) -> GroupLayout:
+    """P2P: each rank's buffer holds slots indexed by source. Host: one segment holds every rank's slots."""
+    g = len(members)
+    rs_slots = g * g if host else g           # host: [segment][source]; P2P: [source] (segment is mine)
+    off = round_up(start, ALIGN)
+    ll_off = off
+    off += 2 * g * ll_slot
+    rs_off = off
+    off += 2 * rs_slots * seg
+    ag_off = off
+    off += 2 * g * seg
+    rs_flag_off = off
+    off += 2 * rs_slots * FLAG_ARRAY_BYTES if seg else 0
+    ag_flag_off = off
+    off += 2 * g * FLAG_ARRAY_BYTES if seg else 0
+    return GroupLayout(tuple(members), group_id, ll_slot, seg, ll_off, rs_off, ag_off, rs_flag_off, ag_flag_off, off)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    transport: str                      # "p2p" or "host"
+    world_size: int
+    max_bytes: int
+    one_shot_max_bytes: int
+    groups: tuple[GroupLayout, ...]     # flat first, then islands, then partner groups
+    shared_bytes: int                   # per-rank device buffer (P2P) or the one host segment (host)
+    local_bytes: int                    # per-rank device memory nobody else touches: states then tables
+    state_off: int
+    table_off: int
+
+
+def plan_layout(transport: str, world_size: int, max_bytes: int, one_shot_max_bytes: int,
+                islands: tuple[tuple[int, ...], ...] | None = None) -> Layout:
+    """All groups' regions. Islands add one group per island and one per partner set (rank i of each)."""
+    if not 1 <= world_size <= MAX_WORLD:
+        raise ValueError(f"world size {world_size} outside 1..{MAX_WORLD}")
+    host = transport == "host"
+    ll_slot = round_up(ll_bytes(one_shot_max_bytes), ALIGN)
+    seg = round_up(-(-max_bytes // world_size), ALIGN)
+    groups = [_group_regions(range(world_size), FLAT, ll_slot, seg, 0, host)]
+    if islands and len(islands) > 1:
+        for isl in islands:
+            groups.append(_group_regions(isl, ISLAND, ll_slot, 0, groups[-1].end, host))
+        for i in range(len(islands[0])):
+            groups.append(_group_regions(tuple(isl[i] for isl in islands), PARTNER, ll_slot, 0, groups[-1].end, host))
+    shared = round_up(groups[-1].end, 4096)
+    state_off = 0
+    table_off = round_up(16 * len(groups), 256)
+    local = table_off + TABLE_BYTES * len(groups)
+    return Layout(transport, world_size, max_bytes, one_shot_max_bytes, tuple(groups), shared, local, state_off, table_off)
+
+
+def groups_of(layout: Layout, rank: int) -> list[GroupLayout]:
+    """The groups ``rank`` belongs to (the flat one always first)."""
+    return [g for g in layout.groups if rank in g.members]
+
+
+def build_table(layout: Layout, g: GroupLayout, rank: int, *, own_base: int, peer_bases: Sequence[int] | None,
+                host_base: int | None, state_ptr: int, err_ptr: int, timeout_ns: int) -> FcTable:
+    """The table rank ``rank`` uses for group ``g``.
+
+    ``peer_bases[r]`` is rank r's shared device buffer as mapped in this process (P2P; own rank = own_base);
+    ``host_base`` is the host segment's device address (host transport).
+    """
+    t = FcTable()
+    members = g.members
+    gsz = len(members)
+    me = members.index(rank)
+    t.rank, t.world, t.group_id, t.global_rank = me, gsz, g.group_id, rank
+    for i, r in enumerate(members):
+        t.global_of[i] = r
+    t.timeout_ns, t.err, t.state = timeout_ns, err_ptr, state_ptr
+    host = layout.transport == "host"
+    flag = FLAG_ARRAY_BYTES
+    for h in range(2):
+        if host:
+            b = host_base
+            ll = b + g.ll_off + h * gsz * g.ll_slot
+            t.n_ll_push = 1
+            t.ll_push[h][0] = ll + me * g.ll_slot
+            for p in range(gsz):
+                t.ll_pull[h][p] = ll + p * g.ll_slot
+            if g.seg:
+                rs = b + g.rs_off + h * gsz * gsz * g.seg        # [segment s][source p]
+                rsf = b + g.rs_flag_off + h * gsz * gsz * flag
+                ag = b + g.ag_off + h * gsz * g.seg              # [segment p]
+                agf = b + g.ag_flag_off + h * gsz * flag
+                t.n_ag_push = 1
+                for s in range(gsz):
+                    t.rs_push[h][s] = rs + (s * gsz + me) * g.seg
+                    t.rs_flag_push[h][s] = rsf + (s * gsz + me) * flag
+                    t.rs_pull[h][s] = rs + (me * gsz + s) * g.seg
+                    t.rs_flag_pull[h][s] = rsf + (me * gsz + s) * flag
+                    t.ag_pull[h][s] = ag + s * g.seg
+                    t.ag_flag_pull[h][s] = agf + s * flag
+                t.ag_push[h][0] = ag + me * g.seg
+                t.ag_flag_push[h][0] = agf + me * flag
+        else:
+            base_of = [peer_bases[r] for r in members]
+            peers = [i for i in range(gsz) if i != me]
+            t.n_ll_push = len(peers)
+            t.n_ag_push = len(peers) if g.seg else 0
+            for j, p in enumerate(peers):
+                t.ll_push[h][j] = base_of[p] + g.ll_off + (h * gsz + me) * g.ll_slot
+            for p in range(gsz):
+                t.ll_pull[h][p] = own_base + g.ll_off + (h * gsz + p) * g.ll_slot
+            if g.seg:
+                for s in range(gsz):  # the owner of segment s keeps, per source, a slot and a flag array
+                    t.rs_push[h][s] = base_of[s] + g.rs_off + (h * gsz + me) * g.seg
+                    t.rs_flag_push[h][s] = base_of[s] + g.rs_flag_off + (h * gsz + me) * flag
+                    t.rs_pull[h][s] = own_base + g.rs_off + (h * gsz + s) * g.seg
+                    t.rs_flag_pull[h][s] = own_base + g.rs_flag_off + (h * gsz + s) * flag
+                    t.ag_pull[h][s] = own_base + g.ag_off + (h * gsz + s) * g.seg
+                    t.ag_flag_pull[h][s] = own_base + g.ag_flag_off + (h * gsz + s) * flag
+                for j, p in enumerate(peers):
+                    t.ag_push[h][j] = base_of[p] + g.ag_off + (h * gsz + me) * g.seg
+                    t.ag_flag_push[h][j] = base_of[p] + g.ag_flag_off + (h * gsz + me) * flag
+    return t

@@ -1,0 +1,158 @@
+"""The collective ops: free functions over a Workspace, plus their torch custom-op registrations.
+
+Hot path rules: no host sync, no allocation except the output (through torch's caching allocator, which
+is graph-safe), no environment reads. Launch shapes come from the pure functions in ``policy``.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import jit, policy
+from .errors import FastcommError
+from .layout import FLAT, ISLAND, PARTNER
+from .policy import Algo
+from .workspace import Workspace, get
+
+_u32, _u64, _f32 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_float
+
+
+def _driver():
+    from cupy_backends.cuda.api import driver
+
+    return driver
+
+
+def _launch(ws: Workspace, family: str, dtype: torch.dtype, grid: int, block: int, args: list) -> None:
+    fn = jit.kernel(ws.device_index, ws.config.cache_dir, family, str(dtype).replace("torch.", ""))
+    params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+    _driver().launchKernel(fn, grid, 1, 1, block, 1, 1, 0, ws.stream(), ctypes.addressof(params), 0)
+
+
+def _one_shot(ws: Workspace, table: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+    nbytes = src.numel() * src.element_size()
+    lc = policy.one_shot_launch(nbytes, ws.max_blocks)
+    _launch(ws, "one_shot", src.dtype, lc.grid, lc.block,
+            [_u64(table), _u64(src.data_ptr()), _u64(dst.data_ptr()), _u64(nbytes)])
+
+
+def _two_shot(ws: Workspace, src: torch.Tensor, dst: torch.Tensor) -> None:
+    lc = policy.two_shot_launch(src.numel(), src.element_size(), ws.world_size, ws.max_blocks)
+    _launch(ws, "two_shot", src.dtype, lc.grid, lc.block,
+            [_u64(ws._tables[FLAT]), _u64(src.data_ptr()), _u64(dst.data_ptr()), _u64(src.numel()),
+             _u64(lc.seg), _u64(lc.chunk)])
+
+
+def _fused(ws: Workspace, table: int, x: torch.Tensor, residual, weight, out, residual_out, eps: float) -> None:
+    hidden = x.shape[-1]
+    tokens = x.numel() // hidden
+    lc = policy.fused_launch(tokens, hidden, x.element_size(), ws.max_blocks)
+    _launch(ws, "fused_rmsnorm", x.dtype, lc.grid, lc.block,
+            [_u64(table), _u64(x.data_ptr()), _u64(residual.data_ptr() if residual is not None else 0),
+             _u64(weight.data_ptr()), _u64(out.data_ptr()), _u64(residual_out.data_ptr() if residual_out is not None else 0),
+             _u32(tokens), _u32(hidden), _f32(eps)])
+
+
+def _check_out(name: str, out: torch.Tensor, like: torch.Tensor) -> None:
+    if out.shape != like.shape or out.dtype != like.dtype or out.device != like.device or not out.is_contiguous():
+        raise FastcommError(f"{name} must be a contiguous {like.dtype} tensor of shape {tuple(like.shape)} on {like.device}")
+    if out.data_ptr() % policy.ALIGN:
+        raise FastcommError(f"{name} data is not {policy.ALIGN}-byte aligned")
+
+
+def all_reduce(x: torch.Tensor, ws: Workspace, *, algo: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum ``x`` over the workspace's ranks (out-of-place unless ``out is x``). Collective."""
+    ws.raise_if_failed()
+    reason = policy.check_tensor(is_cuda=x.is_cuda, device_index=x.device.index, ws_device_index=ws.device_index,
+                                 dtype=str(x.dtype).replace("torch.", ""), contiguous=x.is_contiguous(),
+                                 data_ptr=x.data_ptr(), nbytes=x.numel() * x.element_size(),
+                                 max_bytes=ws.config.max_bytes)
+    if reason is not None:
+        raise FastcommError(f"fastcomm.all_reduce: {reason}")
+    if ws.closed:
+        raise FastcommError("fastcomm.all_reduce: workspace is closed")
+    if out is None:
+        out = torch.empty_like(x)
+    else:
+        _check_out("out", out, x)
+    if x.numel() == 0:
+        return out
+    chosen = ws.algo_for(x.numel() * x.element_size(), None if algo == "auto" else algo)
+    if chosen is Algo.NCCL:
+        raise FastcommError(f"fastcomm.all_reduce: {x.numel() * x.element_size()} bytes with algo={algo!r} is not "
+                            "served by fastcomm (check ws.can_all_reduce first and use NCCL)")
+    with torch.cuda.device(ws.device_index):
+        if chosen is Algo.ONE_SHOT:
+            if ws.islands is not None:
+                # Hierarchical: sum inside the island, then across partners. Both rounds sum in a fixed
+                # order (island members, then islands), so every rank gets the same bits.
+                _one_shot(ws, ws._tables[ISLAND], x, out)
+                _one_shot(ws, ws._tables[PARTNER], out, out)
+            else:
+                _one_shot(ws, ws._tables[FLAT], x, out)
+        else:
+            _two_shot(ws, x, out)
+    return out
+
+
+def fused_all_reduce_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, ws: Workspace, *,
+                             residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                             residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual_out = all_reduce(x) + residual`` (or ``all_reduce(x)``) and ``out = rmsnorm(residual_out) * weight``.
+
+    Same rounding as all_reduce followed by vLLM's fused_add_rms_norm / rms_norm. Outputs may alias the
+    inputs (``out is x``, ``residual_out is residual``) for in-place use. Collective.
+    """
+    ws.raise_if_failed()
+    reason = ws.why_not_fused(x, residual)
+    if reason is not None:
+        raise FastcommError(f"fastcomm.fused_all_reduce_rmsnorm: {reason}")
+    hidden = x.shape[-1]
+    if weight.shape != (hidden,) or weight.dtype != x.dtype or weight.device != x.device or not weight.is_contiguous():
+        raise FastcommError(f"weight must be a contiguous {x.dtype} vector of {hidden} elements on {x.device}")
+    out = torch.empty_like(x) if out is None else out
+    residual_out = torch.empty_like(x) if residual_out is None else residual_out
+    _check_out("out", out, x)
+    _check_out("residual_out", residual_out, x)
+    if x.numel() == 0:
+        return out, residual_out
+    with torch.cuda.device(ws.device_index):
+        if ws.islands is not None:
+            _one_shot(ws, ws._tables[ISLAND], x, residual_out)
+            _fused(ws, ws._tables[PARTNER], residual_out, residual, weight, out, residual_out, float(eps))
+        else:
+            _fused(ws, ws._tables[FLAT], x, residual, weight, out, residual_out, float(eps))
+    return out, residual_out
+
+
+# ---- torch custom ops ---------------------------------------------------------------------------------
+
+_registered = False
+
+
+def register_torch_ops() -> None:
+    """Register ``torch.ops.fastcomm.*`` (with fake kernels, so torch.compile can trace). Idempotent."""
+    global _registered
+    if _registered or hasattr(torch.ops.fastcomm, "all_reduce"):
+        _registered = True
+        return
+
+    @torch.library.custom_op("fastcomm::all_reduce", mutates_args=())
+    def _all_reduce(x: torch.Tensor, ws_id: int, algo: str) -> torch.Tensor:
+        return all_reduce(x, get(ws_id), algo=algo)
+
+    @_all_reduce.register_fake
+    def _(x, ws_id, algo):
+        return torch.empty_like(x)
+
+    @torch.library.custom_op("fastcomm::fused_all_reduce_rmsnorm", mutates_args=())
+    def _fused_op(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                  ws_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return fused_all_reduce_rmsnorm(x, weight, eps, get(ws_id), residual=residual)
+
+    @_fused_op.register_fake
+    def _(x, residual, weight, eps, ws_id):
+        return torch.empty_like(x), torch.empty_like(x)
+
+    _registered = True

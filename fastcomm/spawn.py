@@ -1,0 +1,84 @@
+"""Run a function on N local ranks (one process per GPU) with a deadline; kill whatever is left.
+
+The failure we hunt in a collective library is a deadlock, so the harness never waits unboundedly: it
+joins every rank against one deadline, kills survivors, and reports each rank's outcome.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world, port, env, queue, args):
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+        gloo = dist.new_group(backend="gloo")
+        result = fn(rank, world, gloo, *args)
+        queue.put((rank, "ok", result))
+    except BaseException as e:  # report, do not hang the parent
+        queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    # Skip NCCL/CUDA teardown: after a deliberate timeout the context is dead and teardown could block.
+    # Workspaces are closed by the bodies themselves; the OS reclaims IPC mappings with the process.
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
+
+
+def run_ranks(fn, world: int, *args, timeout: float = 300.0, env: dict | None = None,
+              allow_exit: tuple[int, ...] = ()) -> dict[int, tuple[str, object]]:
+    """Run ``fn(rank, world, gloo_group, *args)`` on ``world`` spawned ranks; return {rank: (status, value)}.
+
+    Ranks listed in ``allow_exit`` may die without reporting (tests that kill a rank on purpose).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, dict(env or {}), queue, args), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[str, object]] = {}
+    deadline = time.monotonic() + timeout
+    expected = set(range(world))
+    while time.monotonic() < deadline and set(results) | set(r for r in allow_exit if not procs[r].is_alive()) != expected:
+        try:
+            rank, status, value = queue.get(timeout=0.5)
+            results[rank] = (status, value)
+        except Exception:
+            dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results and r not in allow_exit]
+            if dead:
+                time.sleep(1.0)  # a late message may still be in the pipe
+                while not queue.empty():
+                    rank, status, value = queue.get()
+                    results[rank] = (status, value)
+                for r in dead:
+                    results.setdefault(r, ("error", f"rank {r} died with exit code {procs[r].exitcode}"))
+    for r, p in enumerate(procs):
+        if p.is_alive():
+            p.kill()
+            results.setdefault(r, ("error", f"rank {r} killed at the {timeout:.0f} s deadline (hang?)"))
+        p.join(5)
+    return results
+
+
+def check_all_ok(results: dict) -> list:
+    bad = {r: v for r, (s, v) in results.items() if s != "ok"}
+    assert not bad, "\n".join(f"--- rank {r}:\n{v}" for r, v in sorted(bad.items()))
+    return [results[r][1] for r in sorted(results)]

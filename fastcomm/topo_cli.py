@@ -1,0 +1,200 @@
+"""`fastcomm topo`: what the topology probe sees, and what fastcomm will do on it.
+
+Prints the link and P2P matrices, each GPU's NUMA node and PCIe link, the islands for the hierarchical mode,
+what could not be read, and the plan: the transport and the algorithm for each message-size range, from the
+same policy table and configuration that a workspace would use.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from . import policy, topology
+from .config import Config
+from .topology import LinkType, Topology
+
+# Our four classes, shown with the nvidia-smi code of their fastest member.
+_CODES = {LinkType.NVLINK: "NV", LinkType.PCIE_SWITCH: "PIX", LinkType.HOST_BRIDGE: "PHB",
+          LinkType.CROSS_SOCKET: "SYS", LinkType.UNKNOWN: "?"}
+_LEGEND = ("  NV = NVLink; PIX = PCIe switches only (PIX/PXB); PHB = through a host bridge, same socket (PHB/NODE);",
+           "  SYS = across sockets or NUMA nodes; ? = not read. pcie now is low on idle GPUs (power saving).")
+
+
+@dataclasses.dataclass(frozen=True)
+class SizeRange:
+    """Messages of ``min_bytes`` to ``max_bytes`` bytes (inclusive; None: no upper bound) use ``algo``."""
+
+    min_bytes: int
+    max_bytes: int | None
+    algo: policy.Algo
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    transport: policy.Transport
+    link: LinkType
+    world_size: int
+    ranges: tuple[SizeRange, ...]
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("topo", help="GPU topology, P2P access, islands and the algorithm per size",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--from-file", metavar="PATH",
+                   help="read a recorded `nvidia-smi topo -m` (or a `fastcomm topo --json` dump) instead of probing")
+    p.add_argument("--p2p-file", metavar="PATH", help="recorded `nvidia-smi topo -p2p w` to go with --from-file")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        topo = load(args.from_file, getattr(args, "p2p_file", None))
+        config = Config.from_env()
+    except (OSError, ValueError) as e:  # unreadable file, unparsable table, bad FASTCOMM_* value
+        print(f"fastcomm topo: {e}", file=sys.stderr)
+        return 2
+    plan = make_plan(topo, config)
+    if args.json:
+        print(json.dumps(to_json(topo, plan, config), indent=2))
+    else:
+        print("\n".join(render(topo, plan, config)))
+    return 0
+
+
+def load(path: str | None, p2p_path: str | None = None) -> Topology:
+    """The probed topology, or one recorded in ``path`` (nvidia-smi text or our JSON)."""
+    if path is None:
+        return topology.probe()
+    text = Path(path).read_text()
+    if text.lstrip().startswith("{"):
+        data = json.loads(text)
+        return Topology.from_json(data.get("topology", data))  # our --json output, or a bare to_json()
+    p2p_text = Path(p2p_path).read_text() if p2p_path else None
+    return topology.topology_from_nvidia_smi(text, p2p_text, source="recorded")
+
+
+def make_plan(topo: Topology, config: Config) -> Plan:
+    """What a workspace on all of ``topo``'s GPUs would run, size range by size range."""
+    worst, all_p2p = topology.summary_for_policy(topo)
+    if config.transport != "auto":
+        transport = policy.Transport(config.transport)
+    else:
+        transport = policy.Transport.P2P if all_p2p else policy.Transport.HOST
+    # Host-memory transfers do not depend on the GPU-to-GPU link: the table has one HOST entry.
+    link = worst if transport is policy.Transport.P2P else LinkType.UNKNOWN
+    world = len(topo.gpus)
+    rules = policy.lookup_rules(policy.DEFAULT_TABLE, transport, link, world)
+    return Plan(transport, link, world, size_ranges(rules, one_shot_max_bytes=config.one_shot_max_bytes,
+                                                    max_bytes=config.max_bytes, forced=config.algo))
+
+
+def size_ranges(rules, *, one_shot_max_bytes: int, max_bytes: int, forced: str = "auto") -> tuple[SizeRange, ...]:
+    """``policy.choose_algo`` as ranges. It only changes at a rule bound or a workspace limit, so asking it
+    at each of those bounds (and one byte past the last) finds every range exactly."""
+    bounds = sorted({r.max_bytes for r in rules} | {one_shot_max_bytes, max_bytes})
+    ranges: list[SizeRange] = []
+    lo = 1
+    for hi in [*bounds, None]:
+        algo = policy.choose_algo(bounds[-1] + 1 if hi is None else hi, rules, one_shot_max_bytes=one_shot_max_bytes,
+                                  max_bytes=max_bytes, forced=forced)
+        if ranges and ranges[-1].algo is algo:
+            ranges[-1] = dataclasses.replace(ranges[-1], max_bytes=hi)
+        else:
+            ranges.append(SizeRange(lo, hi, algo))
+        lo = (hi or 0) + 1
+    return tuple(ranges)
+
+
+def to_json(topo: Topology, plan: Plan, config: Config) -> dict:
+    worst, all_p2p = topology.summary_for_policy(topo)
+    return {
+        "topology": topo.to_json(),
+        "worst_link": worst.value,
+        "all_p2p": all_p2p,
+        "islands": [list(i) for i in topology.islands(topo)],
+        "forced_islands": [list(i) for i in config.islands] if config.islands else None,
+        "plan": {"transport": plan.transport.value, "link": plan.link.value, "world_size": plan.world_size,
+                 "algo_forced": config.algo, "max_bytes": config.max_bytes,
+                 "one_shot_max_bytes": config.one_shot_max_bytes,
+                 "ranges": [{"min_bytes": r.min_bytes, "max_bytes": r.max_bytes, "algo": r.algo.value}
+                            for r in plan.ranges]},
+    }
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def _matrix(title: str, n: int, cell, extra: list[tuple[str, list[str]]] = ()) -> list[str]:
+    """An nvidia-smi style matrix over ranks, with per-GPU columns (``extra``) on the right."""
+    return _table([[title] + [str(j) for j in range(n)] + [name for name, _ in extra]] +
+                  [[str(i)] + ["X" if i == j else cell(i, j) for j in range(n)] + [col[i] for _, col in extra]
+                   for i in range(n)])
+
+
+def _pcie(gen, width) -> str:
+    return "?" if gen is None and width is None else f"gen{gen or '?'} x{width or '?'}"
+
+
+def _gpu_lines(topo: Topology) -> list[str]:
+    gpus = topo.gpus
+    if not any(g.name for g in gpus):  # a recorded `topo -m` alone: the matrix says all there is
+        return []
+    return ["", *_table([["rank", "gpu", "name", "bus id", "uuid", "cc"]] + [
+        [str(r), str(g.index), g.name or "?", g.pci_bus_id or "?", g.uuid or "?",
+         ".".join(map(str, g.compute_capability)) if g.compute_capability else "?"]
+        for r, g in enumerate(gpus)])]
+
+
+def render(topo: Topology, plan: Plan, config: Config) -> list[str]:
+    n = len(topo.gpus)
+    out = [f"fastcomm topology: {n} GPU{'' if n == 1 else 's'} (source: {topo.source})", *_gpu_lines(topo)]
+    if n:
+        per_gpu = [("numa", ["?" if g.numa_node is None else str(g.numa_node) for g in topo.gpus]),
+                   ("pcie now", [_pcie(g.pcie_gen, g.pcie_width) for g in topo.gpus]),
+                   ("pcie max", [_pcie(g.pcie_gen_max, g.pcie_width_max) for g in topo.gpus])]
+        out += ["", *_matrix("link", n, lambda i, j: _CODES[topo.link[i][j]], per_gpu), *_LEGEND]
+    if n > 1:
+        out += ["", *_matrix("p2p w", n, lambda i, j: {True: "OK", False: "no", None: "?"}[topo.p2p[i][j]])]
+        isl = topology.islands(topo)
+        shown = " ".join("[" + " ".join(map(str, i)) + "]" for i in isl)
+        how = ("hierarchical: reduce inside each island, exchange once across, broadcast back" if len(isl) > 1
+               else "flat: one island")
+        out += ["", f"islands: {shown}  ({how})"]
+        if config.islands:
+            out.append(f"  FASTCOMM_ISLANDS overrides this with {list(map(list, config.islands))}")
+    if topo.notes:
+        out += ["", "could not read / notes:", *(f"  - {note}" for note in topo.notes)]
+    out += ["", *_render_plan(plan, config)]
+    return out
+
+
+def _render_plan(plan: Plan, config: Config) -> list[str]:
+    if plan.world_size < 2:
+        return [f"plan: nothing to do on {plan.world_size} GPU{'' if plan.world_size == 1 else 's'} "
+                "(fastcomm needs at least 2)"]
+    head = (f"plan: transport {plan.transport.value}, link {plan.link.value}, world size {plan.world_size} "
+            f"(algo {config.algo}, max {_size(config.max_bytes)}, one-shot max {_size(config.one_shot_max_bytes)})")
+    rows = []
+    for r in plan.ranges:
+        if r.max_bytes is None:
+            span = f"> {_size(r.min_bytes - 1)}"
+        elif r.min_bytes == 1:
+            span = f"<= {_size(r.max_bytes)}"
+        else:
+            span = f"{_size(r.min_bytes - 1)} < size <= {_size(r.max_bytes)}"
+        rows.append(["  " + span, r.algo.value + (" (not fastcomm)" if r.algo is policy.Algo.NCCL else "")])
+    return [head, *_table(rows)]

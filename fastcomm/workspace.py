@@ -1,0 +1,406 @@
+"""The workspace: buffers shared by every rank of a group, built collectively, released by ``close()``.
+
+Collective contract: every rank of the group constructs the workspace together, then calls the same ops
+with the same shapes, dtypes and algorithms in the same order (as with NCCL), and finally closes it.
+Ranks that break the contract time out with an error naming the stalled peer; they never hang forever.
+
+Ops are free functions in ``fastcomm.ops`` that take a workspace; this module only owns memory.
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import os
+import secrets
+import socket
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import layout as L
+from . import policy
+from .config import Config
+from .errors import ErrorRecord, FastcommError, FastcommTimeoutError, describe
+from .policy import Algo, Transport
+from .topology import LinkType
+
+log = logging.getLogger("fastcomm")
+
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "fastcomm-"
+_ids = itertools.count(1)
+_registry: "weakref.WeakValueDictionary[int, Workspace]" = weakref.WeakValueDictionary()
+
+
+def get(ws_id: int) -> "Workspace":
+    """The live workspace with this id (torch custom ops carry workspaces as ints)."""
+    try:
+        return _registry[ws_id]
+    except KeyError:
+        raise FastcommError(f"no open fastcomm workspace with id {ws_id}") from None
+
+
+def _rt():
+    from cupy_backends.cuda.api import runtime
+
+    return runtime
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+PROT_RW, MAP_SHARED = 0x1 | 0x2, 0x01
+_HOST_REGISTER_PORTABLE, _HOST_REGISTER_MAPPED = 0x01, 0x02  # cudaHostRegister flags
+_H2D = 1  # cudaMemcpyHostToDevice
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
+    """Delete host segments whose creating process is gone (a crash between create and unlink)."""
+    removed = []
+    for f in shm_dir.glob(SHM_PREFIX + "*"):
+        try:
+            pid = int(f.name[len(SHM_PREFIX):].split("-")[0])
+        except ValueError:
+            continue
+        if not _pid_alive(pid):
+            f.unlink(missing_ok=True)
+            removed.append(f.name)
+    return removed
+
+
+class _Resources:
+    """Everything that must be released, kept apart from the Workspace so a finalizer can own it."""
+
+    def __init__(self, device_index: int):
+        self.device_index = device_index
+        self.own_buffer = 0
+        self.local_buffer = 0
+        self.peer_ptrs: list[int] = []
+        self.err_ptr = 0
+        self.host_addr = 0
+        self.host_size = 0
+        self.host_registered = False
+        self.shm_path: Path | None = None
+
+    def release(self) -> None:
+        try:
+            import cupy
+
+            rt = _rt()
+            with cupy.cuda.Device(self.device_index):
+                try:
+                    rt.deviceSynchronize()  # no kernel may still touch what we free
+                except Exception:  # a trapped context: free what can be freed
+                    pass
+                for p in self.peer_ptrs:
+                    _quiet(rt.ipcCloseMemHandle, p)
+                self.peer_ptrs = []
+                for attr in ("own_buffer", "local_buffer"):
+                    if getattr(self, attr):
+                        _quiet(rt.free, getattr(self, attr))
+                        setattr(self, attr, 0)
+                if self.host_registered:
+                    _quiet(rt.hostUnregister, self.host_addr)
+                    self.host_registered = False
+                if self.err_ptr:
+                    _quiet(rt.freeHost, self.err_ptr)
+                    self.err_ptr = 0
+        finally:
+            if self.host_addr:
+                _libc.munmap(self.host_addr, self.host_size)
+                self.host_addr = 0
+            if self.shm_path is not None:
+                self.shm_path.unlink(missing_ok=True)
+                self.shm_path = None
+
+
+def _quiet(fn, *args):
+    try:
+        fn(*args)
+    except Exception as e:  # release must go on; the first failure is logged, not raised
+        log.debug("fastcomm release: %s%s failed: %s", fn.__name__, args, e)
+
+
+class Workspace:
+    """Shared buffers for all-reduce over ``group`` (any torch.distributed group; gloo is enough)."""
+
+    def __init__(self, group: Any = None, device: torch.device | int | None = None, *,
+                 config: Config | None = None, **overrides):
+        self.config = config if config is not None else Config.from_env(**overrides)
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        if not 2 <= self.world_size <= policy.MAX_WORLD:
+            raise FastcommError(f"fastcomm needs 2..{policy.MAX_WORLD} ranks, group has {self.world_size}")
+        if device is None:
+            device = torch.cuda.current_device()
+        self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        if self.device.type != "cuda":
+            raise FastcommError(f"workspace device must be CUDA, got {self.device}")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device_index = self.device.index
+        self.id = next(_ids)
+        self._res = _Resources(self.device_index)
+        self._finalizer = weakref.finalize(self, self._res.release)
+        self.closed = False
+        try:
+            self._build()
+        except BaseException:
+            self._finalizer()
+            self.closed = True
+            raise
+        _registry[self.id] = self
+
+    # ---- construction -----------------------------------------------------------------------------
+
+    def _gather(self, obj):
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _build(self) -> None:
+        import cupy
+
+        cfg = self.config
+        rt = _rt()
+        props = torch.cuda.get_device_properties(self.device_index)
+        me = dict(host=socket.gethostname(), pid=os.getpid(), uuid=str(props.uuid),
+                  settings=(cfg.max_bytes, cfg.one_shot_max_bytes, cfg.transport, cfg.algo, cfg.islands,
+                            cfg.timeout_s),
+                  visible=[str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())])
+        infos = self._gather(me)
+        if len({i["host"] for i in infos}) != 1:
+            raise FastcommError("fastcomm workspaces span one node only; ranks are on "
+                                f"{sorted({i['host'] for i in infos})}")
+        if len({repr(i["settings"]) for i in infos}) != 1:
+            raise FastcommError("fastcomm settings differ across ranks (FASTCOMM_* environment or arguments): "
+                                + "; ".join(f"rank {r}: {i['settings']}" for r, i in enumerate(infos)))
+        if len({i["uuid"] for i in infos}) != self.world_size:
+            raise FastcommError("two ranks use the same GPU; fastcomm needs one GPU per rank")
+
+        # P2P as seen from this process; the transport decision uses every rank's row, so all agree.
+        row = []
+        for r, info in enumerate(infos):
+            if r == self.rank:
+                row.append(True)
+            elif info["uuid"] in me["visible"]:
+                row.append(bool(torch.cuda.can_device_access_peer(self.device_index, me["visible"].index(info["uuid"]))))
+            else:
+                row.append(False)  # not visible here: CUDA IPC across isolated devices is not attempted
+        p2p_rows = self._gather(row)
+        all_p2p = all(all(r) for r in p2p_rows)
+        if cfg.transport == "p2p" and not all_p2p:
+            raise FastcommError(f"FASTCOMM_TRANSPORT=p2p but some GPU pairs cannot reach each other: {p2p_rows}")
+        self.transport = Transport.P2P if (all_p2p and cfg.transport != "host") else Transport.HOST
+        self.p2p_matrix = p2p_rows
+        self.link = self._decide_link()
+        self.islands = policy.validate_islands(cfg.islands, self.world_size) if cfg.islands else None
+        if self.islands is not None and self.transport is Transport.HOST:
+            raise FastcommError("island (hierarchical) mode needs P2P; the host transport is flat by nature")
+        self.rules = policy.lookup_rules(policy.DEFAULT_TABLE, self.transport, self.link, self.world_size)
+        self.layout = L.plan_layout(self.transport.value, self.world_size, cfg.max_bytes,
+                                    min(cfg.one_shot_max_bytes, cfg.max_bytes), self.islands)
+        self.num_sms = props.multi_processor_count
+        self.max_blocks = min(policy.MAX_BLOCKS, cfg.max_blocks or self.num_sms)
+
+        res = self._res
+        with cupy.cuda.Device(self.device_index):
+            res.err_ptr = rt.hostAlloc(ctypes.sizeof(ErrorRecord), rt.hostAllocMapped | rt.hostAllocPortable)
+            ctypes.memset(res.err_ptr, 0, ctypes.sizeof(ErrorRecord))
+            self._err = ErrorRecord.from_address(res.err_ptr)
+            res.local_buffer = rt.malloc(self.layout.local_bytes)
+            rt.memset(res.local_buffer, 0, self.layout.local_bytes)
+            if self.transport is Transport.P2P:
+                peer_bases = self._map_peers(rt)
+                host_base = None
+            else:
+                peer_bases = None
+                host_base = self._map_host_segment(rt)
+            own = peer_bases[self.rank] if peer_bases else 0
+            tables = L.groups_of(self.layout, self.rank)
+            self._tables: dict[int, int] = {}  # group id (FLAT / ISLAND / PARTNER) -> device table address
+            blob = bytearray(self.layout.local_bytes - self.layout.table_off)
+            for k, g in enumerate(tables):
+                gi = self.layout.groups.index(g)
+                state = res.local_buffer + self.layout.state_off + 16 * gi
+                t = L.build_table(self.layout, g, self.rank, own_base=own, peer_bases=peer_bases,
+                                  host_base=host_base, state_ptr=state, err_ptr=res.err_ptr,
+                                  timeout_ns=int(cfg.timeout_s * 1e9))
+                off = L.TABLE_BYTES * k
+                blob[off:off + L.TABLE_BYTES] = bytes(t)
+                self._tables[g.group_id] = res.local_buffer + self.layout.table_off + off
+            host_blob = (ctypes.c_char * len(blob)).from_buffer(blob)
+            rt.memcpy(res.local_buffer + self.layout.table_off, ctypes.addressof(host_blob), len(blob), _H2D)
+            rt.deviceSynchronize()
+        # Everyone mapped everything before anyone may write into a peer.
+        dist.barrier(group=self.group)
+        if self.rank == 0:
+            log.info("%s", self.describe())
+
+    def _decide_link(self) -> LinkType:
+        """Rank 0 reads the topology and shares its verdict, so every rank uses the same policy row."""
+        verdict = [LinkType.UNKNOWN.value]
+        if self.rank == 0:
+            try:
+                from . import topology
+
+                probe = getattr(topology, "probe", None)
+                summary = getattr(topology, "summary_for_policy", None)
+                if probe is not None and summary is not None:
+                    verdict = [summary(probe())[0].value]
+            except Exception as e:  # topology is advisory; the UNKNOWN row is conservative
+                log.warning("fastcomm: topology probe failed (%s); using conservative defaults", e)
+        dist.broadcast_object_list(verdict, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return LinkType(verdict[0])
+
+    def _map_peers(self, rt) -> list[int]:
+        res = self._res
+        res.own_buffer = rt.malloc(self.layout.shared_bytes)
+        rt.memset(res.own_buffer, 0, self.layout.shared_bytes)
+        handles = self._gather(bytes(rt.ipcGetMemHandle(res.own_buffer)))
+        bases = []
+        for r, h in enumerate(handles):
+            if r == self.rank:
+                bases.append(res.own_buffer)
+            else:
+                p = rt.ipcOpenMemHandle(h, rt.cudaIpcMemLazyEnablePeerAccess)
+                res.peer_ptrs.append(p)
+                bases.append(p)
+        return bases
+
+    def _map_host_segment(self, rt) -> int:
+        """One /dev/shm file mapped by every rank and registered with CUDA; unlinked as soon as all have it."""
+        res = self._res
+        size = self.layout.shared_bytes
+        name = [None]
+        if self.rank == 0:
+            remove_stale_segments()
+            path = SHM_DIR / f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            res.shm_path = path
+            try:
+                os.ftruncate(fd, size)  # zero-filled: no stale flags
+            finally:
+                os.close(fd)
+            name = [str(path)]
+        dist.broadcast_object_list(name, src=dist.get_global_rank(self.group, 0), group=self.group)
+        fd = os.open(name[0], os.O_RDWR)
+        try:
+            addr = _libc.mmap(None, size, PROT_RW, MAP_SHARED, fd, 0)
+        finally:
+            os.close(fd)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise FastcommError(f"mmap of {name[0]} failed: {os.strerror(ctypes.get_errno())}")
+        res.host_addr, res.host_size = addr, size
+        dist.barrier(group=self.group)
+        if self.rank == 0 and res.shm_path is not None:
+            res.shm_path.unlink(missing_ok=True)  # mappings stay; nothing is left in /dev/shm whatever happens next
+            res.shm_path = None
+        if not rt.deviceGetAttribute(rt.cudaDevAttrCanUseHostPointerForRegisteredMem, self.device_index):
+            raise FastcommError("this GPU cannot use registered host pointers directly; host transport unavailable")
+        rt.hostRegister(addr, size, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED)
+        res.host_registered = True
+        return addr
+
+    # ---- queries ----------------------------------------------------------------------------------
+
+    def algo_for(self, nbytes: int, forced: str | None = None) -> Algo:
+        return policy.choose_algo(nbytes, self.rules, one_shot_max_bytes=self.layout.one_shot_max_bytes,
+                                  max_bytes=self.config.max_bytes, forced=forced or self.config.algo)
+
+    def why_not(self, x: torch.Tensor) -> str | None:
+        """Why fastcomm cannot all-reduce ``x`` (None: it can). Identical on every rank for the same shapes."""
+        if self.closed:
+            return "workspace is closed"
+        reason = policy.check_tensor(is_cuda=x.is_cuda, device_index=x.device.index, ws_device_index=self.device_index,
+                                     dtype=str(x.dtype).replace("torch.", ""), contiguous=x.is_contiguous(),
+                                     data_ptr=x.data_ptr(), nbytes=x.numel() * x.element_size(),
+                                     max_bytes=self.config.max_bytes)
+        if reason is None and self.algo_for(x.numel() * x.element_size()) is Algo.NCCL:
+            return "policy sends this size to NCCL"
+        return reason
+
+    def can_all_reduce(self, x: torch.Tensor) -> bool:
+        return self.why_not(x) is None
+
+    def why_not_fused(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> str | None:
+        reason = policy.check_tensor(is_cuda=x.is_cuda, device_index=x.device.index, ws_device_index=self.device_index,
+                                     dtype=str(x.dtype).replace("torch.", ""), contiguous=x.is_contiguous(),
+                                     data_ptr=x.data_ptr(), nbytes=x.numel() * x.element_size(),
+                                     max_bytes=self.config.max_bytes)
+        if reason or x.dim() < 1:
+            return reason or "input must have a hidden dimension"
+        if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                     or not residual.is_contiguous() or residual.device != x.device):
+            return "residual must match the input's shape, dtype and device and be contiguous"
+        hidden = x.shape[-1]
+        return policy.check_fused(tokens=x.numel() // max(hidden, 1), hidden=hidden, elem_size=x.element_size(),
+                                  one_shot_max_bytes=self.layout.one_shot_max_bytes)
+
+    def can_fuse(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+        return self.why_not_fused(x, residual) is None
+
+    def raise_if_failed(self) -> None:
+        """Raise the device-side timeout, if one happened (cheap: one read of pinned host memory)."""
+        if not self.closed and self._err.code:
+            raise FastcommTimeoutError(describe(self._err, self.config.timeout_s))
+
+    def error_message(self) -> str | None:
+        return None if self.closed else describe(self._err, self.config.timeout_s)
+
+    def describe(self) -> str:
+        ranges, lo = [], 0
+        for rule in self.rules:
+            hi = min(rule.max_bytes, self.config.max_bytes)
+            if hi > lo:
+                algo = rule.algo
+                if algo is Algo.ONE_SHOT and hi > self.layout.one_shot_max_bytes:
+                    algo = Algo.TWO_SHOT
+                ranges.append(f"{_fmt(lo)}-{_fmt(hi)}: {algo.value}")
+                lo = hi
+        ranges.append(f">{_fmt(lo)}: nccl")
+        isl = f", islands {self.islands}" if self.islands else ""
+        return (f"fastcomm: {self.world_size} ranks, transport {self.transport.value}, link {self.link.value}"
+                f"{isl}; {'; '.join(ranges)}")
+
+    def stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    # ---- lifetime ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release every handle (IPC mappings, buffers, host segment). Idempotent; also runs at exit."""
+        if self.closed:
+            return
+        self.closed = True
+        _registry.pop(self.id, None)
+        self._finalizer()
+
+    def __enter__(self) -> "Workspace":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _fmt(n: int) -> str:
+    for unit, size in (("MB", 1 << 20), ("KB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return f"{n}B"

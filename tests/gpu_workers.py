@@ -1,0 +1,269 @@
+"""Per-rank bodies of the GPU tests (run in spawned processes by tests/multiproc.py).
+
+Each worker returns a dict of findings; assertions inside raise and are reported with the rank.
+Outputs are poisoned (NaN) before each call so an unwritten element cannot pass.
+"""
+from __future__ import annotations
+
+import glob
+
+import torch
+import torch.distributed as dist
+
+import fastcomm
+from fastcomm import FastcommError
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ODD_SIZES = (1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 33, 127, 1000, 4095, 6144, 6147, 65537, 100003)
+
+
+def _ints(n, dtype, rank, seed, device):
+    # Small integers keep every partial sum exact in bf16 (|sum| <= 64 < 256), so NCCL's ring order and
+    # ours agree bit for bit.
+    g = torch.Generator(device="cpu").manual_seed(seed * 131 + rank)
+    return torch.randint(-8, 9, (n,), generator=g).to(dtype=dtype, device=device)
+
+
+def _poisoned(like):
+    return torch.full_like(like, float("nan"))
+
+
+def _same_on_all_ranks(t: torch.Tensor) -> bool:
+    bits = t.contiguous().view(torch.uint8).flatten()
+    gathered = [torch.empty_like(bits) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, bits)
+    return all(torch.equal(gathered[0], g) for g in gathered[1:])
+
+
+def _nccl_sum(x):
+    y = x.clone()
+    dist.all_reduce(y)
+    return y
+
+
+def _exact_vs_nccl(ws, sizes, algos, seed):
+    dev = ws.device
+    checked = 0
+    for dtype in DTYPES:
+        for n in sizes:
+            nbytes = n * torch.tensor([], dtype=dtype).element_size()
+            for algo in algos:
+                if ws.algo_for(nbytes, algo) is fastcomm.Algo.NCCL:
+                    continue
+                x = _ints(n, dtype, dist.get_rank(), seed + n, dev)
+                keep = x.clone()
+                out = _poisoned(x)
+                fastcomm.all_reduce(x, ws, algo=algo, out=out)
+                ref = _nccl_sum(x)
+                assert torch.equal(out, ref), f"{algo} {dtype} n={n}: differs from NCCL ({(out != ref).sum()} elements)"
+                assert torch.equal(x, keep), "input was modified"
+                checked += 1
+    return checked
+
+
+def _random_vs_fp64(ws, seed):
+    dev = ws.device
+    rank, world = dist.get_rank(), dist.get_world_size()
+    worst = {}
+    for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float16, 2e-3), (torch.float32, 1e-5)):
+        for n in (5, 6144, 65536 + 3, 1 << 20):
+            for algo in ("one_shot", "two_shot"):
+                nbytes = n * torch.tensor([], dtype=dtype).element_size()
+                if ws.algo_for(nbytes, algo) is fastcomm.Algo.NCCL:
+                    continue
+                g = torch.Generator(device="cpu").manual_seed(seed + n)
+                xs = [torch.randn(n, generator=g, dtype=torch.float64) for _ in range(world)]
+                ref = sum(xs)
+                x = xs[rank].to(dtype).to(dev)
+                ref = sum(t.to(dtype).double() for t in xs)
+                out = fastcomm.all_reduce(x, ws, algo=algo)
+                err = ((out.double().cpu() - ref).norm() / ref.norm()).item()
+                assert err < tol, f"{algo} {dtype} n={n}: rel err {err}"
+                assert _same_on_all_ranks(out), f"{algo} {dtype} n={n}: ranks disagree bitwise"
+                worst[f"{algo}/{dtype}"] = max(err, worst.get(f"{algo}/{dtype}", 0.0))
+    return worst
+
+
+def _specials(ws):
+    dev = ws.device
+    rank = dist.get_rank()
+    for algo in ("one_shot", "two_shot"):
+        for dtype in DTYPES:
+            z = torch.full((1001,), -0.0, dtype=dtype, device=dev)
+            out = fastcomm.all_reduce(z, ws, algo=algo)
+            assert torch.equal(out, _nccl_sum(z)) and bool(torch.signbit(out).all()), f"{algo} {dtype}: -0.0 lost"
+            zeros = torch.zeros(1001, dtype=dtype, device=dev)
+            assert torch.equal(fastcomm.all_reduce(zeros, ws, algo=algo), zeros)
+            x = torch.ones(1001, dtype=dtype, device=dev)
+            x[0] = float("nan") if rank == 0 else 1.0
+            x[1] = float("inf")
+            x[2] = float("inf") if rank == 0 else float("-inf")
+            x[3] = float("-inf")
+            out = fastcomm.all_reduce(x, ws, algo=algo)
+            assert torch.isnan(out[0]) and torch.isposinf(out[1]) and torch.isnan(out[2]) and torch.isneginf(out[3]), \
+                f"{algo} {dtype}: specials {out[:4].tolist()}"
+            assert _same_on_all_ranks(out)
+
+
+def _bad_inputs(ws):
+    dev = ws.device
+    msgs = []
+    for bad in (torch.ones(16, dtype=torch.int32, device=dev), torch.ones(16, dtype=torch.float32),
+                torch.ones(16, 2, dtype=torch.float32, device=dev).t(),
+                torch.ones(17, dtype=torch.float32, device=dev)[1:],
+                torch.ones(ws.config.max_bytes // 4 + 1, dtype=torch.float32, device=dev)):
+        try:
+            fastcomm.all_reduce(bad, ws)
+        except FastcommError as e:
+            msgs.append(str(e))
+        else:
+            raise AssertionError(f"bad input accepted: {bad.dtype} {tuple(bad.shape)} {bad.device}")
+    return msgs
+
+
+def _back_to_back(ws, calls):
+    """Many calls, alternating sizes and algorithms, every result checked (inputs differ per call)."""
+    dev = ws.device
+    rank, world = dist.get_rank(), dist.get_world_size()
+    plan = [(1, "one_shot"), (6144, "one_shot"), (6144, "two_shot"), (100003, "two_shot"), (12345, "one_shot"),
+            (262144, "two_shot"), (3, "two_shot"), (65536, "one_shot")]
+    base = {n: _ints(n, torch.bfloat16, 0, n, dev) for n, _ in plan}
+    outs = {n: torch.empty(n, dtype=torch.bfloat16, device=dev) for n, _ in plan}
+    tri = world * (world + 1) // 2
+    bad = 0
+    for i in range(calls):
+        n, algo = plan[i % len(plan)]
+        k = (i % 5) + 1  # x_r = base * (r+1) * k -> sum = base * k * tri (exact: |.| <= 8*5*36 < 2^8? use scale)
+        x = base[n] * ((rank + 1) * k)
+        fastcomm.all_reduce(x, ws, algo=algo, out=outs[n])
+        if not torch.equal(outs[n], (base[n].float() * (k * tri)).to(torch.bfloat16)):
+            bad += 1
+    torch.cuda.synchronize()
+    assert bad == 0, f"{bad} of {calls} back-to-back calls wrong"
+    return calls
+
+
+def _graphs(ws, replays):
+    """Capture twice (two graphs sharing the workspace), replay alternately with new inputs each time."""
+    dev = ws.device
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tri = world * (world + 1) // 2
+    hidden = 6144
+    a = torch.zeros(6144, dtype=torch.bfloat16, device=dev)
+    b = torch.zeros(300001, dtype=torch.bfloat16, device=dev)
+    x = torch.zeros(4, hidden, dtype=torch.bfloat16, device=dev)
+    res = torch.zeros_like(x)
+    w = torch.ones(hidden, dtype=torch.bfloat16, device=dev)
+    s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream())
+    graphs = []
+    with torch.cuda.stream(s):
+        fastcomm.all_reduce(a, ws)  # warm-up (compile, module load) outside capture
+        fastcomm.all_reduce(b, ws, algo="two_shot")
+        fastcomm.fused_all_reduce_rmsnorm(x, w, 1e-5, ws, residual=res)
+        for _ in range(2):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=s):
+                oa = fastcomm.all_reduce(a, ws)
+                ob = fastcomm.all_reduce(b, ws, algo="two_shot")
+                of, ro = fastcomm.fused_all_reduce_rmsnorm(x, w, 1e-5, ws, residual=res)
+            graphs.append((g, oa, ob, of, ro))
+    torch.cuda.current_stream().wait_stream(s)
+    ar = torch.arange(6144, device=dev)
+    br = torch.arange(300001, device=dev)
+    for i in range(replays):
+        v = (i % 7) - 3
+        a.copy_(((ar + i) % 5 - 2).to(torch.bfloat16) * (rank + 1))
+        b.copy_(((br + i) % 3 - 1).to(torch.bfloat16) * (rank + 1))
+        x.copy_(((torch.arange(4 * hidden, device=dev).view(4, hidden) + i) % 7 - 3).to(torch.bfloat16))
+        res.fill_(v)
+        g, oa, ob, of, ro = graphs[i % 2]
+        g.replay()
+        if i % 10 == 0 or i == replays - 1:
+            assert torch.equal(oa, (((ar + i) % 5 - 2) * tri).to(torch.bfloat16)), f"replay {i}: one-shot wrong"
+            assert torch.equal(ob, (((br + i) % 3 - 1) * tri).to(torch.bfloat16)), f"replay {i}: two-shot wrong"
+            ref = (((torch.arange(4 * hidden, device=dev).view(4, hidden) + i) % 7 - 3) * world + v).to(torch.bfloat16)
+            assert torch.equal(ro, ref), f"replay {i}: fused residual wrong"
+    torch.cuda.synchronize()
+    return replays
+
+
+def _rmsnorm_ref(ar, residual, weight, eps):
+    """The unfused path's rounding: all-reduce stored as T, then vLLM's (fused_add_)rms_norm."""
+    z = ar if residual is None else (ar.float() + residual.float()).to(ar.dtype)
+    var = z.float().pow(2).mean(-1, keepdim=True)
+    return (z.float() * torch.rsqrt(var + eps)).to(ar.dtype) * weight, z
+
+
+def _fused(ws, seed):
+    dev = ws.device
+    rank = dist.get_rank()
+    worst = 0.0
+    for dtype in DTYPES:
+        for tokens, hidden in ((1, 6144), (3, 6144), (8, 4099), (64, 6144), (2, 16384), (5, 7), (1, 1)):
+            if not ws.can_fuse(torch.empty(tokens, hidden, dtype=dtype, device=dev)):
+                continue
+            g = torch.Generator(device="cpu").manual_seed(seed + tokens * hidden)
+            x = torch.randn(tokens, hidden, generator=g).to(dtype).to(dev) * (rank + 1)
+            resid = torch.randn(tokens, hidden, generator=g).to(dtype).to(dev)
+            w = (torch.rand(hidden, generator=g) + 0.5).to(dtype).to(dev)
+            for with_res in (True, False):
+                r = resid.clone() if with_res else None
+                out, rout = fastcomm.fused_all_reduce_rmsnorm(x, w, 1e-5, ws, residual=r)
+                ar = _nccl_sum(x)
+                ref_out, ref_z = _rmsnorm_ref(ar, r, w, 1e-5)
+                assert torch.equal(rout, ref_z), f"fused {dtype} {tokens}x{hidden}: residual_out differs"
+                err = ((out.double() - ref_out.double()).norm() / ref_out.double().norm().clamp_min(1e-30)).item()
+                tol = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}[dtype]
+                assert err < tol, f"fused {dtype} {tokens}x{hidden} res={with_res}: rel err {err}"
+                assert _same_on_all_ranks(out) and _same_on_all_ranks(rout)
+                worst = max(worst, err)
+            # in place, as vLLM calls it: out into x, residual_out into residual
+            xi, ri = x.clone(), resid.clone()
+            ref_out, ref_z = _rmsnorm_ref(_nccl_sum(x), resid, w, 1e-5)
+            fastcomm.fused_all_reduce_rmsnorm(xi, w, 1e-5, ws, residual=ri, out=xi, residual_out=ri)
+            assert torch.equal(ri, ref_z), "in-place fused: residual differs"
+    return worst
+
+
+def core(rank, world, gloo, transport, islands, calls, replays):
+    kw = dict(transport=transport, max_bytes=8 << 20, one_shot_max_bytes=1 << 20)
+    if islands:
+        kw["islands"] = islands
+    with fastcomm.Workspace(gloo, rank, **kw) as ws:
+        found = {"describe": ws.describe()}
+        found["exact"] = _exact_vs_nccl(ws, ODD_SIZES + (1 << 19, (8 << 20) // 4), ("one_shot", "two_shot"), 1)
+        found["full_range"] = _exact_vs_nccl(ws, ((8 << 20) // 2,), ("two_shot", "auto"), 2)
+        found["random_worst_rel_err"] = _random_vs_fp64(ws, 3)
+        _specials(ws)
+        found["bad_input_messages"] = _bad_inputs(ws)
+        found["back_to_back"] = _back_to_back(ws, calls)
+        found["graph_replays"] = _graphs(ws, replays)
+        found["fused_worst_rel_err"] = _fused(ws, 4)
+        torch.cuda.synchronize()
+    return found
+
+
+def timeout(rank, world, gloo, transport, die):
+    """Rank world-1 skips (or dies before) the second call; the others must error out, not hang."""
+    ws = fastcomm.Workspace(gloo, rank, transport=transport, timeout_s=3.0, max_bytes=1 << 20)
+    x = torch.ones(6144, dtype=torch.bfloat16, device=ws.device)
+    fastcomm.all_reduce(x, ws)
+    torch.cuda.synchronize()
+    if rank == world - 1:
+        if die:
+            import os
+
+            os._exit(3)
+        import time
+
+        time.sleep(ws.config.timeout_s + 5)  # stay alive (buffers mapped) while the others time out
+        return {"skipped": True}
+    try:
+        fastcomm.all_reduce(x, ws)
+        torch.cuda.synchronize()
+    except Exception as e:
+        msg = ws.error_message()
+        leftovers = glob.glob("/dev/shm/fastcomm-*")
+        return {"cuda_error": str(e)[:200], "message": msg, "shm_leftovers": leftovers}
+    raise AssertionError("a call with a missing peer completed")
