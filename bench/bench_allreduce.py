@@ -167,7 +167,8 @@ def bench_rank(rank, world, gloo, opts):
     names = [n for n in impls if not opts.only or any(o in n for o in opts.only)]
     rows = []
     elem = torch.tensor([], dtype=dtype).element_size()
-    for nbytes in sizes(opts.min_bytes, opts.max_size, opts.factor):
+    extra = [parse_size(x) for x in opts.extra_sizes.split(",") if x.strip()]
+    for nbytes in sorted(set(sizes(opts.min_bytes, opts.max_size, opts.factor) + extra)):
         n = max(1, nbytes // elem)
         for name in names:
             dist.barrier()
@@ -268,6 +269,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-w", "--warmup_iters", dest="warmup", type=int, default=5)
     p.add_argument("-G", "--graph-calls", dest="graph_calls", type=int, default=20,
                    help="back-to-back calls captured in one graph (per-call time = replay / G)")
+    p.add_argument("--extra-sizes", default="12K", help="comma list of sizes added to the sweep (12K: GLM-5 decode)")
     p.add_argument("-d", "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--world", type=int, default=0, help="ranks (default: all visible GPUs)")
     p.add_argument("--transports", default="p2p", help="comma list of p2p,host")
