@@ -77,16 +77,14 @@ struct FcTable {
 // ---- memory operations ---------------------------------------------------------------------------------
 
 // 16-byte packet store; volatile so it is neither cached nor split. Readiness is in the data, so no fence.
+// No "memory" clobber on packet loads/stores: they order nothing but themselves, and a clobber would stop
+// the compiler from issuing the row's other loads (residual, weight) ahead of the spin-wait.
 __device__ __forceinline__ void fc_store_packet(char* p, u32 d0, u32 f0, u32 d1, u32 f1) {
-  asm volatile("st.volatile.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(d0), "r"(f0), "r"(d1), "r"(f1)
-               : "memory");
+  asm volatile("st.volatile.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(d0), "r"(f0), "r"(d1), "r"(f1));
 }
 
 __device__ __forceinline__ void fc_load_packet(const char* p, u32& d0, u32& f0, u32& d1, u32& f1) {
-  asm volatile("ld.volatile.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(d0), "=r"(f0), "=r"(d1), "=r"(f1)
-               : "l"(p)
-               : "memory");
+  asm volatile("ld.volatile.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(d0), "=r"(f0), "=r"(d1), "=r"(f1) : "l"(p));
 }
 
 // Flag release: every write this thread (and, through the preceding __syncthreads, its block) made before
@@ -147,20 +145,6 @@ struct FcDeadline {
   }
 };
 
-// Wait for one packet of epoch `epoch`; both flags must match because only 8-byte halves are atomic.
-__device__ __forceinline__ uint2 fc_wait_packet(const FcTable* t, const char* p, u32 epoch, u32 src, u32 step) {
-  u32 d0, f0, d1, f1;
-  fc_load_packet(p, d0, f0, d1, f1);
-  if (f0 != epoch || f1 != epoch) {
-    FcDeadline dl(t->timeout_ns);
-    do {
-      if (dl.expired()) fc_fail(t, src, step, epoch);
-      fc_load_packet(p, d0, f0, d1, f1);
-    } while (f0 != epoch || f1 != epoch);
-  }
-  return make_uint2(d0, d1);
-}
-
 __device__ __forceinline__ void fc_wait_flag(const FcTable* t, const u32* flag, u32 epoch, u32 src, u32 step) {
   if (fc_ld_acquire_sys(flag) == epoch) return;
   FcDeadline dl(t->timeout_ns);
@@ -183,17 +167,16 @@ __device__ __forceinline__ u32 fc_begin(const FcTable* t) {
   return fc_next_epoch(*reinterpret_cast<volatile u32*>(&t->state[0]));
 }
 
-// The last block to finish publishes the epoch; by then every block has read the old value. The next
-// launch on the stream sees it (kernel boundary). Only this GPU's own memory is touched atomically.
+// The last block to finish publishes the epoch; by then every block has read the old value (each block
+// used it before arriving here), so no fence is needed. The next launch on the stream sees the new value
+// (kernel boundary). Only this GPU's own memory is touched atomically.
 __device__ __forceinline__ void fc_end(const FcTable* t, u32 epoch) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();
     u32 done = atomicAdd(&t->state[1], 1u);
     if (done == gridDim.x - 1) {
       t->state[1] = 0u;
       t->state[0] = epoch;
-      __threadfence();
     }
   }
 }
@@ -274,6 +257,40 @@ __device__ __forceinline__ void fc_store_payload(char* base, u64 i, u64 limit, u
   const char* s = reinterpret_cast<const char*>(&v);
   u64 n = limit - off < FC_PACKET_PAYLOAD ? limit - off : FC_PACKET_PAYLOAD;
   for (u64 b = 0; b < n; ++b) p[b] = s[b];
+}
+
+// Packet i from every rank, summed in rank order 0..world-1 (the same order on every rank, so all ranks get
+// the same bits; the first term seeds the sum, which keeps an all -0.0 input -0.0 as NCCL does).
+// All peers' packets are requested before any is waited on, so the waits overlap instead of adding up.
+// A packet is ready when both flags carry this epoch: only its 8-byte halves are single-copy atomic.
+template <class D>
+__device__ __forceinline__ void fc_gather_sum(const FcTable* t, u32 h, u64 off, u32 epoch, uint2 mine, u32 step,
+                                              float* acc) {
+  typedef FcPayload<D> P;
+  const u32 world = t->world, me = t->rank;
+  uint4 pk[FC_MAX_WORLD];
+#pragma unroll
+  for (u32 s = 0; s < FC_MAX_WORLD; ++s)
+    if (s < world && s != me) fc_load_packet(t->ll_pull[h][s] + off, pk[s].x, pk[s].y, pk[s].z, pk[s].w);
+#pragma unroll
+  for (u32 s = 0; s < FC_MAX_WORLD; ++s) {
+    if (s < world && s != me && (pk[s].y != epoch || pk[s].w != epoch)) {
+      FcDeadline dl(t->timeout_ns);
+      do {
+        if (dl.expired()) fc_fail(t, s, step, epoch);
+        fc_load_packet(t->ll_pull[h][s] + off, pk[s].x, pk[s].y, pk[s].z, pk[s].w);
+      } while (pk[s].y != epoch || pk[s].w != epoch);
+    }
+  }
+  float v[P::N];
+#pragma unroll
+  for (u32 s = 0; s < FC_MAX_WORLD; ++s) {
+    if (s < world) {
+      P::unpack(s == me ? mine : make_uint2(pk[s].x, pk[s].z), v);
+#pragma unroll
+      for (int e = 0; e < P::N; ++e) acc[e] = (s == 0) ? v[e] : acc[e] + v[e];
+    }
+  }
 }
 
 static_assert(sizeof(FcTable) == 1360, "FcTable layout must match fastcomm/layout.py (TABLE_BYTES)");

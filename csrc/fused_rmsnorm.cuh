@@ -23,55 +23,49 @@ __device__ __forceinline__ float fc_block_sum(float v, float* smem32) {
   return s;
 }
 
-template <class D>
+// K: packets per thread (a template parameter so the row lives in registers, not local memory). The host
+// picks the smallest K with K * blockDim >= packets per row.
+template <class D, int K>
 __device__ __forceinline__ void fc_fused_rmsnorm(const FcTable* __restrict__ t, const char* in, const char* residual,
                                                  const char* __restrict__ weight, char* out, char* residual_out,
                                                  u32 tokens, u32 hidden, float eps) {
   typedef FcPayload<D> P;
-  typedef typename D::raw R;
-  constexpr int K = FC_ROW_PACKETS_PER_THREAD;
   __shared__ float smem32[32];
 
   const u32 epoch = fc_begin(t);
   const u32 h = epoch & 1u;
-  const u32 world = t->world;
-  const u32 me = t->rank;
   const u32 npush = t->n_ll_push;
-  const u64 row_bytes = (u64)hidden * sizeof(R);
+  const u64 row_bytes = (u64)hidden * sizeof(typename D::raw);
   const u64 row_pk = (row_bytes + FC_PACKET_PAYLOAD - 1) / FC_PACKET_PAYLOAD;
 
   for (u32 row = blockIdx.x; row < tokens; row += gridDim.x) {
     const u64 base = (u64)row * row_bytes;
     const u64 pk0 = (u64)row * row_pk;
 
+    // Push the row, and start the residual and weight loads now: they complete while we wait for peers.
+    uint2 mine[K], res[K], w[K];
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const u64 i = threadIdx.x + (u64)k * blockDim.x;
       if (i < row_pk) {
-        const uint2 d = fc_load_payload(in + base, i, row_bytes);
+        mine[k] = fc_load_payload(in + base, i, row_bytes);
         for (u32 j = 0; j < npush; ++j)
-          fc_store_packet(t->ll_push[h][j] + (pk0 + i) * FC_PACKET_BYTES, d.x, epoch, d.y, epoch);
+          fc_store_packet(t->ll_push[h][j] + (pk0 + i) * FC_PACKET_BYTES, mine[k].x, epoch, mine[k].y, epoch);
+        res[k] = residual ? fc_load_payload(residual + base, i, row_bytes) : make_uint2(0u, 0u);
+        w[k] = fc_load_payload(weight, i, row_bytes);
       }
     }
 
-    // The row stays in registers as D-rounded packed values (z is exactly representable in D), which
-    // halves the register footprint of 16-bit rows and keeps 1024-thread blocks free of spills.
-    uint2 zp[K];
+    // Sum, round as the unfused all-reduce would store it, add the residual, round again (vLLM's z).
+    // The row is then kept as packed D values (exact: z is a D value), a quarter of the registers of fp32.
     float ss = 0.f;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const u64 i = threadIdx.x + (u64)k * blockDim.x;
       if (i < row_pk) {
-        float acc[P::N], v[P::N], r[P::N];
-        for (u32 src = 0; src < world; ++src) {
-          // My own packet is re-read from the input (cache-hot) rather than kept live across the pushes.
-          const uint2 d = (src == me) ? fc_load_payload(in + base, i, row_bytes)
-                                      : fc_wait_packet(t, t->ll_pull[h][src] + (pk0 + i) * FC_PACKET_BYTES, epoch, src, FC_STEP_FUSED);
-          P::unpack(d, v);
-#pragma unroll
-          for (int e = 0; e < P::N; ++e) acc[e] = (src == 0) ? v[e] : acc[e] + v[e];
-        }
-        if (residual) P::unpack(fc_load_payload(residual + base, i, row_bytes), r);
+        float acc[P::N], r[P::N];
+        fc_gather_sum<D>(t, h, (pk0 + i) * FC_PACKET_BYTES, epoch, mine[k], FC_STEP_FUSED, acc);
+        P::unpack(res[k], r);
 #pragma unroll
         for (int e = 0; e < P::N; ++e) {
           float a = D::to_f(D::from_f(acc[e]));
@@ -80,7 +74,7 @@ __device__ __forceinline__ void fc_fused_rmsnorm(const FcTable* __restrict__ t, 
           acc[e] = (i * P::N + e < hidden) ? a : 0.f;
           ss += acc[e] * acc[e];
         }
-        zp[k] = P::pack(acc);
+        mine[k] = P::pack(acc);  // mine[k] now holds z
       }
     }
 
@@ -89,12 +83,12 @@ __device__ __forceinline__ void fc_fused_rmsnorm(const FcTable* __restrict__ t, 
     for (int k = 0; k < K; ++k) {
       const u64 i = threadIdx.x + (u64)k * blockDim.x;
       if (i < row_pk) {
-        float w[P::N], z[P::N], o[P::N];
-        P::unpack(fc_load_payload(weight, i, row_bytes), w);
-        P::unpack(zp[k], z);
+        float wf[P::N], z[P::N], o[P::N];
+        P::unpack(w[k], wf);
+        P::unpack(mine[k], z);
 #pragma unroll
-        for (int e = 0; e < P::N; ++e) o[e] = D::to_f(D::from_f(z[e] * inv)) * w[e];
-        if (residual_out) fc_store_payload(residual_out + base, i, row_bytes, zp[k]);
+        for (int e = 0; e < P::N; ++e) o[e] = D::to_f(D::from_f(z[e] * inv)) * wf[e];
+        if (residual_out) fc_store_payload(residual_out + base, i, row_bytes, mine[k]);
         fc_store_payload(out + base, i, row_bytes, P::pack(o));
       }
     }

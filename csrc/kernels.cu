@@ -5,6 +5,14 @@
 #include "two_shot.cuh"
 #include "fused_rmsnorm.cuh"
 
+// The fused kernel comes in K = 1, 2, 4, 8 packets per thread (fc_fused_rmsnorm<K>_<dtype>).
+#define FC_DEFINE_FUSED(NAME, D, K)                                                                            \
+  extern "C" __global__ void __launch_bounds__(1024)                                                           \
+      fc_fused_rmsnorm##K##_##NAME(const FcTable* t, const char* in, const char* residual, const char* weight,  \
+                                   char* out, char* residual_out, u32 tokens, u32 hidden, float eps) {         \
+    fc_fused_rmsnorm<D, K>(t, in, residual, weight, out, residual_out, tokens, hidden, eps);                    \
+  }
+
 #define FC_DEFINE(NAME, D)                                                                                     \
   extern "C" __global__ void __launch_bounds__(1024) fc_one_shot_##NAME(const FcTable* t, const char* in,      \
                                                                        char* out, u64 nbytes) {               \
@@ -14,11 +22,10 @@
                                                                        char* out, u64 n, u64 seg, u64 chunk) { \
     fc_two_shot<D>(t, in, out, n, seg, chunk);                                                                 \
   }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(1024)                                                           \
-      fc_fused_rmsnorm_##NAME(const FcTable* t, const char* in, const char* residual, const char* weight,      \
-                              char* out, char* residual_out, u32 tokens, u32 hidden, float eps) {              \
-    fc_fused_rmsnorm<D>(t, in, residual, weight, out, residual_out, tokens, hidden, eps);                       \
-  }
+  FC_DEFINE_FUSED(NAME, D, 1)                                                                                  \
+  FC_DEFINE_FUSED(NAME, D, 2)                                                                                  \
+  FC_DEFINE_FUSED(NAME, D, 4)                                                                                  \
+  FC_DEFINE_FUSED(NAME, D, 8)
 
 FC_DEFINE(bf16, FcBF16)
 FC_DEFINE(f16, FcF16)

@@ -17,8 +17,6 @@ __device__ __forceinline__ void fc_one_shot(const FcTable* __restrict__ t, const
   typedef FcPayload<D> P;
   const u32 epoch = fc_begin(t);
   const u32 h = epoch & 1u;
-  const u32 world = t->world;
-  const u32 me = t->rank;
   const u32 npush = t->n_ll_push;
   const u64 npk = (nbytes + FC_PACKET_PAYLOAD - 1) / FC_PACKET_PAYLOAD;
 
@@ -26,16 +24,8 @@ __device__ __forceinline__ void fc_one_shot(const FcTable* __restrict__ t, const
     const uint2 mine = fc_load_payload(in, i, nbytes);
     for (u32 j = 0; j < npush; ++j) fc_store_packet(t->ll_push[h][j] + i * FC_PACKET_BYTES, mine.x, epoch, mine.y, epoch);
 
-    // Sum in rank order 0..world-1 on every rank, so all ranks produce bitwise-identical results. The first
-    // term seeds the accumulator (not 0.0f + x), which keeps -0.0 inputs -0.0 as NCCL does.
     float acc[P::N];
-    float v[P::N];
-    for (u32 src = 0; src < world; ++src) {
-      const uint2 d = (src == me) ? mine : fc_wait_packet(t, t->ll_pull[h][src] + i * FC_PACKET_BYTES, epoch, src, FC_STEP_ONE_SHOT);
-      P::unpack(d, v);
-#pragma unroll
-      for (int e = 0; e < P::N; ++e) acc[e] = (src == 0) ? v[e] : acc[e] + v[e];
-    }
+    fc_gather_sum<D>(t, h, i * FC_PACKET_BYTES, epoch, mine, FC_STEP_ONE_SHOT, acc);
     fc_store_payload(out, i, nbytes, P::pack(acc));
   }
   fc_end(t, epoch);

@@ -4,13 +4,25 @@
     y = fastcomm.all_reduce(x, ws)             # one-shot / two-shot chosen by policy
     out, res = fastcomm.fused_all_reduce_rmsnorm(x, weight, eps, ws, residual=res)
     ws.close()
+
+Importing the package is cheap and needs no torch: the GPU parts load on first use, so `fastcomm topo`
+and the policy work on machines without torch or GPUs.
 """
 from .config import Config
 from .errors import FastcommError, FastcommTimeoutError
-from .ops import all_reduce, fused_all_reduce_rmsnorm, register_torch_ops
 from .policy import Algo, Transport
-from .workspace import Workspace
 
 __all__ = ["Config", "FastcommError", "FastcommTimeoutError", "Workspace", "all_reduce",
            "fused_all_reduce_rmsnorm", "register_torch_ops", "Algo", "Transport"]
 __version__ = "0.1.0"
+
+_LAZY = {"Workspace": "workspace", "all_reduce": "ops", "fused_all_reduce_rmsnorm": "ops",
+         "register_torch_ops": "ops"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'fastcomm' has no attribute {name!r}")

@@ -24,8 +24,14 @@ def _driver():
     return driver
 
 
+_DTYPE_NAME = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
 def _launch(ws: Workspace, family: str, dtype: torch.dtype, grid: int, block: int, args: list) -> None:
-    fn = jit.kernel(ws.device_index, ws.config.cache_dir, family, str(dtype).replace("torch.", ""))
+    key = (family, dtype)
+    fn = ws._functions.get(key)
+    if fn is None:  # first use: compile (or load from the disk cache) and look the kernel up once
+        fn = ws._functions[key] = jit.kernel(ws.device_index, ws.config.cache_dir, family, _DTYPE_NAME[dtype])
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
     _driver().launchKernel(fn, grid, 1, 1, block, 1, 1, 0, ws.stream(), ctypes.addressof(params), 0)
 
@@ -48,7 +54,7 @@ def _fused(ws: Workspace, table: int, x: torch.Tensor, residual, weight, out, re
     hidden = x.shape[-1]
     tokens = x.numel() // hidden
     lc = policy.fused_launch(tokens, hidden, x.element_size(), ws.max_blocks)
-    _launch(ws, "fused_rmsnorm", x.dtype, lc.grid, lc.block,
+    _launch(ws, f"fused_rmsnorm{lc.k}", x.dtype, lc.grid, lc.block,
             [_u64(table), _u64(x.data_ptr()), _u64(residual.data_ptr() if residual is not None else 0),
              _u64(weight.data_ptr()), _u64(out.data_ptr()), _u64(residual_out.data_ptr() if residual_out is not None else 0),
              _u32(tokens), _u32(hidden), _f32(eps)])
@@ -65,7 +71,7 @@ def all_reduce(x: torch.Tensor, ws: Workspace, *, algo: str = "auto", out: torch
     """Sum ``x`` over the workspace's ranks (out-of-place unless ``out is x``). Collective."""
     ws.raise_if_failed()
     reason = policy.check_tensor(is_cuda=x.is_cuda, device_index=x.device.index, ws_device_index=ws.device_index,
-                                 dtype=str(x.dtype).replace("torch.", ""), contiguous=x.is_contiguous(),
+                                 dtype=_DTYPE_NAME.get(x.dtype, str(x.dtype)), contiguous=x.is_contiguous(),
                                  data_ptr=x.data_ptr(), nbytes=x.numel() * x.element_size(),
                                  max_bytes=ws.config.max_bytes)
     if reason is not None:
@@ -82,7 +88,7 @@ def all_reduce(x: torch.Tensor, ws: Workspace, *, algo: str = "auto", out: torch
     if chosen is Algo.NCCL:
         raise FastcommError(f"fastcomm.all_reduce: {x.numel() * x.element_size()} bytes with algo={algo!r} is not "
                             "served by fastcomm (check ws.can_all_reduce first and use NCCL)")
-    with torch.cuda.device(ws.device_index):
+    with _on_device(ws):
         if chosen is Algo.ONE_SHOT:
             if ws.islands is not None:
                 # Hierarchical: sum inside the island, then across partners. Both rounds sum in a fixed
@@ -94,6 +100,22 @@ def all_reduce(x: torch.Tensor, ws: Workspace, *, algo: str = "auto", out: torch
         else:
             _two_shot(ws, x, out)
     return out
+
+
+class _Nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return None
+
+
+_NOTHING = _Nothing()
+
+
+def _on_device(ws: Workspace):
+    """Kernels were loaded in the workspace device's context; switch only when the caller is elsewhere."""
+    return _NOTHING if torch.cuda.current_device() == ws.device_index else torch.cuda.device(ws.device_index)
 
 
 def fused_all_reduce_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, ws: Workspace, *,
@@ -117,10 +139,11 @@ def fused_all_reduce_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, 
     _check_out("residual_out", residual_out, x)
     if x.numel() == 0:
         return out, residual_out
-    with torch.cuda.device(ws.device_index):
+    with _on_device(ws):
         if ws.islands is not None:
-            _one_shot(ws, ws._tables[ISLAND], x, residual_out)
-            _fused(ws, ws._tables[PARTNER], residual_out, residual, weight, out, residual_out, float(eps))
+            # The island sum goes through `out` (never residual_out, which may be the residual itself).
+            _one_shot(ws, ws._tables[ISLAND], x, out)
+            _fused(ws, ws._tables[PARTNER], out, residual, weight, out, residual_out, float(eps))
         else:
             _fused(ws, ws._tables[FLAT], x, residual, weight, out, residual_out, float(eps))
     return out, residual_out

@@ -40,7 +40,7 @@ MAX_BLOCKS = 128
 ALIGN = 16
 # The fused kernel holds a row in registers: 1024 threads x FC_ROW_PACKETS_PER_THREAD (8) packets of 8 bytes.
 FUSED_THREADS = 1024
-FUSED_PACKETS_PER_THREAD = 8
+FUSED_PACKETS_PER_THREAD = 8  # the largest compiled variant
 FUSED_MAX_ROW_BYTES = FUSED_THREADS * FUSED_PACKETS_PER_THREAD * PACKET_PAYLOAD
 ONE_SHOT_THREADS = 256
 TWO_SHOT_THREADS = 512
@@ -75,8 +75,9 @@ class PolicyKey:
 # Defaults measured or modelled per (transport, link, world size); a tune file overrides entries.
 # Rules are ordered by max_bytes; the first rule whose max_bytes >= size wins; past the last, NCCL.
 DEFAULT_TABLE: dict[PolicyKey, tuple[Rule, ...]] = {
+    # Measured on 2 x H200 (bench/results/2026-11-30-h200x2.json): one-shot wins up to 1 MB.
     PolicyKey(Transport.P2P, LinkType.NVLINK, 0): (
-        Rule(256 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT)),
+        Rule(1 * MiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT)),
     # PCIe: writes are cheap and posted, reads of peer memory are not; one-shot moves (n-1)x the data
     # but has a single hop, which wins while the message is latency-bound.
     PolicyKey(Transport.P2P, LinkType.PCIE_SWITCH, 0): (
@@ -88,9 +89,10 @@ DEFAULT_TABLE: dict[PolicyKey, tuple[Rule, ...]] = {
         Rule(64 * KiB, Algo.ONE_SHOT), Rule(4 * MiB, Algo.TWO_SHOT)),
     PolicyKey(Transport.P2P, LinkType.UNKNOWN, 0): (
         Rule(64 * KiB, Algo.ONE_SHOT), Rule(8 * MiB, Algo.TWO_SHOT)),
-    # Host memory: every byte crosses PCIe twice (write to host, read from host).
+    # Host memory: every byte crosses PCIe twice (write to host, read from host). Measured on 2 x H200
+    # against NCCL_P2P_DISABLE=1: one-shot to 512 KB, two-shot (NCCL-like traffic) to 4 MB.
     PolicyKey(Transport.HOST, LinkType.UNKNOWN, 0): (
-        Rule(256 * KiB, Algo.ONE_SHOT), Rule(2 * MiB, Algo.TWO_SHOT)),
+        Rule(512 * KiB, Algo.ONE_SHOT), Rule(4 * MiB, Algo.TWO_SHOT)),
 }
 
 
@@ -157,6 +159,7 @@ class Launch:
     block: int
     seg: int = 0    # two-shot: elements per segment
     chunk: int = 0  # two-shot: elements per block within a segment
+    k: int = 0      # fused: packets per thread (kernel variant fc_fused_rmsnorm<k>)
 
 
 def one_shot_launch(nbytes: int, max_blocks: int) -> Launch:
@@ -176,11 +179,15 @@ def two_shot_launch(numel: int, elem_size: int, world_size: int, max_blocks: int
     return Launch(grid, TWO_SHOT_THREADS, seg, chunk)
 
 
+FUSED_VARIANTS = (1, 2, 4, 8)  # packets per thread compiled for the fused kernel
+
+
 def fused_launch(tokens: int, hidden: int, elem_size: int, max_blocks: int) -> Launch:
+    """One block per row (grid-strided); the fewest packets per thread that fit the row in 1024 threads."""
     row_pk = packets_for(hidden * elem_size)
-    block = min(FUSED_THREADS, max(32, -(-row_pk // 32) * 32))
-    assert row_pk <= block * FUSED_PACKETS_PER_THREAD, "check_fused admits only rows that fit"
-    return Launch(max(1, min(tokens, max_blocks)), block)
+    k = next(k for k in FUSED_VARIANTS if k * FUSED_THREADS >= row_pk)  # check_fused admits only rows that fit
+    block = min(FUSED_THREADS, max(32, -(-(-(-row_pk // k)) // 32) * 32))
+    return Launch(max(1, min(tokens, max_blocks)), block, k=k)
 
 
 def num_blocks(work_items: int, threads: int, max_blocks: int) -> int:

@@ -338,6 +338,7 @@ _NVML_P2P_WRITE = 1      # NVML_P2P_CAPS_INDEX_WRITE
 _NVML_P2P_NVLINK = 2     # NVML_P2P_CAPS_INDEX_NVLINK
 _NVML_P2P_OK = 0         # NVML_P2P_STATUS_OK
 _NVML_ENABLED = 1        # NVML_FEATURE_ENABLED
+_NVML_SCOPE_NODE = 0     # NVML_AFFINITY_SCOPE_NODE
 SYSFS_PCI = "/sys/bus/pci/devices"
 
 
@@ -422,7 +423,7 @@ def _read_nvml(nvml, sysfs_pci: str) -> Topology:
         uuid = _opt(nvml.nvmlDeviceGetUUID, h)
         gpus.append(GpuInfo(
             index=i, name=_text(nvml.nvmlDeviceGetName(h)), pci_bus_id=bus,
-            uuid=_text(uuid) if uuid is not None else None, numa_node=_read_numa(sysfs_pci, bus),
+            uuid=_text(uuid) if uuid is not None else None, numa_node=_nvml_numa(nvml, h, sysfs_pci, bus),
             pcie_gen=_opt(nvml.nvmlDeviceGetCurrPcieLinkGeneration, h),
             pcie_width=_opt(nvml.nvmlDeviceGetCurrPcieLinkWidth, h),
             pcie_gen_max=_opt(nvml.nvmlDeviceGetMaxPcieLinkGeneration, h),
@@ -450,6 +451,17 @@ def _read_nvml(nvml, sysfs_pci: str) -> Topology:
                     notes=tuple(notes) + _missing_field_notes(gpus))
 
 
+def _nvml_numa(nvml, handle, sysfs_pci: str, bus_id: str) -> int | None:
+    """sysfs first; VMs often leave it at -1, where NVML's memory affinity (what nvidia-smi prints) still
+    names the node. A mask of several nodes is no single answer."""
+    node = _read_numa(sysfs_pci, bus_id)
+    if node is not None:
+        return node
+    mask = _opt(nvml.nvmlDeviceGetMemoryAffinity, handle, 4, _NVML_SCOPE_NODE)
+    nodes = [64 * w + b for w, word in enumerate(mask or ()) for b in range(64) if int(word) >> b & 1]
+    return nodes[0] if len(nodes) == 1 else None
+
+
 def _has_active_nvlink(nvml, handle, max_links: int) -> bool:
     for link in range(max_links):
         state = _opt(nvml.nvmlDeviceGetNvLinkState, handle, link)
@@ -463,7 +475,7 @@ def _has_active_nvlink(nvml, handle, max_links: int) -> bool:
 def _missing_field_notes(gpus: Sequence[GpuInfo]) -> tuple[str, ...]:
     notes = []
     for field, what, why in (
-            ("numa_node", "NUMA node unknown", " (sysfs numa_node is -1 or absent, nvidia-smi says N/A)"),
+            ("numa_node", "NUMA node unknown", " (no single node from sysfs, NVML or nvidia-smi)"),
             ("pcie_gen", "current PCIe link not readable", ""),
             ("pcie_gen_max", "maximum PCIe link not readable", ""),
             ("compute_capability", "compute capability not readable", "")):

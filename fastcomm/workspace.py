@@ -156,6 +156,7 @@ class Workspace:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.device_index = self.device.index
         self.id = next(_ids)
+        self._functions: dict = {}  # (kernel family, dtype) -> CUfunction, filled at first use
         self._res = _Resources(self.device_index)
         self._finalizer = weakref.finalize(self, self._res.release)
         self.closed = False
@@ -380,7 +381,9 @@ class Workspace:
                 f"{isl}; {'; '.join(ranges)}")
 
     def stream(self) -> int:
-        return torch.cuda.current_stream(self.device).cuda_stream
+        """The caller's current stream on our device (raw handle; the fast accessor when torch has it)."""
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        return raw(self.device_index) if raw is not None else torch.cuda.current_stream(self.device).cuda_stream
 
     # ---- lifetime ---------------------------------------------------------------------------------
 

@@ -390,9 +390,10 @@ class FakeNvml:
 
     NVML_NVLINK_MAX_LINKS = 18
 
-    def __init__(self, levels, *, bus_ids, nvlink=False, p2p_write=0, pcie=True, init_error=None):
+    def __init__(self, levels, *, bus_ids, nvlink=False, p2p_write=0, pcie=True, init_error=None, numa_masks=None):
         self.levels, self.bus_ids, self.nvlink, self.p2p_write = levels, bus_ids, nvlink, p2p_write
         self.pcie, self.init_error, self.shut_down = pcie, init_error, False
+        self.numa_masks = numa_masks or {}
 
     def nvmlInit(self):
         if self.init_error:
@@ -435,6 +436,12 @@ class FakeNvml:
 
     def nvmlDeviceGetMaxPcieLinkWidth(self, h):
         return self._pcie(16)
+
+    def nvmlDeviceGetMemoryAffinity(self, h, words, scope):
+        assert scope == 0  # NVML_AFFINITY_SCOPE_NODE
+        if h not in self.numa_masks:
+            raise FakeNvmlError("Not Supported")
+        return (self.numa_masks[h] + [0] * words)[:words]
 
     def nvmlDeviceGetNvLinkState(self, h, link):
         if not self.nvlink:
@@ -498,6 +505,16 @@ def test_probe_nvml_nvlink_and_missing_reads(tmp_path):
     assert any("P2P write status" in n for n in topo.notes)
     assert any("current PCIe link not readable for GPU 0, 1" in n for n in topo.notes)
     assert any("NUMA node unknown for GPU 1" in n for n in topo.notes)
+
+
+def test_probe_nvml_numa_when_sysfs_has_none(tmp_path):
+    # VMs leave sysfs numa_node at -1; NVML's memory affinity still names one node (or several: no answer).
+    nvml = FakeNvml([[0, 40, 40], [40, 0, 40], [40, 40, 0]], bus_ids=BUS[:3], numa_masks={0: [0b10], 1: [0b11]})
+    topo = topology.probe(Runner({}), env={}, nvml_loader=lambda: nvml, sysfs_pci=sysfs(tmp_path, BUS[:3], [-1] * 3))
+    assert [g.numa_node for g in topo.gpus] == [1, None, None]
+    nvml = FakeNvml([[0, 40], [40, 0]], bus_ids=BUS[:2], numa_masks={0: [0, 1]})  # node 64: second word
+    topo = topology.probe(Runner({}), env={}, nvml_loader=lambda: nvml, sysfs_pci=str(tmp_path / "none"))
+    assert [g.numa_node for g in topo.gpus] == [64, None]
 
 
 def test_probe_nvml_consumer_gpus_without_p2p(tmp_path):

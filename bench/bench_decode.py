@@ -1,0 +1,296 @@
+"""End-to-end decode benchmark: vLLM serving a GLM-5-shaped model, one all-reduce backend per process.
+
+    fastcomm bench-decode --model glm5-78L-16E --configs vllm,nccl,fastcomm --max-tokens 128
+    fastcomm bench-decode --compare run1.json run2.json      # merge runs made in separate calls
+
+The model directory holds only a config.json: weights are vLLM's dummy ones (same seed, so every backend
+computes with the same weights), the tokenizer is skipped and prompts are token ids. Each backend runs in
+its own subprocess (start-up of a 78-layer model takes minutes) and reports:
+- single request: decode tok/s and time per output token (TPOT), from (t(N tokens) - t(1 token)) / (N - 1),
+  which cancels prefill and scheduling start-up;
+- a concurrency sweep (default 1, 4, 16, 64 requests): output tok/s and TPOT at each;
+- the greedy tokens of the single request, compared across backends (first divergence, if any).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    name: str
+    about: str
+    env: dict
+    disable_custom_all_reduce: bool = False
+    fastcomm: bool = False
+
+
+# Each backend sets FASTCOMM_VLLM explicitly so an inherited value cannot change what a row measures.
+BACKENDS = {b.name: b for b in (
+    Backend("vllm", "vLLM default (its custom all-reduce, NCCL above its range)", {"FASTCOMM_VLLM": "0"}),
+    Backend("nccl", "vLLM, custom all-reduce off: NCCL only", {"FASTCOMM_VLLM": "0"}, True),
+    Backend("fastcomm", "vLLM + fastcomm (auto transport; vLLM's path for what fastcomm declines)",
+            {"FASTCOMM_VLLM": "1"}, fastcomm=True),
+    # Stand-ins for GPUs without P2P: vLLM's custom all-reduce needs P2P, so it is off in both.
+    Backend("nccl-nop2p", "NCCL only, NCCL_P2P_DISABLE=1", {"FASTCOMM_VLLM": "0", "NCCL_P2P_DISABLE": "1"}, True),
+    Backend("fastcomm-host", "fastcomm host transport, NCCL_P2P_DISABLE=1",
+            {"FASTCOMM_VLLM": "1", "FASTCOMM_TRANSPORT": "host", "NCCL_P2P_DISABLE": "1"}, True, fastcomm=True),
+)}
+REFERENCE_ORDER = ("vllm", "nccl", "nccl-nop2p", "fastcomm", "fastcomm-host")
+
+
+# ---- worker: one backend, inside its own process --------------------------------------------------------
+
+def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    return [[random.Random(seed * 1000 + i).randrange(100, vocab - 100) for _ in range(length)]
+            for i in range(count)]
+
+
+def run_worker(spec: dict, backend: Backend) -> dict:
+    from vllm import LLM, SamplingParams
+
+    kwargs = dict(model=spec["model"], tensor_parallel_size=spec["tp"], load_format="dummy",
+                  skip_tokenizer_init=True, seed=0, max_model_len=spec["max_model_len"],
+                  max_num_seqs=max(spec["concurrency"]), gpu_memory_utilization=spec["gpu_memory_utilization"],
+                  disable_custom_all_reduce=backend.disable_custom_all_reduce)
+    if spec["capture_sizes"] is not None:
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": spec["capture_sizes"]}
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    result = {"startup_s": round(time.perf_counter() - t0, 1), "vllm": importlib.metadata.version("vllm")}
+    try:
+        from fastcomm_vllm.plugin import worker_status
+
+        result["workers"] = llm.collective_rpc(worker_status)
+    except Exception as e:  # informational; the row is still measured
+        result["workers"] = f"status unavailable: {type(e).__name__}: {e}"
+
+    vocab = json.loads((Path(spec["model"]) / "config.json").read_text())["vocab_size"]
+    prompts = _prompts(max(spec["concurrency"]), spec["prompt_len"], vocab, spec["seed"])
+
+    def timed(batch: int, tokens: int):
+        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
+        times, outs = [], None
+        for _ in range(spec["repeats"]):
+            t = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:batch]], params, use_tqdm=False)
+            times.append(time.perf_counter() - t)
+        return statistics.median(times), outs
+
+    n = spec["max_tokens"]
+    timed(1, 8)  # warm-up: first-request allocations, sampler JIT
+    t1, _ = timed(1, 1)
+    tn, outs = timed(1, n)
+    tpot = (tn - t1) / (n - 1)
+    result["single"] = {"tpot_ms": round(tpot * 1e3, 3), "tok_s": round(1 / tpot, 2),
+                        "ttft_ms": round(t1 * 1e3, 2), "wall_s": round(tn, 3)}
+    result["greedy_tokens"] = list(outs[0].outputs[0].token_ids)
+    sweep = []
+    for c in spec["concurrency"]:
+        c1, _ = timed(c, 1)
+        cn, _ = timed(c, n)
+        tpot_c = (cn - c1) / (n - 1)
+        sweep.append({"concurrency": c, "out_tok_s": round(c * n / cn, 1), "tpot_ms": round(tpot_c * 1e3, 3),
+                      "decode_tok_s": round(c / tpot_c, 1)})
+    result["sweep"] = sweep
+    return result
+
+
+def worker_main(args) -> int:
+    spec = json.loads(Path(args.spec).read_text())
+    result = run_worker(spec, BACKENDS[args.worker])
+    Path(args.result).write_text(json.dumps(result))
+    return 0
+
+
+# ---- parent: one subprocess per backend -----------------------------------------------------------------
+
+def resolve_model(name: str) -> Path:
+    """A directory with config.json, or the name of one under shared/models (next to or above the repo)."""
+    path = Path(name).expanduser()
+    candidates = [path] + [root / "models" / name for root in (REPO / "shared", REPO.parent / "shared")]
+    for cand in candidates:
+        if (cand / "config.json").is_file():
+            return cand.resolve()
+    raise SystemExit(f"bench-decode: no config.json for model {name!r} (looked in {', '.join(map(str, candidates))})")
+
+
+def _check_plugin() -> None:
+    names = [ep.name for ep in importlib.metadata.entry_points(group="vllm.general_plugins")]
+    if "fastcomm" not in names:
+        raise SystemExit("bench-decode: fastcomm's vLLM plugin is not registered in this environment; install "
+                         "the repo (pip install --no-deps --no-build-isolation -e .) so vLLM's workers load it")
+
+
+def run_backend(backend: Backend, spec: dict, log_dir: Path, timeout: float) -> dict:
+    spec_file = log_dir / "spec.json"
+    spec_file.write_text(json.dumps(spec))
+    result_file = log_dir / f"{backend.name}.result.json"
+    result_file.unlink(missing_ok=True)
+    log = log_dir / f"{backend.name}.log"
+    # status RPC: collective_rpc ships worker_status by reference (cloudpickle), which vLLM gates on this.
+    env = {**os.environ, **backend.env, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", backend.name, "--spec", str(spec_file),
+           "--result", str(result_file)]
+    t0 = time.perf_counter()
+    with open(log, "w") as out:
+        # Own session, so a timeout can stop vLLM's engine and worker processes with it.
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = None
+    res = {"backend": backend.name, "about": backend.about, "env": backend.env,
+           "disable_custom_all_reduce": backend.disable_custom_all_reduce, "wall_s": round(time.perf_counter() - t0, 1),
+           "log": str(log)}
+    if rc == 0 and result_file.is_file():
+        res.update(ok=True, **json.loads(result_file.read_text()))
+    else:
+        tail = log.read_text(errors="replace").splitlines()[-30:]
+        res.update(ok=False, error=("timed out" if rc is None else f"exit status {rc}"), log_tail=tail)
+    return res
+
+
+def check_active(res: dict) -> str | None:
+    """Why a row does not measure what its name says (a fastcomm row without fastcomm), or None."""
+    workers = res.get("workers")
+    if not res.get("ok") or not isinstance(workers, list):
+        return None
+    active = [bool(w.get("fastcomm")) for w in workers]
+    wanted = BACKENDS[res["backend"]].fastcomm if res["backend"] in BACKENDS else any(active)
+    if wanted and not all(active):
+        reasons = {w.get("why_not") for w in workers if not w.get("fastcomm")}
+        return f"fastcomm inactive on some ranks: {sorted(map(str, reasons))}"
+    if not wanted and any(active):
+        return "fastcomm active in a baseline row"
+    return None
+
+
+def compare_tokens(results: dict) -> dict:
+    ok = {k: v for k, v in results.items() if v.get("ok") and v.get("greedy_tokens")}
+    ref = next((k for k in REFERENCE_ORDER if k in ok), next(iter(ok), None))
+    out = {"reference": ref}
+    if ref is None:
+        return out
+    base = ok[ref]["greedy_tokens"]
+    for name, res in ok.items():
+        toks = res["greedy_tokens"]
+        n = min(len(toks), len(base))
+        first = next((i for i in range(n) if toks[i] != base[i]), None)
+        out[name] = {"compared": n, "matching": sum(a == b for a, b in zip(toks, base)),
+                     "first_divergence": first, "distinct_tokens": len(set(toks))}
+    return out
+
+
+def print_report(results: dict, meta: dict) -> None:
+    conc = sorted({s["concurrency"] for r in results.values() if r.get("ok") for s in r["sweep"]})
+    print(f"# model {meta.get('model')}  tp {meta.get('tp')}  max_tokens {meta.get('max_tokens')}  "
+          f"capture sizes {meta.get('capture_sizes') or 'vLLM default'}")
+    head = f"{'backend':<14} {'start s':>8} {'bs1 tok/s':>10} {'TPOT ms':>8} " + \
+        " ".join(f"{'c=' + str(c) + ' tok/s':>12}" for c in conc)
+    print(head)
+    for name, r in results.items():
+        if not r.get("ok"):
+            print(f"{name:<14} FAILED: {r.get('error')} (log {r.get('log')})")
+            continue
+        by_c = {s["concurrency"]: s for s in r["sweep"]}
+        cols = " ".join(f"{by_c[c]['out_tok_s'] if c in by_c else '-':>12}" for c in conc)
+        print(f"{name:<14} {r['startup_s']:>8} {r['single']['tok_s']:>10} {r['single']['tpot_ms']:>8} {cols}")
+        problem = check_active(r)
+        if problem:
+            print(f"{'':<14} WARNING: {problem}")
+    cmp = compare_tokens(results)
+    if cmp.get("reference"):
+        print(f"# greedy tokens vs {cmp['reference']}:")
+        for name, c in cmp.items():
+            if name != "reference":
+                verdict = "identical" if c["first_divergence"] is None else f"diverge at token {c['first_divergence']}"
+                print(f"  {name:<14} {c['matching']}/{c['compared']} match, {verdict} "
+                      f"({c['distinct_tokens']} distinct tokens)")
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="fastcomm bench-decode", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="glm5-78L-16E", help="directory with config.json, or a name under shared/models")
+    p.add_argument("--configs", default=",".join(BACKENDS), help=f"comma list of {', '.join(BACKENDS)}")
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (>= 64 for the token check)")
+    p.add_argument("--capture-sizes", default="default",
+                   help="cudagraph_capture_sizes: 'default' (vLLM's) or a list such as 1,2,4,8")
+    p.add_argument("--concurrency", default="1,4,16,64", help="concurrent requests for the sweep")
+    p.add_argument("--tp", type=int, default=2, help="tensor parallel size")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per point (median)")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    p.add_argument("--seed", type=int, default=0, help="prompt token ids")
+    p.add_argument("--timeout", type=float, default=1500, help="seconds per backend (start-up included)")
+    p.add_argument("--out", default=None, help="JSON results (default bench/results/decode-<model>-<time>.json)")
+    p.add_argument("--compare", nargs="+", default=None, metavar="JSON", help="print merged earlier results and exit")
+    p.add_argument("--worker", choices=list(BACKENDS), help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main(args)
+    if args.compare:
+        results, meta = {}, {}
+        for f in args.compare:
+            data = json.loads(Path(f).read_text())
+            results.update(data["results"])
+            meta = meta or data["meta"]
+        print_report(results, meta)
+        return 0
+
+    names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in names if c not in BACKENDS]
+    if unknown:
+        raise SystemExit(f"bench-decode: unknown config(s) {unknown}; choose from {', '.join(BACKENDS)}")
+    if args.max_tokens < 2:
+        raise SystemExit("bench-decode: --max-tokens must be at least 2 (TPOT needs two lengths)")
+    if args.max_tokens < 64:
+        print(f"bench-decode: note: the token agreement check covers only {args.max_tokens} tokens (< 64)")
+    if any(BACKENDS[n].fastcomm for n in names):
+        _check_plugin()
+    model = resolve_model(args.model)
+    sizes = None if args.capture_sizes == "default" else [int(s) for s in args.capture_sizes.split(",")]
+    spec = dict(model=str(model), tp=args.tp, max_tokens=args.max_tokens, capture_sizes=sizes,
+                concurrency=[int(c) for c in args.concurrency.split(",")], prompt_len=args.prompt_len,
+                repeats=args.repeats, max_model_len=args.max_model_len, seed=args.seed,
+                gpu_memory_utilization=args.gpu_memory_utilization)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out) if args.out else REPO / "bench" / "results" / f"decode-{model.name}-{stamp}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(tempfile.mkdtemp(prefix=f"decode-{stamp}-", dir=out.parent))
+    meta = {**spec, "configs": names, "started": stamp}
+    results = {}
+    for name in names:
+        print(f"bench-decode: {name}: {BACKENDS[name].about} ...", flush=True)
+        results[name] = run_backend(BACKENDS[name], spec, log_dir, args.timeout)
+        out.write_text(json.dumps({"meta": meta, "results": results, "tokens": compare_tokens(results)}, indent=1))
+    print_report(results, meta)
+    print(f"# results: {out}  (logs: {log_dir})")
+    return 0 if all(r.get("ok") for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""The `vllm.general_plugins` entry point: vLLM calls ``register()`` in every process it starts.
+
+Hooks, identical in vLLM 0.25.0 and the newest release (0.33.0):
+- ``vllm.platforms.cuda.CudaPlatformBase.get_device_communicator_cls``: every ``GroupCoordinator`` resolves
+  its device communicator through it, so returning ours puts fastcomm under ``tensor_model_parallel_all_reduce``.
+- ``...get_pass_manager_cls``: vLLM's compile backend builds its post-grad pass manager from it; ours adds
+  the all-reduce + RMSNorm fusion pass.
+- the fused all-reduce + RMSNorm helper of the DSA (GLM-5 / DeepSeek-V3.2) model: see ``fusion``.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+# A child of vLLM's logger, so the lines come out through vLLM's handler and format.
+logger = logging.getLogger("vllm.fastcomm")
+
+COMMUNICATOR = "fastcomm_vllm.communicator.FastcommCudaCommunicator"
+PASS_MANAGER = "fastcomm_vllm.fusion.FastcommPassManager"
+VLLM_COMMUNICATOR = "vllm.distributed.device_communicators.cuda_communicator.CudaCommunicator"
+VLLM_PASS_MANAGER = "vllm.compilation.passes.pass_manager.PostGradPassManager"
+
+
+def register() -> None:
+    """Entry point. A no-op with a log line when FASTCOMM_VLLM=0 or the platform is not CUDA."""
+    from fastcomm.config import Config
+
+    if not Config.from_env().vllm_enabled:
+        logger.info("fastcomm: plugin off (FASTCOMM_VLLM=0); vLLM runs unchanged")
+        return
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        logger.debug("fastcomm: platform %s is not CUDA; plugin inactive", type(current_platform).__name__)
+        return
+    from vllm.platforms.cuda import CudaPlatformBase  # needs libcuda: import only on CUDA platforms
+
+    install(CudaPlatformBase)
+
+
+def install(platform_cls: type) -> None:
+    """Point ``platform_cls`` at fastcomm's communicator and pass manager and route the fused helper.
+
+    Idempotent (vLLM may load plugins more than once per process). Raises if another plugin already
+    replaced either class: silently overriding it would break that plugin.
+    """
+    from . import fusion
+
+    _point(platform_cls, "get_device_communicator_cls", COMMUNICATOR, VLLM_COMMUNICATOR)
+    _point(platform_cls, "get_pass_manager_cls", PASS_MANAGER, VLLM_PASS_MANAGER)
+    fusion.register_ops()
+    fusion.route_fused_helper()
+    _fold_into_compile_hash()
+
+
+def _point(platform_cls: type, method: str, ours: str, vllms: str) -> None:
+    current = getattr(platform_cls, method)()
+    if current == ours:
+        return
+    if current != vllms:
+        raise RuntimeError(
+            f"fastcomm: {platform_cls.__name__}.{method}() returns {current!r}, not vLLM's {vllms!r}: another "
+            f"plugin replaced it. Turn one off (FASTCOMM_VLLM=0, or name the plugins to load in VLLM_PLUGINS).")
+
+    def qualname(cls) -> str:
+        return ours
+
+    setattr(platform_cls, method, classmethod(qualname))
+
+
+def _fold_into_compile_hash() -> None:
+    """Make fastcomm part of vLLM's torch.compile cache key.
+
+    vLLM keys its compile cache on the vLLM config, not on the post-grad passes, so without this a run
+    with fastcomm could load graphs compiled without the fusion (or a FASTCOMM_VLLM=0 run load graphs
+    holding fastcomm's op). The tag changes whenever the fusion code changes.
+    """
+    from vllm.config.compilation import CompilationConfig
+
+    original = CompilationConfig.compute_hash
+    if getattr(original, "_fastcomm_tag", None):
+        return
+    tag = "fastcomm-" + hashlib.sha256((Path(__file__).parent / "fusion.py").read_bytes()).hexdigest()[:12]
+
+    def compute_hash(self) -> str:
+        return hashlib.sha256(f"{original(self)}|{tag}".encode()).hexdigest()
+
+    compute_hash._fastcomm_tag = tag
+    CompilationConfig.compute_hash = compute_hash
+
+
+def worker_status(worker=None) -> dict:
+    """What fastcomm does in this worker (for ``LLM.collective_rpc``; ``worker`` is vLLM's, unused)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    from . import fusion
+
+    comm = get_tp_group().device_communicator
+    ws = getattr(comm, "fastcomm_workspace", None)
+    return {
+        "communicator": None if comm is None else type(comm).__name__,
+        "fastcomm": ws is not None,
+        "describe": None if ws is None else ws.describe(),
+        "why_not": getattr(comm, "fastcomm_why_not", None),
+        "helper_routed": fusion.helper_routed(),
+    }

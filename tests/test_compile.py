@@ -1,0 +1,34 @@
+"""Every kernel compiles for sm_80, sm_90 and sm_120 through the same NVRTC path used at run time."""
+import pytest
+
+pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="CuPy (NVRTC) not installed")
+
+from fastcomm import jit  # noqa: E402
+
+FAMILIES = ["one_shot", "two_shot"] + [f"fused_rmsnorm{k}" for k in (1, 2, 4, 8)]
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_120"])
+def test_kernels_compile(arch, tmp_path):
+    path = jit.cached_cubin(arch, tmp_path)
+    data = path.read_bytes()
+    assert data[:4] == b"\x7fELF"
+    for fam in FAMILIES:
+        for suffix in jit.DTYPE_SUFFIX.values():
+            assert f"fc_{fam}_{suffix}".encode() in data, f"missing kernel fc_{fam}_{suffix}"
+    # second call hits the cache (same file, not recompiled)
+    assert jit.cached_cubin(arch, tmp_path) == path
+
+
+def test_cache_key_changes_with_source_and_arch():
+    src = {"a.cu": "x"}
+    k = jit.cache_key("sm_90", src, ("-O3",), (13, 0))
+    assert k != jit.cache_key("sm_80", src, ("-O3",), (13, 0))
+    assert k != jit.cache_key("sm_90", {"a.cu": "y"}, ("-O3",), (13, 0))
+    assert k != jit.cache_key("sm_90", src, ("-O3",), (12, 8))
+
+
+def test_compile_errors_carry_the_log(monkeypatch, tmp_path):
+    monkeypatch.setattr(jit, "_read_sources", lambda: {n: ("this is not C++;" if n == jit.ENTRY else "") for n in jit.SOURCES})
+    with pytest.raises(jit.CompileError, match="sm_90"):
+        jit.compile_cubin("sm_90")

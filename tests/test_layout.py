@@ -1,0 +1,100 @@
+"""Workspace bookkeeping without a GPU: regions never overlap, tables point where the peers write."""
+import ctypes
+
+import pytest
+
+from fastcomm import layout as L
+from fastcomm.policy import MAX_BLOCKS
+
+MB = 1 << 20
+
+
+def _regions(g):
+    return [(g.ll_off, g.rs_off), (g.rs_off, g.ag_off), (g.ag_off, g.rs_flag_off), (g.rs_flag_off, g.ag_flag_off),
+            (g.ag_flag_off, g.end)]
+
+
+@pytest.mark.parametrize("transport", ["p2p", "host"])
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_regions_are_disjoint_aligned_and_inside(transport, world):
+    lay = L.plan_layout(transport, world, 8 * MB, 1 * MB, None)
+    spans = [r for g in lay.groups for r in _regions(g)]
+    spans.sort()
+    for (a0, a1), (b0, b1) in zip(spans, spans[1:]):
+        assert a1 <= b0
+    assert all(a % 16 == 0 for a, _ in spans)
+    assert lay.groups[-1].end <= lay.shared_bytes
+    assert lay.local_bytes >= lay.table_off + L.TABLE_BYTES * len(lay.groups)
+
+
+def test_table_struct_matches_the_kernel_header():
+    assert ctypes.sizeof(L.FcTable) == L.TABLE_BYTES
+    from fastcomm.jit import source_dir
+
+    assert f"sizeof(FcTable) == {L.TABLE_BYTES}" in (source_dir() / "common.cuh").read_text()
+
+
+def _bases(world):
+    return [(r + 1) << 40 for r in range(world)]
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_p2p_tables_agree_between_writer_and_reader(world):
+    """Where rank a pushes for rank b must be where rank b pulls from rank a, for every pair and half."""
+    lay = L.plan_layout("p2p", world, 8 * MB, 1 * MB)
+    g = lay.groups[0]
+    bases = _bases(world)
+    t = [L.build_table(lay, g, r, own_base=bases[r], peer_bases=bases, host_base=None, state_ptr=0, err_ptr=0,
+                       timeout_ns=1) for r in range(world)]
+    for a in range(world):
+        peers = [p for p in range(world) if p != a]
+        assert t[a].n_ll_push == world - 1
+        for h in range(2):
+            for j, b in enumerate(peers):
+                assert t[a].ll_push[h][j] == t[b].ll_pull[h][a]
+                assert t[a].ag_push[h][j] == t[b].ag_pull[h][a]
+                assert t[a].ag_flag_push[h][j] == t[b].ag_flag_pull[h][a]
+                assert t[a].rs_push[h][b] == t[b].rs_pull[h][a]
+                assert t[a].rs_flag_push[h][b] == t[b].rs_flag_pull[h][a]
+            assert t[a].ll_push[0][0] != t[a].ll_push[1][0]  # two halves
+
+
+@pytest.mark.parametrize("world", [2, 5, 8])
+def test_host_tables_agree_and_slots_do_not_collide(world):
+    lay = L.plan_layout("host", world, 2 * MB, 256 << 10)
+    g = lay.groups[0]
+    t = [L.build_table(lay, g, r, own_base=0, peer_bases=None, host_base=1 << 44, state_ptr=0, err_ptr=0,
+                       timeout_ns=1) for r in range(world)]
+    writes = set()
+    for a in range(world):
+        assert t[a].n_ll_push == 1 and t[a].n_ag_push == 1
+        for b in range(world):
+            if a == b:
+                continue
+            for h in range(2):
+                assert t[a].ll_push[h][0] == t[b].ll_pull[h][a]
+                assert t[a].rs_push[h][b] == t[b].rs_pull[h][a]
+                assert t[a].rs_flag_push[h][b] == t[b].rs_flag_pull[h][a]
+                assert t[a].ag_push[h][0] == t[b].ag_pull[h][a]
+                writes.add((h, t[a].rs_push[h][b]))
+    assert len(writes) == 2 * world * (world - 1)
+
+
+def test_islands_add_groups_with_their_own_tables():
+    lay = L.plan_layout("p2p", 4, 8 * MB, 1 * MB, ((0, 1), (2, 3)))
+    ids = [(g.group_id, g.members) for g in lay.groups]
+    assert ids == [(L.FLAT, (0, 1, 2, 3)), (L.ISLAND, (0, 1)), (L.ISLAND, (2, 3)), (L.PARTNER, (0, 2)),
+                   (L.PARTNER, (1, 3))]
+    mine = L.groups_of(lay, 3)
+    assert [g.group_id for g in mine] == [L.FLAT, L.ISLAND, L.PARTNER]
+    bases = _bases(4)
+    t = L.build_table(lay, mine[2], 3, own_base=bases[3], peer_bases=bases, host_base=None, state_ptr=0,
+                      err_ptr=0, timeout_ns=1)
+    assert (t.rank, t.world, list(t.global_of)[:2]) == (1, 2, [1, 3])
+    assert t.n_ll_push == 1 and t.ll_push[0][0] // (1 << 40) == 2  # rank 1's buffer (base index 2)
+
+
+def test_flag_arrays_hold_every_block():
+    lay = L.plan_layout("p2p", 2, 8 * MB, 1 * MB)
+    g = lay.groups[0]
+    assert g.ag_flag_off - g.rs_flag_off == 2 * 2 * MAX_BLOCKS * 4

@@ -1,0 +1,111 @@
+import pytest
+
+from fastcomm import policy as P
+from fastcomm.policy import Algo, Rule, Transport
+from fastcomm.topology import LinkType
+
+KB, MB = 1 << 10, 1 << 20
+
+
+def test_packet_arithmetic():
+    assert P.packets_for(0) == 0
+    assert P.packets_for(1) == 1 and P.packets_for(8) == 1 and P.packets_for(9) == 2
+    assert P.ll_bytes(12 * KB) == 2 * 12 * KB  # flag-in-data doubles the bytes on the wire
+    assert P.PACKET_BYTES == 2 * P.PACKET_PAYLOAD
+
+
+def test_constants_mirror_the_kernel_header():
+    from fastcomm.jit import source_dir
+
+    text = (source_dir() / "common.cuh").read_text()
+    for name, value in (("FC_MAX_WORLD", P.MAX_WORLD), ("FC_MAX_BLOCKS", P.MAX_BLOCKS),
+                        ("FC_PACKET_BYTES", P.PACKET_BYTES), ("FC_PACKET_PAYLOAD", P.PACKET_PAYLOAD),
+                        ("FC_ROW_PACKETS_PER_THREAD", P.FUSED_PACKETS_PER_THREAD)):
+        assert f"#define {name} {value}\n" in text, name
+
+
+RULES = (Rule(256 * KB, Algo.ONE_SHOT), Rule(64 * MB, Algo.TWO_SHOT))
+
+
+@pytest.mark.parametrize("nbytes,want", [(1, Algo.ONE_SHOT), (12 * KB, Algo.ONE_SHOT), (256 * KB, Algo.ONE_SHOT),
+                                         (256 * KB + 2, Algo.TWO_SHOT), (8 * MB, Algo.TWO_SHOT),
+                                         (8 * MB + 2, Algo.NCCL)])
+def test_choose_by_size(nbytes, want):
+    assert P.choose_algo(nbytes, RULES, one_shot_max_bytes=1 * MB, max_bytes=8 * MB) is want
+
+
+def test_one_shot_capped_by_its_buffer():
+    assert P.choose_algo(200 * KB, RULES, one_shot_max_bytes=128 * KB, max_bytes=8 * MB) is Algo.TWO_SHOT
+    assert P.choose_algo(200 * KB, RULES, one_shot_max_bytes=128 * KB, max_bytes=8 * MB, forced="one_shot") is Algo.NCCL
+
+
+def test_forced_algorithm_and_past_the_table():
+    assert P.choose_algo(4, RULES, one_shot_max_bytes=MB, max_bytes=128 * MB, forced="two_shot") is Algo.TWO_SHOT
+    assert P.choose_algo(100 * MB, RULES, one_shot_max_bytes=MB, max_bytes=128 * MB) is Algo.NCCL
+
+
+def test_lookup_prefers_specific_rows_and_falls_back_to_unknown():
+    table = {P.PolicyKey(Transport.P2P, LinkType.NVLINK, 4): (Rule(1, Algo.TWO_SHOT),),
+             P.PolicyKey(Transport.P2P, LinkType.NVLINK, 0): (Rule(2, Algo.ONE_SHOT),),
+             P.PolicyKey(Transport.P2P, LinkType.UNKNOWN, 0): (Rule(3, Algo.ONE_SHOT),)}
+    assert P.lookup_rules(table, Transport.P2P, LinkType.NVLINK, 4)[0].max_bytes == 1
+    assert P.lookup_rules(table, Transport.P2P, LinkType.NVLINK, 8)[0].max_bytes == 2
+    assert P.lookup_rules(table, Transport.P2P, LinkType.CROSS_SOCKET, 8)[0].max_bytes == 3
+    assert P.lookup_rules(table, Transport.HOST, LinkType.NVLINK, 8) == ()
+
+
+def test_default_table_covers_every_transport_and_is_sorted():
+    for link in LinkType:
+        for t in Transport:
+            rules = P.lookup_rules(P.DEFAULT_TABLE, t, link, 8)
+            assert rules, (t, link)
+            assert [r.max_bytes for r in rules] == sorted(r.max_bytes for r in rules)
+
+
+def _check(**kw):
+    args = dict(is_cuda=True, device_index=0, ws_device_index=0, dtype="bfloat16", contiguous=True,
+                data_ptr=4096, nbytes=1024, max_bytes=MB)
+    args.update(kw)
+    return P.check_tensor(**args)
+
+
+def test_check_tensor_reasons():
+    assert _check() is None
+    assert "CUDA" in _check(is_cuda=False)
+    assert "cuda:1" in _check(device_index=1)
+    assert "int32" in _check(dtype="int32")
+    assert "contiguous" in _check(contiguous=False)
+    assert "aligned" in _check(data_ptr=4098)
+    assert "exceeds" in _check(nbytes=MB + 1)
+
+
+def test_check_fused_limits():
+    assert P.check_fused(tokens=64, hidden=6144, elem_size=2, one_shot_max_bytes=MB) is None
+    assert "one-shot buffer" in P.check_fused(tokens=128, hidden=6144, elem_size=2, one_shot_max_bytes=MB)
+    assert P.check_fused(tokens=1, hidden=16384, elem_size=4, one_shot_max_bytes=MB) is None
+    assert "exceeds" in P.check_fused(tokens=1, hidden=16385, elem_size=4, one_shot_max_bytes=MB)
+    assert P.check_fused(tokens=1, hidden=7, elem_size=2, one_shot_max_bytes=MB) is None  # odd hidden: row tail
+
+
+@pytest.mark.parametrize("numel,elem,world", [(1, 2, 2), (6144, 2, 2), (100003, 2, 8), (8 << 20, 4, 3), (5, 4, 8)])
+def test_two_shot_launch_covers_everything_aligned(numel, elem, world):
+    lc = P.two_shot_launch(numel, elem, world, 128)
+    assert 1 <= lc.grid <= P.MAX_BLOCKS
+    assert (lc.seg * elem) % 16 == 0 and (lc.chunk * elem) % 16 == 0
+    assert lc.seg * world >= numel and lc.chunk * lc.grid >= lc.seg
+
+
+def test_one_shot_and_fused_launch_shapes():
+    lc = P.one_shot_launch(12 * KB, 128)
+    assert lc.grid * lc.block >= P.packets_for(12 * KB) and lc.block % 32 == 0
+    assert P.one_shot_launch(1, 128).grid == 1
+    f = P.fused_launch(64, 6144, 2, 32)
+    assert f.grid == 32 and f.block * P.FUSED_PACKETS_PER_THREAD >= P.packets_for(6144 * 2)
+
+
+def test_islands_validation():
+    assert P.validate_islands([[1, 0], [3, 2]], 4) == ((0, 1), (2, 3))
+    with pytest.raises(ValueError):
+        P.validate_islands([[0, 1], [2]], 3)
+    with pytest.raises(ValueError):
+        P.validate_islands([[0, 1], [1, 2]], 3)

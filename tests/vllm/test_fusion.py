@@ -1,0 +1,204 @@
+"""The all-reduce + RMSNorm fusion: the compile pass on traced graphs, and the DSA helper routing (CPU)."""
+import operator
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
+
+import vllm_workers as W  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+WORLD = 2  # simulated ranks holding the same partial sums
+EPS = 1e-5
+
+
+@pytest.fixture(scope="module")
+def ops():
+    import vllm.distributed.parallel_state  # noqa: F401 -- torch.ops.vllm.all_reduce
+    import vllm.ir.ops  # noqa: F401 -- torch.ops.vllm_ir.*
+
+    from fastcomm_vllm import fusion
+
+    fusion.register_ops()
+    return fusion
+
+
+def layer(x_embed, x_attn, x_mlp, w1, w2, w3):
+    """The shape of a decoder step: embedding all-reduce -> rms_norm (its output is also the residual),
+    o_proj all-reduce -> fused_add_rms_norm, MLP all-reduce -> final fused_add_rms_norm (output only)."""
+    emb = torch.ops.vllm.all_reduce(x_embed, group_name="tp:0")
+    h = torch.ops.vllm_ir.rms_norm(emb, w1, EPS)
+    attn = torch.ops.vllm.all_reduce(x_attn + h, group_name="tp:0")
+    h2, residual = torch.ops.vllm_ir.fused_add_rms_norm(attn, emb, w2, EPS)
+    mlp = torch.ops.vllm.all_reduce(x_mlp * h2, group_name="tp:0")
+    final, _ = torch.ops.vllm_ir.fused_add_rms_norm(mlp, residual, w3, EPS)
+    return final
+
+
+def inputs(dtype=torch.float32, tokens=5, hidden=64):
+    g = torch.Generator().manual_seed(0)
+    acts = [torch.randn(tokens, hidden, generator=g).to(dtype) for _ in range(3)]
+    weights = [(torch.rand(hidden, generator=g) + 0.5).to(dtype) for _ in range(3)]
+    return acts + weights
+
+
+def trace(fn, args):
+    return make_fx(fn, tracing_mode="fake")(*args)
+
+
+def targets(gm):
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+class Reference(torch.fx.Interpreter):
+    """Runs a graph with all-reduce = WORLD identical partials, and the fused op by its definition
+    (vLLM's native norm on the reduced sum), so the check is about the rewrite's wiring."""
+
+    def call_function(self, target, args, kwargs):
+        if target is torch.ops.vllm.all_reduce.default:
+            return args[0] * WORLD
+        if target is torch.ops.fastcomm_vllm.fused_all_reduce_rms_norm.default:
+            import vllm.ir.ops
+
+            x, residual, weight, eps, _ = args
+            reduced = x * WORLD
+            if residual is None:
+                return vllm.ir.ops.rms_norm.impls["native"].impl_fn(reduced, weight, eps), reduced
+            return vllm.ir.ops.fused_add_rms_norm.impls["native"].impl_fn(reduced, residual, weight, eps)
+        if target in (torch.ops.vllm_ir.rms_norm.default, torch.ops.vllm_ir.fused_add_rms_norm.default):
+            import vllm.ir.ops
+
+            op = vllm.ir.ops.rms_norm if target is torch.ops.vllm_ir.rms_norm.default else vllm.ir.ops.fused_add_rms_norm
+            return op.impls["native"].impl_fn(*args, **kwargs)
+        return super().call_function(target, args, kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pass_rewrites_every_pair_and_keeps_outputs(ops, dtype):
+    args = inputs(dtype)
+    gm = trace(layer, args)
+    before = Reference(gm).run(*args)
+    p = ops.FastcommFusionPass(eligible=lambda name: name == "tp:0")
+    p(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    assert p.rewrites == 3
+    t = targets(gm)
+    assert t.count(torch.ops.fastcomm_vllm.fused_all_reduce_rms_norm.default) == 3
+    assert torch.ops.vllm.all_reduce.default not in t
+    assert torch.ops.vllm_ir.rms_norm.default not in t and torch.ops.vllm_ir.fused_add_rms_norm.default not in t
+    fused = [n for n in gm.graph.nodes if n.target is torch.ops.fastcomm_vllm.fused_all_reduce_rms_norm.default]
+    assert fused[0].args[1] is None and all(n.args[1] is not None for n in fused[1:])  # residual where due
+    assert all(n.args[3] == EPS and n.args[4] == "tp:0" for n in fused)
+    after = Reference(gm).run(*args)
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    # The rewritten graph still traces: the op's fake implementation gives the right metadata.
+    again = trace(gm, args)
+    vals = [n.meta["val"] for n in again.graph.nodes if n.target is torch.ops.fastcomm_vllm.fused_all_reduce_rms_norm.default]
+    assert len(vals) == 3 and all(v[0].shape == v[1].shape == args[0].shape and v[0].dtype == dtype for v in vals)
+
+
+def test_pass_skips_groups_without_workspace(ops):
+    gm = trace(layer, inputs())
+    p = ops.FastcommFusionPass(eligible=lambda name: False)
+    p(gm.graph)
+    assert p.rewrites == 0 and torch.ops.vllm.all_reduce.default in targets(gm)
+
+
+def test_pass_default_eligibility_needs_a_vllm_group(ops):
+    # No vLLM groups exist here, so the default check (the group's fastcomm workspace) declines.
+    gm = trace(layer, inputs())
+    p = ops.FastcommFusionPass()
+    p(gm.graph)
+    assert p.rewrites == 0
+
+
+def test_pass_leaves_pairs_it_cannot_fuse(ops):
+    def f(x, r, w):
+        ar = torch.ops.vllm.all_reduce(x, group_name="tp:0")
+        out, res = torch.ops.vllm_ir.fused_add_rms_norm(ar, r, w, EPS)
+        return out + ar, res  # all_reduce(x) alone is needed too: not what the fused op returns
+
+    def g(x, r, w):
+        ar = torch.ops.vllm.all_reduce(x, group_name="tp:0")
+        return torch.ops.vllm_ir.rms_norm(ar, w, EPS, 32)  # variance over part of the row
+
+    def h(x, r, w):
+        ar = torch.ops.vllm.all_reduce(x, group_name="tp:0")
+        early = ar * 2  # a reader before the norm
+        return torch.ops.vllm_ir.rms_norm(early + ar, w, EPS), torch.ops.vllm_ir.rms_norm(ar, w, EPS)
+
+    args = [torch.randn(4, 64), torch.randn(4, 64), torch.rand(64)]
+    for fn in (f, g, h):
+        gm = trace(fn, args)
+        p = ops.FastcommFusionPass(eligible=lambda name: True)
+        p(gm.graph)
+        assert p.rewrites == 0, fn.__name__
+
+
+def test_pass_sees_through_shape_preserving_views(ops):
+    def f(x, r, w):
+        ar = torch.ops.vllm.all_reduce(x, group_name="tp:0")
+        return torch.ops.vllm_ir.fused_add_rms_norm(ar.view(4, 64), r, w, EPS)
+
+    args = [torch.randn(4, 64), torch.randn(4, 64), torch.rand(64) + 0.5]
+    gm = trace(f, args)
+    before = Reference(gm).run(*args)
+    p = ops.FastcommFusionPass(eligible=lambda name: True)
+    p(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    assert p.rewrites == 1
+    assert not [n for n in gm.graph.nodes if n.op == "call_function" and n.target not in
+                (torch.ops.fastcomm_vllm.fused_all_reduce_rms_norm.default, operator.getitem)]
+    torch.testing.assert_close(Reference(gm).run(*args), before, rtol=0, atol=0)
+
+
+def test_pass_manager_appends_the_pass(ops):
+    from vllm.config import VllmConfig
+
+    pm = ops.FastcommPassManager()
+    config = VllmConfig()
+    config.parallel_config.tensor_parallel_size = 2
+    pm.configure(config)
+    assert isinstance(pm.passes[-1], ops.FastcommFusionPass)
+    single = ops.FastcommPassManager()
+    single.configure(VllmConfig())
+    assert not any(isinstance(p, ops.FastcommFusionPass) for p in single.passes)
+
+
+def test_dsa_helper_is_wrapped_when_glm5_model_module_loads():
+    # Fresh process: route first, then import vLLM's DSA model module (GLM-5's class) the way vLLM would.
+    code = """
+import json
+from fastcomm_vllm import fusion
+fusion.route_fused_helper()
+fusion.route_fused_helper()  # idempotent
+before = fusion.helper_routed()
+import vllm.models.common.ops.fused_allreduce_rms_norm as helper_mod
+import vllm.models.deepseek_v32.nvidia.model as model_mod
+w = model_mod.fused_allreduce_rms_norm
+print(json.dumps(dict(before=before, after=fusion.helper_routed(), same=w is helper_mod.fused_allreduce_rms_norm,
+    original=w._fastcomm_original.__module__, name=w.__name__)))
+"""
+    r = W.run_python(code)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = __import__("json").loads(r.stdout.strip().splitlines()[-1])
+    assert got == dict(before=False, after=True, same=True, original="vllm.models.common.ops.fused_allreduce_rms_norm",
+                       name="fused_allreduce_rms_norm")
+
+
+def test_dsa_helper_rebinds_consumers_imported_earlier():
+    code = """
+import vllm.models.deepseek_v32.nvidia.model as model_mod
+original = model_mod.fused_allreduce_rms_norm
+from fastcomm_vllm import fusion
+fusion.route_fused_helper()
+print(model_mod.fused_allreduce_rms_norm._fastcomm_original is original)
+"""
+    r = W.run_python(code)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "True"

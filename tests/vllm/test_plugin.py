@@ -1,0 +1,128 @@
+"""The plugin against the real vLLM: entry point, hooks, communicator class (CPU; no mocks of vLLM)."""
+import json
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import vllm_workers as W  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+def test_entry_point_is_registered():
+    import importlib.metadata
+
+    from fastcomm_vllm import plugin
+
+    eps = {ep.name: ep for ep in importlib.metadata.entry_points(group="vllm.general_plugins")}
+    assert "fastcomm" in eps
+    assert eps["fastcomm"].load() is plugin.register
+
+
+def test_classes_resolve_to_vllm_subclasses():
+    from vllm.compilation.passes.pass_manager import PostGradPassManager
+    from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    from fastcomm_vllm import plugin
+
+    assert plugin.VLLM_COMMUNICATOR == f"{CudaCommunicator.__module__}.{CudaCommunicator.__qualname__}"
+    assert plugin.VLLM_PASS_MANAGER == f"{PostGradPassManager.__module__}.{PostGradPassManager.__qualname__}"
+    assert issubclass(resolve_obj_by_qualname(plugin.COMMUNICATOR), CudaCommunicator)
+    assert issubclass(resolve_obj_by_qualname(plugin.PASS_MANAGER), PostGradPassManager)
+
+
+def test_vllm_loader_runs_register_with_plugin_off():
+    # vLLM's own plugin loader, in a fresh process: FASTCOMM_VLLM=0 leaves vLLM as it was, with a log line.
+    code = """
+import logging, sys
+logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(name)s %(message)s")
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+print("loaded")
+"""
+    r = W.run_python(code, env={"FASTCOMM_VLLM": "0", "VLLM_PLUGINS": "fastcomm"})
+    assert r.returncode == 0, r.stderr
+    assert "fastcomm: plugin off (FASTCOMM_VLLM=0)" in r.stdout and "loaded" in r.stdout
+
+
+def test_register_is_inert_off_cuda():
+    # This machine's vLLM platform is not CUDA: register() must not touch anything.
+    code = """
+import sys
+from vllm.platforms import current_platform
+from fastcomm_vllm import plugin
+plugin.register()
+print(current_platform.is_cuda(), any(type(f).__name__ == "_WrapOnImport" for f in sys.meta_path))
+"""
+    r = W.run_python(code, env={"FASTCOMM_VLLM": "1"})
+    assert r.returncode == 0, r.stderr
+    if r.stdout.split()[-2] == "True":
+        pytest.skip("CUDA platform here: covered by the GPU test")
+    assert r.stdout.split()[-1] == "False"
+
+
+def test_install_points_the_platform_at_fastcomm():
+    # A real vLLM platform class (the interface's CUDA answers are what install() checks against).
+    code = """
+import json
+from vllm.platforms.interface import Platform
+from vllm.config.compilation import CompilationConfig
+from vllm.utils.import_utils import resolve_obj_by_qualname
+from fastcomm_vllm import plugin, fusion
+
+class CudaLike(Platform):
+    @classmethod
+    def get_device_communicator_cls(cls):
+        return plugin.VLLM_COMMUNICATOR
+
+before = CompilationConfig().compute_hash()
+plugin.install(CudaLike)
+plugin.install(CudaLike)  # idempotent
+after = CompilationConfig().compute_hash()
+comm = resolve_obj_by_qualname(CudaLike.get_device_communicator_cls())
+
+class Other(Platform):
+    @classmethod
+    def get_device_communicator_cls(cls):
+        return "someone.else.Communicator"
+try:
+    plugin.install(Other)
+    conflict = None
+except RuntimeError as e:
+    conflict = str(e)
+print(json.dumps(dict(comm=comm.__name__, pm=CudaLike.get_pass_manager_cls(), hash_changed=before != after,
+    hash_stable=after == CompilationConfig().compute_hash(), conflict=conflict,
+    op=hasattr(__import__("torch").ops.fastcomm_vllm, "fused_all_reduce_rms_norm"))))
+"""
+    r = W.run_python(code)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["comm"] == "FastcommCudaCommunicator"
+    assert got["pm"] == "fastcomm_vllm.fusion.FastcommPassManager"
+    assert got["hash_changed"] and got["hash_stable"], got
+    assert got["conflict"] and "someone.else.Communicator" in got["conflict"]
+    assert got["op"]
+
+
+def test_communicator_falls_back_on_every_rank_without_cuda():
+    # Two gloo ranks on CPU: the workspace is refused on every rank (agreed, no hang), vLLM's all-reduce sums,
+    # non-TP groups never try, destroy() works. PyNccl needs a GPU, so vLLM's own switch turns it off.
+    got = W.run_cpu_ranks(W.cpu_communicator, 2, env={"VLLM_DISABLE_PYNCCL": "1"})
+    for r in got:
+        assert r["workspace"] is None and "not CUDA" in r["why_not"]
+        assert r["sum"] == 3.0 and r["input_kept"] in (1.0, 2.0)
+        assert "not a tensor-parallel group" in r["pp_why_not"]
+
+
+@pytest.mark.gpu
+def test_vllm_tp_group_on_gpus():
+    import torch
+
+    from fastcomm.spawn import check_all_ok, run_ranks
+
+    world = min(torch.cuda.device_count(), 8)
+    res = check_all_ok(run_ranks(W.gpu_vllm_tp, world, timeout=600))
+    print(res[0])
+    assert all(r["closed"] for r in res) and res[0]["graph_replays"] == 20
