@@ -210,8 +210,8 @@ def print_report(results: dict, meta: dict) -> None:
             print(f"{name:<14} FAILED: {r.get('error')} (log {r.get('log')})")
             continue
         by_c = {s["concurrency"]: s for s in r["sweep"]}
-        cols = " ".join(f"{by_c[c]['out_tok_s'] if c in by_c else '-':>12}" for c in conc)
-        print(f"{name:<14} {r['startup_s']:>8} {r['single']['tok_s']:>10} {r['single']['tpot_ms']:>8} {cols}")
+        cols = " ".join(f"{by_c[c]['out_tok_s']:>12.1f}" if c in by_c else f"{'-':>12}" for c in conc)
+        print(f"{name:<14} {r['startup_s']:>8.0f} {r['single']['tok_s']:>10.1f} {r['single']['tpot_ms']:>8.2f} {cols}")
         problem = check_active(r)
         if problem:
             print(f"{'':<14} WARNING: {problem}")

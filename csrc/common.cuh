@@ -55,6 +55,7 @@ struct FcTable {
   u64 timeout_ns;
   FcError* err;    // host-mapped
   u32* state;      // my own device memory: [0] last completed epoch, [1] blocks done in this launch
+  char* scratch;   // my own device memory: FC_MAX_BLOCKS x 2 packets, blocks of one launch talk through it
 
   // One-shot packets. Push: where my packets go (P2P: every peer's slot for me; host: my one host slot).
   u32 n_ll_push;
@@ -293,5 +294,5 @@ __device__ __forceinline__ void fc_gather_sum(const FcTable* t, u32 h, u64 off, 
   }
 }
 
-static_assert(sizeof(FcTable) == 1360, "FcTable layout must match fastcomm/layout.py (TABLE_BYTES)");
+static_assert(sizeof(FcTable) == 1368, "FcTable layout must match fastcomm/layout.py (TABLE_BYTES)");
 static_assert(sizeof(FcError) == 32, "FcError layout must match fastcomm/errors.py");

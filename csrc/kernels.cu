@@ -9,8 +9,9 @@
 #define FC_DEFINE_FUSED(NAME, D, K)                                                                            \
   extern "C" __global__ void __launch_bounds__(1024)                                                           \
       fc_fused_rmsnorm##K##_##NAME(const FcTable* t, const char* in, const char* residual, const char* weight,  \
-                                   char* out, char* residual_out, u32 tokens, u32 hidden, float eps) {         \
-    fc_fused_rmsnorm<D, K>(t, in, residual, weight, out, residual_out, tokens, hidden, eps);                    \
+                                   char* out, char* residual_out, u32 tokens, u32 hidden, u32 splits,         \
+                                   float eps) {                                                                \
+    fc_fused_rmsnorm<D, K>(t, in, residual, weight, out, residual_out, tokens, hidden, splits, eps);                    \
   }
 
 #define FC_DEFINE(NAME, D)                                                                                     \

@@ -27,6 +27,7 @@ class FcTable(ctypes.Structure):
         ("rank", ctypes.c_uint32), ("world", ctypes.c_uint32), ("group_id", ctypes.c_uint32),
         ("global_rank", ctypes.c_uint32), ("global_of", ctypes.c_uint32 * MAX_WORLD),
         ("timeout_ns", ctypes.c_uint64), ("err", ctypes.c_uint64), ("state", ctypes.c_uint64),
+        ("scratch", ctypes.c_uint64),
         ("n_ll_push", ctypes.c_uint32), ("n_ag_push", ctypes.c_uint32),
         ("ll_push", _H2), ("ll_pull", _H2),
         ("rs_push", _H2), ("rs_pull", _H2), ("rs_flag_push", _H2), ("rs_flag_pull", _H2),
@@ -34,9 +35,10 @@ class FcTable(ctypes.Structure):
     ]
 
 
-TABLE_BYTES = 1360
+TABLE_BYTES = 1368
 assert ctypes.sizeof(FcTable) == TABLE_BYTES, ctypes.sizeof(FcTable)  # == sizeof(FcTable) in common.cuh
 FLAG_ARRAY_BYTES = MAX_BLOCKS * 4
+SCRATCH_BYTES = MAX_BLOCKS * 2 * 16  # per group: two 16-byte packets per block (fused kernel partial sums)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +84,9 @@ class Layout:
     one_shot_max_bytes: int
     groups: tuple[GroupLayout, ...]     # flat first, then islands, then partner groups
     shared_bytes: int                   # per-rank device buffer (P2P) or the one host segment (host)
-    local_bytes: int                    # per-rank device memory nobody else touches: states then tables
+    local_bytes: int                    # per-rank device memory nobody else touches: states, scratch, tables
     state_off: int
+    scratch_off: int
     table_off: int
 
 
@@ -103,9 +106,11 @@ def plan_layout(transport: str, world_size: int, max_bytes: int, one_shot_max_by
             groups.append(_group_regions(tuple(isl[i] for isl in islands), PARTNER, ll_slot, 0, groups[-1].end, host))
     shared = round_up(groups[-1].end, 4096)
     state_off = 0
-    table_off = round_up(16 * len(groups), 256)
+    scratch_off = round_up(16 * len(groups), 256)
+    table_off = scratch_off + SCRATCH_BYTES * len(groups)
     local = table_off + TABLE_BYTES * len(groups)
-    return Layout(transport, world_size, max_bytes, one_shot_max_bytes, tuple(groups), shared, local, state_off, table_off)
+    return Layout(transport, world_size, max_bytes, one_shot_max_bytes, tuple(groups), shared, local, state_off,
+                  scratch_off, table_off)
 
 
 def groups_of(layout: Layout, rank: int) -> list[GroupLayout]:
@@ -114,7 +119,7 @@ def groups_of(layout: Layout, rank: int) -> list[GroupLayout]:
 
 
 def build_table(layout: Layout, g: GroupLayout, rank: int, *, own_base: int, peer_bases: Sequence[int] | None,
-                host_base: int | None, state_ptr: int, err_ptr: int, timeout_ns: int) -> FcTable:
+                host_base: int | None, state_ptr: int, err_ptr: int, timeout_ns: int, scratch_ptr: int = 0) -> FcTable:
     """The table rank ``rank`` uses for group ``g``.
 
     ``peer_bases[r]`` is rank r's shared device buffer as mapped in this process (P2P; own rank = own_base);
@@ -127,7 +132,7 @@ def build_table(layout: Layout, g: GroupLayout, rank: int, *, own_base: int, pee
     t.rank, t.world, t.group_id, t.global_rank = me, gsz, g.group_id, rank
     for i, r in enumerate(members):
         t.global_of[i] = r
-    t.timeout_ns, t.err, t.state = timeout_ns, err_ptr, state_ptr
+    t.timeout_ns, t.err, t.state, t.scratch = timeout_ns, err_ptr, state_ptr, scratch_ptr
     host = layout.transport == "host"
     flag = FLAG_ARRAY_BYTES
     for h in range(2):

@@ -182,12 +182,24 @@ def two_shot_launch(numel: int, elem_size: int, world_size: int, max_blocks: int
 FUSED_VARIANTS = (1, 2, 4, 8)  # packets per thread compiled for the fused kernel
 
 
+FUSED_MAX_SPLITS = 32          # blocks per row (the kernel's shared partial-sum array)
+FUSED_SPLIT_PACKETS = 256      # aim for about one packet per thread of a 256-thread block, as one-shot does
+
+
 def fused_launch(tokens: int, hidden: int, elem_size: int, max_blocks: int) -> Launch:
-    """One block per row (grid-strided); the fewest packets per thread that fit the row in 1024 threads."""
+    """Rows cut into `seg` splits (one block each) so few tokens still use many SMs; whole rounds of rows.
+
+    The grid is a multiple of the split count (the blocks of a row run together) and at most max_blocks
+    (all co-resident, as the blocks of a row wait for each other's partial sums).
+    """
     row_pk = packets_for(hidden * elem_size)
-    k = next(k for k in FUSED_VARIANTS if k * FUSED_THREADS >= row_pk)  # check_fused admits only rows that fit
-    block = min(FUSED_THREADS, max(32, -(-(-(-row_pk // k)) // 32) * 32))
-    return Launch(max(1, min(tokens, max_blocks)), block, k=k)
+    splits = max(1, min(-(-row_pk // FUSED_SPLIT_PACKETS), FUSED_MAX_SPLITS, max(1, max_blocks // max(tokens, 1)),
+                        max_blocks))
+    chunk_pk = -(-row_pk // splits)
+    k = next(k for k in FUSED_VARIANTS if k * FUSED_THREADS >= chunk_pk)  # check_fused admits only rows that fit
+    block = min(FUSED_THREADS, max(32, -(-(-(-chunk_pk // k)) // 32) * 32))
+    rows_per_round = max(1, min(tokens, max_blocks // splits))
+    return Launch(rows_per_round * splits, block, seg=splits, k=k)
 
 
 def num_blocks(work_items: int, threads: int, max_blocks: int) -> int:

@@ -242,7 +242,8 @@ class Workspace:
                 state = res.local_buffer + self.layout.state_off + 16 * gi
                 t = L.build_table(self.layout, g, self.rank, own_base=own, peer_bases=peer_bases,
                                   host_base=host_base, state_ptr=state, err_ptr=res.err_ptr,
-                                  timeout_ns=int(cfg.timeout_s * 1e9))
+                                  timeout_ns=int(cfg.timeout_s * 1e9),
+                                  scratch_ptr=res.local_buffer + self.layout.scratch_off + L.SCRATCH_BYTES * gi)
                 off = L.TABLE_BYTES * k
                 blob[off:off + L.TABLE_BYTES] = bytes(t)
                 self._tables[g.group_id] = res.local_buffer + self.layout.table_off + off

@@ -103,7 +103,9 @@ def gpu_vllm_tp(rank: int, world: int, gloo) -> dict:
 
     plugin.install(CudaPlatformBase)
     out = {}
-    with set_current_vllm_config(VllmConfig()):
+    config = VllmConfig()
+    config.kernel_config.ir_op_priority.set_default()  # as vLLM's workers do: the norm kernels they would run
+    with set_current_vllm_config(config):
         ps.init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="nccl")
         ps.initialize_model_parallel(tensor_model_parallel_size=world)
         tp = ps.get_tp_group()

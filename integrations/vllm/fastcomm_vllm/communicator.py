@@ -77,7 +77,7 @@ class FastcommCudaCommunicator(CudaCommunicator):
                 ws.close()
             return None, self._fall_back(reason or "another rank failed to build its workspace")
         if self.rank_in_group == 0:
-            logger.info("fastcomm: group %s: %s", self.unique_name, ws.describe())
+            logger.info("%s (vLLM group %s)", ws.describe(), self.unique_name)
         return ws, None
 
     def _local_reason(self) -> str | None:

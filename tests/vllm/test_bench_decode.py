@@ -1,0 +1,68 @@
+"""bench-decode's parent side on CPU: configs, model lookup, token comparison, merged reports."""
+import json
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from fastcomm_bench import bench_decode as B  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+def result(name, tokens, tok_s=40.0, fastcomm=False):
+    return {"backend": name, "ok": True, "startup_s": 200.0, "single": {"tok_s": tok_s, "tpot_ms": 1e3 / tok_s},
+            "sweep": [{"concurrency": c, "out_tok_s": tok_s * c, "tpot_ms": 25.0, "decode_tok_s": 40.0 * c}
+                      for c in (1, 4, 16, 64)],
+            "greedy_tokens": tokens, "workers": [{"fastcomm": fastcomm, "why_not": None if fastcomm else "off"}] * 2}
+
+
+def test_backends_cover_the_issue():
+    assert list(B.BACKENDS) == ["vllm", "nccl", "fastcomm", "nccl-nop2p", "fastcomm-host"]
+    assert B.BACKENDS["nccl"].disable_custom_all_reduce and not B.BACKENDS["vllm"].disable_custom_all_reduce
+    assert B.BACKENDS["fastcomm-host"].env == {"FASTCOMM_VLLM": "1", "FASTCOMM_TRANSPORT": "host", "NCCL_P2P_DISABLE": "1"}
+    assert B.BACKENDS["nccl-nop2p"].env["NCCL_P2P_DISABLE"] == "1"
+    assert all("FASTCOMM_VLLM" in b.env for b in B.BACKENDS.values())
+
+
+def test_model_names_resolve_to_shared_configs():
+    try:
+        path = B.resolve_model("glm5-mini")
+    except SystemExit:
+        pytest.skip("shared/models is not next to this checkout")
+    assert json.loads((path / "config.json").read_text())["architectures"] == ["GlmMoeDsaForCausalLM"]
+    with pytest.raises(SystemExit, match="no config.json"):
+        B.resolve_model("no-such-model")
+
+
+def test_arguments():
+    a = B.parse_args(["--configs", "vllm,fastcomm", "--max-tokens", "64", "--capture-sizes", "1,2,4,8"])
+    assert (a.configs, a.max_tokens, a.capture_sizes, a.concurrency) == ("vllm,fastcomm", 64, "1,2,4,8", "1,4,16,64")
+    with pytest.raises(SystemExit, match="unknown config"):
+        B.main(["--configs", "vllm,nvlink"])
+
+
+def test_token_comparison_and_active_check():
+    base = list(range(100, 228))
+    res = {"vllm": result("vllm", base), "fastcomm": result("fastcomm", base[:70] + [0] * 58, fastcomm=True),
+           "fastcomm-host": result("fastcomm-host", base)}
+    cmp = B.compare_tokens(res)
+    assert cmp["reference"] == "vllm"
+    assert cmp["fastcomm"] == {"compared": 128, "matching": 70, "first_divergence": 70, "distinct_tokens": 71}
+    assert cmp["vllm"]["first_divergence"] is None
+    assert B.check_active(res["fastcomm"]) is None
+    assert "inactive" in B.check_active(res["fastcomm-host"])  # a fastcomm row that ran without fastcomm
+    assert B.check_active(res["vllm"]) is None
+
+
+def test_compare_merges_separate_runs(tmp_path, capsys):
+    tokens = list(range(64))
+    meta = {"model": "glm5-78L-16E", "tp": 2, "max_tokens": 64, "capture_sizes": [1, 2, 4, 8]}
+    for name, fc in (("vllm", False), ("fastcomm", True)):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"meta": meta, "results": {name: result(name, tokens, fastcomm=fc)}}))
+    failed = {"backend": "nccl", "ok": False, "error": "timed out", "log": "nccl.log"}
+    (tmp_path / "nccl.json").write_text(json.dumps({"meta": meta, "results": {"nccl": failed}}))
+    assert B.main(["--compare"] + [str(tmp_path / f"{n}.json") for n in ("vllm", "fastcomm", "nccl")]) == 0
+    out = capsys.readouterr().out
+    assert "c=64 tok/s" in out and "nccl           FAILED: timed out" in out
+    assert "fastcomm       64/64 match, identical" in out
