@@ -69,15 +69,17 @@ class Rule:
 class PolicyKey:
     transport: Transport
     link: LinkType
-    world_size: int  # 0 means any
+    world_size: int          # 0 means any
+    dtype: str = "any"       # "bfloat16" / "float16" / "float32", or "any"
 
 
 # Defaults measured or modelled per (transport, link, world size); a tune file overrides entries.
 # Rules are ordered by max_bytes; the first rule whose max_bytes >= size wins; past the last, NCCL.
 DEFAULT_TABLE: dict[PolicyKey, tuple[Rule, ...]] = {
-    # Measured on 2 x H200 (bench/results/2026-11-30-h200x2.json): one-shot wins up to 1 MB.
+    # Measured on 2 x H200 (bench/results/2026-11-30-h200x2-run3-p2p.json): one-shot wins to 512 KB,
+    # two-shot from 1 MB (11.6 vs 12.2 us).
     PolicyKey(Transport.P2P, LinkType.NVLINK, 0): (
-        Rule(1 * MiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT)),
+        Rule(512 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT)),
     # PCIe: writes are cheap and posted, reads of peer memory are not; one-shot moves (n-1)x the data
     # but has a single hop, which wins while the message is latency-bound.
     PolicyKey(Transport.P2P, LinkType.PCIE_SWITCH, 0): (
@@ -97,12 +99,15 @@ DEFAULT_TABLE: dict[PolicyKey, tuple[Rule, ...]] = {
 
 
 def lookup_rules(table: dict[PolicyKey, tuple[Rule, ...]], transport: Transport, link: LinkType,
-                 world_size: int) -> tuple[Rule, ...]:
-    """Most specific entry first: exact world size, then any world size; then the link's UNKNOWN entry."""
-    for key in (PolicyKey(transport, link, world_size), PolicyKey(transport, link, 0),
-                PolicyKey(transport, LinkType.UNKNOWN, world_size), PolicyKey(transport, LinkType.UNKNOWN, 0)):
-        if key in table:
-            return table[key]
+                 world_size: int, dtype: str = "any") -> tuple[Rule, ...]:
+    """Most specific entry first: exact dtype before any dtype, exact world size before any, this link
+    before the transport's UNKNOWN row."""
+    for lk in (link, LinkType.UNKNOWN):
+        for ws in (world_size, 0):
+            for dt in ((dtype, "any") if dtype != "any" else ("any",)):
+                rules = table.get(PolicyKey(transport, lk, ws, dt))
+                if rules is not None:
+                    return rules
     return ()
 
 

@@ -109,3 +109,11 @@ def test_islands_validation():
         P.validate_islands([[0, 1], [2]], 3)
     with pytest.raises(ValueError):
         P.validate_islands([[0, 1], [1, 2]], 3)
+
+
+def test_lookup_by_dtype():
+    table = {P.PolicyKey(Transport.P2P, LinkType.NVLINK, 0, "float32"): (Rule(5, Algo.ONE_SHOT),),
+             P.PolicyKey(Transport.P2P, LinkType.NVLINK, 0): (Rule(6, Algo.ONE_SHOT),)}
+    assert P.lookup_rules(table, Transport.P2P, LinkType.NVLINK, 2, "float32")[0].max_bytes == 5
+    assert P.lookup_rules(table, Transport.P2P, LinkType.NVLINK, 2, "bfloat16")[0].max_bytes == 6
+    assert P.lookup_rules(table, Transport.P2P, LinkType.NVLINK, 2)[0].max_bytes == 6
