@@ -215,6 +215,11 @@ def print_report(results: dict, meta: dict) -> None:
         problem = check_active(r)
         if problem:
             print(f"{'':<14} WARNING: {problem}")
+        workers = r.get("workers")
+        if isinstance(workers, list) and workers and workers[0].get("fastcomm"):
+            w = workers[0]
+            print(f"{'':<14} {w.get('describe')}; fusion: DSA helper {'routed' if w.get('helper_routed') else 'not loaded'}, "
+                  f"{w.get('compile_pass_rewrites', 0)} compile-pass rewrites (0 on a compile-cache hit)")
     cmp = compare_tokens(results)
     if cmp.get("reference"):
         print(f"# greedy tokens vs {cmp['reference']}:")

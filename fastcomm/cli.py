@@ -1,4 +1,4 @@
-"""The `fastcomm` command: benchmarks, topology, kernel compilation, settings."""
+"""The `fastcomm` command: benchmarks, tuning, topology, kernel compilation, settings."""
 from __future__ import annotations
 
 import argparse
@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
         topo_cli = None
     if topo_cli is not None and hasattr(topo_cli, "add_parser"):
         topo_cli.add_parser(sub)
+
+    from . import tuning
+
+    tuning.add_parser(sub)
     return p
 
 

@@ -210,11 +210,12 @@ class Workspace:
             raise FastcommError(f"FASTCOMM_TRANSPORT=p2p but some GPU pairs cannot reach each other: {p2p_rows}")
         self.transport = Transport.P2P if (all_p2p and cfg.transport != "host") else Transport.HOST
         self.p2p_matrix = p2p_rows
-        self.link = self._decide_link()
-        self.islands = policy.validate_islands(cfg.islands, self.world_size) if cfg.islands else None
+        self.link, probed_islands = self._decide_topology([i["uuid"] for i in infos])
+        islands = cfg.islands if cfg.islands else (probed_islands if self.transport is Transport.P2P else None)
+        self.islands = policy.validate_islands(islands, self.world_size) if islands else None
         if self.islands is not None and self.transport is Transport.HOST:
             raise FastcommError("island (hierarchical) mode needs P2P; the host transport is flat by nature")
-        self.rules = policy.lookup_rules(policy.DEFAULT_TABLE, self.transport, self.link, self.world_size)
+        self.rules, self.rules_source = self._decide_rules()
         self.layout = L.plan_layout(self.transport.value, self.world_size, cfg.max_bytes,
                                     min(cfg.one_shot_max_bytes, cfg.max_bytes), self.islands)
         self.num_sms = props.multi_processor_count
@@ -255,21 +256,55 @@ class Workspace:
         if self.rank == 0:
             log.info("%s", self.describe())
 
-    def _decide_link(self) -> LinkType:
-        """Rank 0 reads the topology and shares its verdict, so every rank uses the same policy row."""
-        verdict = [LinkType.UNKNOWN.value]
+    def _decide_topology(self, uuids: list[str]) -> tuple[LinkType, tuple[tuple[int, ...], ...] | None]:
+        """Rank 0 reads the topology and shares its verdict, so every rank uses the same policy row.
+
+        Returns the worst link among this group's GPUs and, where the probe finds them, islands (only
+        when the group spans CPU sockets: cross-socket P2P writes are the slow ones hierarchical mode avoids).
+        """
+        verdict = [(LinkType.UNKNOWN.value, None)]
         if self.rank == 0:
             try:
                 from . import topology
 
-                probe = getattr(topology, "probe", None)
-                summary = getattr(topology, "summary_for_policy", None)
-                if probe is not None and summary is not None:
-                    verdict = [summary(probe())[0].value]
+                topo = topology.probe()
+                pos = {_norm_uuid(g.uuid): i for i, g in enumerate(topo.gpus) if g.uuid}
+                if all(_norm_uuid(u) in pos for u in uuids):
+                    ranks = [pos[_norm_uuid(u)] for u in uuids]
+                    link = topo.worst_link(ranks)
+                    isl = None
+                    if link is LinkType.CROSS_SOCKET:
+                        groups = topology.islands(topo, ranks)
+                        if len(groups) > 1:
+                            isl = tuple(tuple(ranks.index(p) for p in g) for g in groups)
+                    verdict = [(link.value, isl)]
+                else:
+                    log.info("fastcomm: topology probe did not see every rank's GPU (%s); conservative policy",
+                             "; ".join(topo.notes) or "UUIDs not matched")
             except Exception as e:  # topology is advisory; the UNKNOWN row is conservative
                 log.warning("fastcomm: topology probe failed (%s); using conservative defaults", e)
         dist.broadcast_object_list(verdict, src=dist.get_global_rank(self.group, 0), group=self.group)
-        return LinkType(verdict[0])
+        link, isl = verdict[0]
+        return LinkType(link), isl
+
+    def _decide_rules(self) -> tuple[tuple[policy.Rule, ...], str]:
+        """Rank 0 reads the tune cache (if any) and shares its verdict, so every rank runs the same rules."""
+        from . import tuning
+
+        verdict: list = [None, "", None]  # rules (None: defaults), why, error
+        if self.rank == 0:
+            try:
+                fp = tuning.fingerprint_here(self.transport, self.link, self.world_size, self.device_index)
+                verdict[0], verdict[1] = tuning.rules_from_file(self.config, fp)
+            except Exception as e:  # fail on every rank: the others are already waiting in the broadcast
+                verdict[2] = str(e)
+        dist.broadcast_object_list(verdict, src=dist.get_global_rank(self.group, 0), group=self.group)
+        if verdict[2] is not None:
+            raise tuning.TuneCacheError(verdict[2])
+        if verdict[0] is None:
+            return (policy.lookup_rules(policy.DEFAULT_TABLE, self.transport, self.link, self.world_size),
+                    verdict[1] or "defaults")
+        return verdict[0], verdict[1]
 
     def _map_peers(self, rt) -> list[int]:
         res = self._res
@@ -379,7 +414,7 @@ class Workspace:
         ranges.append(f">{_fmt(lo)}: nccl")
         isl = f", islands {self.islands}" if self.islands else ""
         return (f"fastcomm: {self.world_size} ranks, transport {self.transport.value}, link {self.link.value}"
-                f"{isl}; {'; '.join(ranges)}")
+                f"{isl}; {'; '.join(ranges)} (policy: {self.rules_source})")
 
     def stream(self) -> int:
         """The caller's current stream on our device (raw handle; the fast accessor when torch has it)."""
@@ -401,6 +436,12 @@ class Workspace:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _norm_uuid(u: str) -> str:
+    """torch prints GPU UUIDs bare, NVML and nvidia-smi with a 'GPU-' prefix."""
+    u = u.strip().lower()
+    return u[4:] if u.startswith("gpu-") else u
 
 
 def _fmt(n: int) -> str:

@@ -101,6 +101,18 @@ def test_pass_rewrites_every_pair_and_keeps_outputs(ops, dtype):
     assert len(vals) == 3 and all(v[0].shape == v[1].shape == args[0].shape and v[0].dtype == dtype for v in vals)
 
 
+def test_inductor_lowers_the_rewritten_graph(ops):
+    # vLLM runs the pass inside Inductor; the op must lower (as an opaque fallback kernel) with its
+    # optional residual and string group name.
+    from torch._inductor.compile_fx import compile_fx
+
+    args = inputs()
+    gm = trace(layer, args)
+    ops.FastcommFusionPass(eligible=lambda name: True)(gm.graph)
+    gm.recompile()
+    assert callable(compile_fx(gm, args))
+
+
 def test_pass_skips_groups_without_workspace(ops):
     gm = trace(layer, inputs())
     p = ops.FastcommFusionPass(eligible=lambda name: False)

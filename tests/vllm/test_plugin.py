@@ -92,7 +92,8 @@ try:
     conflict = None
 except RuntimeError as e:
     conflict = str(e)
-print(json.dumps(dict(comm=comm.__name__, pm=CudaLike.get_pass_manager_cls(), hash_changed=before != after,
+untouched = Other.get_pass_manager_cls() == plugin.VLLM_PASS_MANAGER  # nothing half-installed
+print(json.dumps(dict(untouched=untouched, comm=comm.__name__, pm=CudaLike.get_pass_manager_cls(), hash_changed=before != after,
     hash_stable=after == CompilationConfig().compute_hash(), conflict=conflict,
     op=hasattr(__import__("torch").ops.fastcomm_vllm, "fused_all_reduce_rms_norm"))))
 """
@@ -102,7 +103,7 @@ print(json.dumps(dict(comm=comm.__name__, pm=CudaLike.get_pass_manager_cls(), ha
     assert got["comm"] == "FastcommCudaCommunicator"
     assert got["pm"] == "fastcomm_vllm.fusion.FastcommPassManager"
     assert got["hash_changed"] and got["hash_stable"], got
-    assert got["conflict"] and "someone.else.Communicator" in got["conflict"]
+    assert got["conflict"] and "someone.else.Communicator" in got["conflict"] and got["untouched"]
     assert got["op"]
 
 

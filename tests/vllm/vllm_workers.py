@@ -153,6 +153,7 @@ def gpu_vllm_tp(rank: int, world: int, gloo) -> dict:
         with torch.no_grad():
             norm.weight.copy_(torch.rand(4096, device=dev, dtype=torch.bfloat16) + 0.5)
         gen = torch.Generator(device=dev).manual_seed(1234 + rank)
+        torch.set_grad_enabled(False)  # as in vLLM's forward: the norm weight is a Parameter
         for tokens in (1, 8, 64):
             h = torch.randn((tokens, 4096), generator=gen, device=dev, dtype=torch.bfloat16)
             residual = torch.randn((tokens, 4096), generator=torch.Generator(device=dev).manual_seed(7),

@@ -52,7 +52,7 @@ class FastcommCudaCommunicator(CudaCommunicator):
     # ---- construction ---------------------------------------------------------------------------------
 
     def _open_workspace(self):
-        """(workspace, None), or (None, why). Never raises: vLLM then runs on its own path.
+        """(workspace, None), or (None, why). fastcomm's own failures do not raise: vLLM keeps its path.
 
         Runs the same collectives on every rank whatever the local outcome, so a rank that fails early
         cannot leave the others waiting.

@@ -219,6 +219,10 @@ def _shape(node) -> tuple | None:
 class FastcommFusionPass(InductorPass):
     """Rewrite ``vllm.all_reduce`` -> ``vllm_ir.(fused_add_)rms_norm`` into one fastcomm_vllm op."""
 
+    # Rewrites in this process, for diagnostics (plugin.worker_status); stays 0 when vLLM loads its
+    # compiled graphs from the cache instead of compiling.
+    total_rewrites = 0
+
     def __init__(self, eligible: Callable[[str], bool] | None = None):
         import vllm.distributed.parallel_state  # noqa: F401 -- defines torch.ops.vllm.all_reduce
         import vllm.ir.ops  # noqa: F401 -- defines torch.ops.vllm_ir.*
@@ -242,7 +246,10 @@ class FastcommFusionPass(InductorPass):
                 self._rewrite(graph, *m)
                 self.rewrites += 1
         if self.rewrites:
-            logger.debug("fastcomm: fused %d all-reduce + RMSNorm pairs", self.rewrites)
+            first = FastcommFusionPass.total_rewrites == 0
+            FastcommFusionPass.total_rewrites += self.rewrites
+            (logger.info if first else logger.debug)(
+                "fastcomm: compile pass fused %d all-reduce + RMSNorm pair(s) in this graph", self.rewrites)
 
     def _match(self, ar: fx.Node, order: dict):
         group_name = _arg(ar, 1, "group_name")
@@ -264,7 +271,7 @@ class FastcommFusionPass(InductorPass):
         k = 1 if with_residual else 0
         residual = _arg(norm, 1, "x_residual") if with_residual else None
         weight, eps = _arg(norm, 1 + k, "weight"), _arg(norm, 2 + k, "epsilon")
-        if not isinstance(weight, fx.Node) or _arg(norm, 3 + k, "variance_size") is not None:
+        if not isinstance(weight, fx.Node) or _arg(norm, 3 + k, "variance_size") is not None or residual is tap:
             return None
         others = [u for u in tap.users if u is not norm]
         if with_residual and others:

@@ -47,22 +47,26 @@ def install(platform_cls: type) -> None:
     """
     from . import fusion
 
-    _point(platform_cls, "get_device_communicator_cls", COMMUNICATOR, VLLM_COMMUNICATOR)
-    _point(platform_cls, "get_pass_manager_cls", PASS_MANAGER, VLLM_PASS_MANAGER)
+    hooks = (("get_device_communicator_cls", COMMUNICATOR, VLLM_COMMUNICATOR),
+             ("get_pass_manager_cls", PASS_MANAGER, VLLM_PASS_MANAGER))
+    for method, ours, vllms in hooks:  # check both before changing either
+        _check(platform_cls, method, ours, vllms)
+    for method, ours, _ in hooks:
+        _point(platform_cls, method, ours)
     fusion.register_ops()
     fusion.route_fused_helper()
     _fold_into_compile_hash()
 
 
-def _point(platform_cls: type, method: str, ours: str, vllms: str) -> None:
+def _check(platform_cls: type, method: str, ours: str, vllms: str) -> None:
     current = getattr(platform_cls, method)()
-    if current == ours:
-        return
-    if current != vllms:
+    if current not in (ours, vllms):
         raise RuntimeError(
             f"fastcomm: {platform_cls.__name__}.{method}() returns {current!r}, not vLLM's {vllms!r}: another "
             f"plugin replaced it. Turn one off (FASTCOMM_VLLM=0, or name the plugins to load in VLLM_PLUGINS).")
 
+
+def _point(platform_cls: type, method: str, ours: str) -> None:
     def qualname(cls) -> str:
         return ours
 
@@ -104,4 +108,5 @@ def worker_status(worker=None) -> dict:
         "describe": None if ws is None else ws.describe(),
         "why_not": getattr(comm, "fastcomm_why_not", None),
         "helper_routed": fusion.helper_routed(),
+        "compile_pass_rewrites": fusion.FastcommFusionPass.total_rewrites,
     }

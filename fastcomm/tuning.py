@@ -1,0 +1,451 @@
+"""Measured policy: `fastcomm tune` times the algorithms on this machine and writes a cache file.
+
+Three layers, so all but the last are testable without GPUs:
+- plain data: ``Fingerprint`` and ``TuneCache`` (frozen; JSON round-trip that rejects anything it does not
+  fully understand, naming the file and the problem);
+- pure functions: ``rules_from_measurements`` (timings -> rules) and ``rules_from_file`` (config -> rules);
+- ``tune``: the command body, which spawns one rank per GPU and measures.
+
+The cache is never required: without one, or with one tuned elsewhere, workspaces use ``policy.DEFAULT_TABLE``.
+Only rank 0 reads it; the workspace broadcasts the verdict so every rank runs the same rules.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from .config import Config
+from .errors import FastcommError
+from .policy import SUPPORTED_DTYPES, Algo, PolicyKey, Rule, Transport, lookup_rules
+from .topology import LinkType
+
+log = logging.getLogger("fastcomm")
+
+SCHEMA_VERSION = 1
+FORMAT = "fastcomm-tune"  # marker that tells our file from any other JSON (a bench result, a topo dump)
+FILE_NAME = "tune.json"
+# fastcomm must beat NCCL by this fraction to be kept: below it the gap is run-to-run noise, and NCCL is the
+# safer default (no workspace limits, no extra buffers in the graph).
+DEFAULT_MARGIN = 0.03
+# Ties go to the first: one-shot has one hop and no intermediate state.
+FASTCOMM_ALGOS = (Algo.ONE_SHOT, Algo.TWO_SHOT)
+
+
+class TuneCacheError(FastcommError):
+    """A tune cache file that cannot be used as written (missing, corrupt, foreign, or from a newer schema)."""
+
+
+class _Bad(ValueError):
+    """A problem inside the data; ``from_json`` adds the file name."""
+
+
+# ---- plain data ----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Fingerprint:
+    """What the timings depend on. A cache whose fingerprint differs from this run's is not used."""
+
+    gpu_name: str
+    gpu_count: int      # the world size that was measured
+    transport: Transport
+    link: LinkType
+    cuda: str           # CUDA version torch was built with (the kernels' toolchain)
+    fastcomm: str       # package version: kernels change between versions, and so do their timings
+
+    def matches(self, other: "Fingerprint") -> str | None:
+        """None if ``other`` is the same machine setup; else which fields differ (self = the cache's)."""
+        diffs = []
+        for f in dataclasses.fields(self):
+            mine, theirs = _plain(getattr(self, f.name)), _plain(getattr(other, f.name))
+            if mine != theirs:
+                diffs.append(f"{f.name} {mine!r} (cache) != {theirs!r} (here)")
+        return "; ".join(diffs) or None
+
+    def to_json(self) -> dict:
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "fingerprint") -> "Fingerprint":
+        """Raises ValueError on bad data (``TuneCache.from_json`` turns it into a TuneCacheError naming the file)."""
+        _need_obj(data, where)
+        return cls(gpu_name=_str(data, "gpu_name", where), gpu_count=_int(data, "gpu_count", where, lo=1),
+                   transport=_enum(Transport, _str(data, "transport", where), f"{where}.transport"),
+                   link=_enum(LinkType, _str(data, "link", where), f"{where}.link"),
+                   cuda=_str(data, "cuda", where), fastcomm=_str(data, "fastcomm", where))
+
+
+def fingerprint_here(transport: Transport, link: LinkType, world_size: int, device_index: int = 0) -> Fingerprint:
+    """This process's fingerprint (touches CUDA through torch; the rest of the module does not)."""
+    import torch
+
+    from . import __version__
+
+    return Fingerprint(gpu_name=torch.cuda.get_device_name(device_index), gpu_count=world_size,
+                       transport=Transport(transport), link=LinkType(link), cuda=str(torch.version.cuda),
+                       fastcomm=__version__)
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneCache:
+    version: int
+    fingerprint: Fingerprint
+    table: dict[PolicyKey, tuple[Rule, ...]]
+    created: str                                   # ISO 8601, UTC
+    measurements: tuple[dict, ...] = ()            # raw rows (size, algo, us, wrong), kept for people
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT,
+            "version": self.version,
+            "created": self.created,
+            "fingerprint": self.fingerprint.to_json(),
+            "table": [{"transport": k.transport.value, "link": k.link.value, "world_size": k.world_size,
+                       "dtype": k.dtype, "rules": [{"max_bytes": r.max_bytes, "algo": r.algo.value} for r in rules]}
+                      for k, rules in self.table.items()],
+            "measurements": [dict(m) for m in self.measurements],
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, source: str = "<data>") -> "TuneCache":
+        """Parse and validate; every problem raises ``TuneCacheError`` naming ``source``."""
+        try:
+            return cls._parse(data)
+        except _Bad as e:
+            raise TuneCacheError(f"tune cache {source}: {e}; regenerate it with `fastcomm tune`") from None
+
+    @classmethod
+    def _parse(cls, data: Any) -> "TuneCache":
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise _Bad(f"not a fastcomm tune cache (no \"format\": \"{FORMAT}\" marker)")
+        version = _int(data, "version", "")
+        if version != SCHEMA_VERSION:
+            raise _Bad(f"schema version {version}, this fastcomm reads version {SCHEMA_VERSION}")
+        entries = data.get("table")
+        if not isinstance(entries, list):
+            raise _Bad("missing or ill-typed field 'table' (expected a list)")
+        table: dict[PolicyKey, tuple[Rule, ...]] = {}
+        for i, entry in enumerate(entries):
+            key, rules = _parse_entry(entry, f"table[{i}]")
+            if key in table:
+                raise _Bad(f"table[{i}] repeats the entry for {_key_text(key)}")
+            table[key] = rules
+        rows = data.get("measurements", [])
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise _Bad("ill-typed field 'measurements' (expected a list of objects)")
+        return cls(version=version, fingerprint=Fingerprint.from_json(data.get("fingerprint")), table=table,
+                   created=_str(data, "created", ""), measurements=tuple(rows))
+
+    def save(self, path: Path | str) -> Path:
+        """Write atomically: readers (other processes starting a workspace) see the old file or the new one."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.to_json(), f, indent=1)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+
+def load(path: Path | str) -> TuneCache:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise TuneCacheError(f"tune cache {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise TuneCacheError(f"tune cache {path}: cannot read it ({e})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise TuneCacheError(f"tune cache {path}: invalid JSON ({e}); regenerate it with `fastcomm tune`") from None
+    return TuneCache.from_json(data, source=str(path))
+
+
+def default_path(cache_dir: Path) -> Path:
+    return Path(cache_dir) / FILE_NAME
+
+
+# ---- validation helpers --------------------------------------------------------------------------------
+
+def _plain(v):
+    return v.value if isinstance(v, (Transport, LinkType, Algo)) else v
+
+
+def _need_obj(data: Any, where: str) -> None:
+    if not isinstance(data, dict):
+        raise _Bad(f"missing or ill-typed field '{where}' (expected an object)")
+
+
+def _get(data: dict, key: str, where: str):
+    name = f"{where}.{key}" if where else key
+    if key not in data:
+        raise _Bad(f"missing field '{name}'")
+    return name, data[key]
+
+
+def _int(data: dict, key: str, where: str, lo: int | None = None) -> int:
+    name, v = _get(data, key, where)
+    if isinstance(v, bool) or not isinstance(v, int):  # bool is an int to Python, never to us
+        raise _Bad(f"field '{name}' must be an integer, got {v!r}")
+    if lo is not None and v < lo:
+        raise _Bad(f"field '{name}' must be >= {lo}, got {v}")
+    return v
+
+
+def _str(data: dict, key: str, where: str) -> str:
+    name, v = _get(data, key, where)
+    if not isinstance(v, str):
+        raise _Bad(f"field '{name}' must be a string, got {v!r}")
+    return v
+
+
+def _enum(kind, value: str, where: str):
+    try:
+        return kind(value)
+    except ValueError:
+        known = ", ".join(e.value for e in kind)
+        raise _Bad(f"unknown {kind.__name__} {value!r} at '{where}' (known: {known})") from None
+
+
+def _parse_entry(entry: Any, where: str) -> tuple[PolicyKey, tuple[Rule, ...]]:
+    _need_obj(entry, where)
+    dtype = _str(entry, "dtype", where)
+    if dtype not in ("any", *SUPPORTED_DTYPES):
+        raise _Bad(f"unknown dtype {dtype!r} at '{where}.dtype' (known: any, {', '.join(SUPPORTED_DTYPES)})")
+    key = PolicyKey(_enum(Transport, _str(entry, "transport", where), f"{where}.transport"),
+                    _enum(LinkType, _str(entry, "link", where), f"{where}.link"),
+                    _int(entry, "world_size", where, lo=0), dtype)
+    _, raw = _get(entry, "rules", where)
+    if not isinstance(raw, list):
+        raise _Bad(f"field '{where}.rules' must be a list, got {raw!r}")
+    rules = []
+    for j, r in enumerate(raw):
+        at = f"{where}.rules[{j}]"
+        _need_obj(r, at)
+        rule = Rule(_int(r, "max_bytes", at), _enum(Algo, _str(r, "algo", at), f"{at}.algo"))
+        if rule.max_bytes <= 0:
+            raise _Bad(f"field '{at}.max_bytes' must be positive, got {rule.max_bytes}")
+        if rules and rule.max_bytes <= rules[-1].max_bytes:
+            # choose_algo takes the first rule that fits, so an unsorted list would hide rules silently.
+            raise _Bad(f"rules at '{where}' are not sorted by max_bytes ({rules[-1].max_bytes} then {rule.max_bytes})")
+        rules.append(rule)
+    return key, tuple(rules)
+
+
+def _key_text(k: PolicyKey) -> str:
+    return f"transport {k.transport.value}, link {k.link.value}, world size {k.world_size}, dtype {k.dtype}"
+
+
+# ---- pure functions ------------------------------------------------------------------------------------
+
+def rules_from_file(config: Config, fingerprint: Fingerprint) -> tuple[tuple[Rule, ...] | None, str]:
+    """Rules from the tune cache for this run, or None (use the defaults) and why.
+
+    An explicit ``config.tune_file`` must be a valid cache (errors raise); a file at the default path is only
+    a hint, so a bad one is logged and skipped: the cache is never required. A cache tuned on another setup
+    (fingerprint differs) is never used.
+    """
+    explicit = config.tune_file is not None
+    path = Path(config.tune_file) if explicit else default_path(config.cache_dir)
+    if not explicit and not path.exists():
+        return None, f"no tune cache (FASTCOMM_TUNE_FILE unset, none at {path}); default policy"
+    try:
+        cache = load(path)
+    except TuneCacheError as e:
+        if explicit:
+            raise
+        log.warning("fastcomm: ignoring %s; using the default policy", e)
+        return None, f"{e}; default policy"
+    diff = cache.fingerprint.matches(fingerprint)
+    if diff is not None:
+        reason = f"tune cache {path} was measured on another setup ({diff}); default policy"
+        log.warning("fastcomm: %s. Re-run `fastcomm tune` here to use measured crossovers.", reason)
+        return None, reason
+    # The fingerprint matched, so an entry for this run's key (or its fallbacks) is expected; report its absence
+    # rather than letting lookup_rules' empty answer read as "always NCCL".
+    fp = fingerprint
+    if not any(PolicyKey(fp.transport, lk, ws) in cache.table for lk in (fp.link, LinkType.UNKNOWN)
+               for ws in (fp.gpu_count, 0)):
+        reason = f"tune cache {path} has no entry for transport {fp.transport.value}, link {fp.link.value}, " \
+                 f"world size {fp.gpu_count}; default policy"
+        log.warning("fastcomm: %s", reason)
+        return None, reason
+    rules = lookup_rules(cache.table, fp.transport, fp.link, fp.gpu_count)
+    return rules, f"tuned rules from {path} (created {cache.created})"
+
+
+def rules_from_measurements(rows: Iterable[Mapping], sizes: Sequence[int], *,
+                            margin: float = DEFAULT_MARGIN) -> tuple[Rule, ...]:
+    """Rules from graph-mode timings: rows of {"size", "algo" (one_shot/two_shot/nccl), "us"}.
+
+    Per size the faster fastcomm algorithm is picked; fastcomm serves every size up to the largest one where it
+    beats NCCL by ``margin`` (NCCL beyond); consecutive sizes with the same algorithm merge into one rule whose
+    max_bytes is the largest size of the run. A dip below NCCL in the middle is kept as fastcomm: a table with
+    a hole in it would mostly be fitting noise. Sizes with no fastcomm timing (over a buffer limit) are NCCL.
+    """
+    us: dict[tuple[int, Algo], float] = {}
+    for r in rows:
+        us[(int(r["size"]), Algo(r["algo"]))] = float(r["us"])
+    sizes = sorted(set(sizes))
+    best: list[Algo | None] = []
+    last_win = -1
+    for i, s in enumerate(sizes):
+        if (s, Algo.NCCL) not in us:
+            raise ValueError(f"no NCCL timing for size {s}: cannot place the crossover")
+        timed = [(us[(s, a)], k, a) for k, a in enumerate(FASTCOMM_ALGOS) if (s, a) in us]
+        t, _, algo = min(timed) if timed else (None, None, None)
+        best.append(algo)
+        if t is not None and t < us[(s, Algo.NCCL)] * (1.0 - margin):
+            last_win = i
+    rules: list[Rule] = []
+    for s, algo in zip(sizes[:last_win + 1], best[:last_win + 1]):
+        algo = algo or Algo.NCCL
+        if rules and rules[-1].algo is algo:
+            rules[-1] = Rule(s, algo)
+        else:
+            rules.append(Rule(s, algo))
+    return tuple(rules)
+
+
+def describe_rules(rules: Sequence[Rule]) -> str:
+    parts, lo = [], 0
+    for r in rules:
+        parts.append(f"{_size(lo)} < size <= {_size(r.max_bytes)}: {r.algo.value}" if lo else
+                     f"size <= {_size(r.max_bytes)}: {r.algo.value}")
+        lo = r.max_bytes
+    parts.append(f"size > {_size(lo)}: nccl" if lo else "all sizes: nccl")
+    return "\n".join("  " + p for p in parts)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
+
+
+# ---- the command ---------------------------------------------------------------------------------------
+
+def _parse_size(text: str) -> int:
+    from fastcomm_bench.bench_allreduce import parse_size
+
+    return parse_size(text)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("tune", help="measure the algorithm crossovers here and write the tune cache",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--world", type=int, default=0, help="ranks (default: all visible GPUs)")
+    p.add_argument("--transport", choices=("auto", "p2p", "host"), default="auto",
+                   help="transport to tune (auto: what a workspace would pick here)")
+    p.add_argument("-b", "--minbytes", dest="min_bytes", type=_parse_size, default=1 << 10)
+    p.add_argument("-e", "--maxbytes", dest="max_size", type=_parse_size, default=64 << 20,
+                   help="largest size measured (also the tuning workspace's max_bytes)")
+    p.add_argument("-f", "--stepfactor", dest="factor", type=float, default=2.0)
+    p.add_argument("-n", "--iters", type=int, default=30, help="timed graph replays per point")
+    p.add_argument("-w", "--warmup_iters", dest="warmup", type=int, default=5)
+    p.add_argument("-G", "--graph-calls", dest="graph_calls", type=int, default=20,
+                   help="back-to-back calls captured in one graph (per-call time = replay / G)")
+    p.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="fraction by which fastcomm must beat NCCL")
+    p.add_argument("--out", default=None, help="cache file (default: tune.json under FASTCOMM_CACHE_DIR)")
+    p.add_argument("--timeout", type=float, default=900, help="deadline for the whole measurement, seconds")
+    p.set_defaults(func=tune)
+    return p
+
+
+def _tune_rank(rank, world, gloo, opts, sweep):
+    """One rank: time one-shot, two-shot and NCCL at every size (bfloat16, the decode dtype)."""
+    import torch
+    import torch.distributed as dist
+
+    import fastcomm
+    from fastcomm_bench.bench_allreduce import _check, _timers
+
+    ws = fastcomm.Workspace(gloo, rank, transport=opts.transport, max_bytes=max(sweep))
+    rows = []
+    try:
+        dev = torch.device("cuda", rank)
+        elem = torch.tensor([], dtype=torch.bfloat16).element_size()
+        for nbytes in sweep:
+            n = max(1, nbytes // elem)
+            for algo in (*FASTCOMM_ALGOS, Algo.NCCL):
+                # algo_for is a pure function of shared data, so every rank skips the same points.
+                if algo is not Algo.NCCL and ws.algo_for(n * elem, algo.value) is Algo.NCCL:
+                    continue
+                x = torch.empty(n, dtype=torch.bfloat16, device=dev)
+                if algo is Algo.NCCL:
+                    fn, out = (lambda x=x: dist.all_reduce(x)), x
+                else:
+                    out = torch.empty_like(x)
+                    fn = (lambda x=x, out=out, a=algo.value: fastcomm.all_reduce(x, ws, algo=a, out=out))
+                dist.barrier()
+                wrong = _check(torch, fn, out, x, rank)
+                t = _timers(torch, fn, opts.graph_calls, opts.iters, opts.warmup, graph=True)
+                rows.append(dict(size=n * elem, algo=algo.value, us=t, wrong=wrong))
+        fp = fingerprint_here(ws.transport, ws.link, world, rank).to_json() if rank == 0 else None
+    finally:
+        ws.close()
+    return (fp, rows) if rank == 0 else None
+
+
+def tune(opts) -> int:
+    """`fastcomm tune`: measure on all ranks, decide on rank 0's timings, write the cache atomically."""
+    import torch
+
+    from fastcomm_bench.bench_allreduce import sizes
+
+    from .spawn import run_ranks
+
+    world = opts.world or torch.cuda.device_count()
+    if world < 2:
+        print("fastcomm tune: needs at least 2 GPUs")
+        return 2
+    out = Path(opts.out) if opts.out else default_path(Config.from_env().cache_dir)
+    sweep = sizes(opts.min_bytes, opts.max_size, opts.factor)
+    results = run_ranks(_tune_rank, world, opts, sweep, timeout=opts.timeout)
+    bad = {r: v for r, (s, v) in results.items() if s != "ok"}
+    if bad:
+        for r, v in sorted(bad.items()):
+            print(f"--- rank {r} failed:\n{v}")
+        return 1
+    fp_json, rows = results[0][1]
+    fp = Fingerprint.from_json(fp_json)
+    wrong = [r for r in rows if r["wrong"]]
+    if wrong:  # timings of a kernel that gives wrong sums must not steer anything
+        print("fastcomm tune: wrong results, no cache written:\n" + "\n".join(map(str, wrong)))
+        return 1
+    measured = sorted({r["size"] for r in rows})
+    rules = rules_from_measurements(rows, measured, margin=opts.margin)
+    cache = TuneCache(version=SCHEMA_VERSION, fingerprint=fp,
+                      table={PolicyKey(fp.transport, fp.link, fp.gpu_count): rules},
+                      created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                      measurements=tuple(rows))
+    by = {(r["size"], r["algo"]): r["us"] for r in rows}
+    print(f"# fastcomm tune: {world} x {fp.gpu_name}, transport {fp.transport.value}, link {fp.link.value}; "
+          "us per call (graph mode)")
+    print(f"#{'size':>11} {'one_shot':>9} {'two_shot':>9} {'nccl':>9}")
+    for s in measured:
+        cells = [by.get((s, a.value)) for a in (*FASTCOMM_ALGOS, Algo.NCCL)]
+        print(f" {s:>11} " + " ".join(f"{'-' if c is None else f'{c:.2f}':>9}" for c in cells))
+    print("chosen ranges:\n" + describe_rules(rules))
+    try:
+        cache.save(out)
+    except OSError as e:
+        print(f"fastcomm tune: cannot write {out}: {e}")
+        return 1
+    print(f"wrote {out}")
+    return 0
