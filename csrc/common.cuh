@@ -260,36 +260,46 @@ __device__ __forceinline__ void fc_store_payload(char* base, u64 i, u64 limit, u
   for (u64 b = 0; b < n; ++b) p[b] = s[b];
 }
 
-// Packet i from every rank, summed in rank order 0..world-1 (the same order on every rank, so all ranks get
-// the same bits; the first term seeds the sum, which keeps an all -0.0 input -0.0 as NCCL does).
-// All peers' packets are requested before any is waited on, so the waits overlap instead of adding up.
-// A packet is ready when both flags carry this epoch: only its 8-byte halves are single-copy atomic.
-template <class D>
-__device__ __forceinline__ void fc_gather_sum(const FcTable* t, u32 h, u64 off, u32 epoch, uint2 mine, u32 step,
-                                              float* acc) {
+// U packets (at byte offsets off[u] of each source's slot) from every rank, each summed in rank order
+// 0..world-1 (the same order on every rank, so all ranks get the same bits; the first term seeds the sum,
+// which keeps an all -0.0 input -0.0 as NCCL does). Every load is issued before any is waited on, so the
+// waits overlap instead of adding up. A packet is ready when both flags carry this epoch: only its 8-byte
+// halves are single-copy atomic. Invalid lanes (valid[u] false) are skipped.
+template <class D, int U>
+__device__ __forceinline__ void fc_gather_sum(const FcTable* t, u32 h, const u64* off, const bool* valid, u32 epoch,
+                                              const uint2* mine, u32 step, float (*acc)[FcPayload<D>::N]) {
   typedef FcPayload<D> P;
   const u32 world = t->world, me = t->rank;
-  uint4 pk[FC_MAX_WORLD];
+  uint4 pk[U][FC_MAX_WORLD];
 #pragma unroll
-  for (u32 s = 0; s < FC_MAX_WORLD; ++s)
-    if (s < world && s != me) fc_load_packet(t->ll_pull[h][s] + off, pk[s].x, pk[s].y, pk[s].z, pk[s].w);
+  for (int u = 0; u < U; ++u)
 #pragma unroll
-  for (u32 s = 0; s < FC_MAX_WORLD; ++s) {
-    if (s < world && s != me && (pk[s].y != epoch || pk[s].w != epoch)) {
-      FcDeadline dl(t->timeout_ns);
-      do {
-        if (dl.expired()) fc_fail(t, s, step, epoch);
-        fc_load_packet(t->ll_pull[h][s] + off, pk[s].x, pk[s].y, pk[s].z, pk[s].w);
-      } while (pk[s].y != epoch || pk[s].w != epoch);
+    for (u32 s = 0; s < FC_MAX_WORLD; ++s)
+      if (valid[u] && s < world && s != me)
+        fc_load_packet(t->ll_pull[h][s] + off[u], pk[u][s].x, pk[u][s].y, pk[u][s].z, pk[u][s].w);
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+#pragma unroll
+    for (u32 s = 0; s < FC_MAX_WORLD; ++s) {
+      if (valid[u] && s < world && s != me && (pk[u][s].y != epoch || pk[u][s].w != epoch)) {
+        FcDeadline dl(t->timeout_ns);
+        do {
+          if (dl.expired()) fc_fail(t, s, step, epoch);
+          fc_load_packet(t->ll_pull[h][s] + off[u], pk[u][s].x, pk[u][s].y, pk[u][s].z, pk[u][s].w);
+        } while (pk[u][s].y != epoch || pk[u][s].w != epoch);
+      }
     }
   }
-  float v[P::N];
 #pragma unroll
-  for (u32 s = 0; s < FC_MAX_WORLD; ++s) {
-    if (s < world) {
-      P::unpack(s == me ? mine : make_uint2(pk[s].x, pk[s].z), v);
+  for (int u = 0; u < U; ++u) {
+    float v[P::N];
 #pragma unroll
-      for (int e = 0; e < P::N; ++e) acc[e] = (s == 0) ? v[e] : acc[e] + v[e];
+    for (u32 s = 0; s < FC_MAX_WORLD; ++s) {
+      if (s < world) {
+        P::unpack(s == me ? mine[u] : make_uint2(pk[u][s].x, pk[u][s].z), v);
+#pragma unroll
+        for (int e = 0; e < P::N; ++e) acc[u][e] = (s == 0) ? v[e] : acc[u][e] + v[e];
+      }
     }
   }
 }

@@ -82,18 +82,20 @@ __device__ __forceinline__ void fc_fused_rmsnorm(const FcTable* __restrict__ t, 
     for (int k = 0; k < K; ++k) {
       const u64 i = c0 + threadIdx.x + (u64)k * blockDim.x;
       if (i < c1) {
-        float acc[P::N], r[P::N];
-        fc_gather_sum<D>(t, h, (pk0 + i) * FC_PACKET_BYTES, epoch, mine[k], FC_STEP_FUSED, acc);
+        float acc[1][P::N], r[P::N];
+        const u64 off[1] = {(pk0 + i) * FC_PACKET_BYTES};
+        const bool valid[1] = {true};
+        fc_gather_sum<D, 1>(t, h, off, valid, epoch, &mine[k], FC_STEP_FUSED, acc);
         P::unpack(res[k], r);
 #pragma unroll
         for (int e = 0; e < P::N; ++e) {
-          float a = D::to_f(D::from_f(acc[e]));
+          float a = D::to_f(D::from_f(acc[0][e]));
           if (residual) a = D::to_f(D::from_f(a + r[e]));
           // Padding lanes of a row's last packet are zero-filled, so they add nothing to ss.
-          acc[e] = (i * P::N + e < hidden) ? a : 0.f;
-          ss += acc[e] * acc[e];
+          acc[0][e] = (i * P::N + e < hidden) ? a : 0.f;
+          ss += acc[0][e] * acc[0][e];
         }
-        mine[k] = P::pack(acc);  // mine[k] now holds z
+        mine[k] = P::pack(acc[0]);  // mine[k] now holds z
       }
     }
     ss = fc_block_sum(ss, smem32);

@@ -117,3 +117,11 @@ def test_lookup_by_dtype():
     assert P.lookup_rules(table, Transport.P2P, LinkType.NVLINK, 2, "float32")[0].max_bytes == 5
     assert P.lookup_rules(table, Transport.P2P, LinkType.NVLINK, 2, "bfloat16")[0].max_bytes == 6
     assert P.lookup_rules(table, Transport.P2P, LinkType.NVLINK, 2)[0].max_bytes == 6
+
+
+def test_one_shot_block_fits_the_kernels_launch_bounds():
+    from fastcomm.jit import source_dir
+
+    text = (source_dir() / "kernels.cu").read_text()
+    assert f"__launch_bounds__({P.ONE_SHOT_THREADS}) fc_one_shot_" in text
+    assert P.one_shot_launch(64 << 20, 128).block <= P.ONE_SHOT_THREADS
