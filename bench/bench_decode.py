@@ -60,7 +60,8 @@ def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
             for i in range(count)]
 
 
-def run_worker(spec: dict, backend: Backend) -> dict:
+def run_worker(spec: dict, backend: Backend, save) -> dict:
+    """Measure one backend; ``save(result)`` after each step, so a run cut short still reports."""
     from vllm import LLM, SamplingParams
 
     kwargs = dict(model=spec["model"], tensor_parallel_size=spec["tp"], load_format="dummy",
@@ -78,6 +79,7 @@ def run_worker(spec: dict, backend: Backend) -> dict:
         result["workers"] = llm.collective_rpc(worker_status)
     except Exception as e:  # informational; the row is still measured
         result["workers"] = f"status unavailable: {type(e).__name__}: {e}"
+    save(result)
 
     vocab = json.loads((Path(spec["model"]) / "config.json").read_text())["vocab_size"]
     prompts = _prompts(max(spec["concurrency"]), spec["prompt_len"], vocab, spec["seed"])
@@ -99,21 +101,28 @@ def run_worker(spec: dict, backend: Backend) -> dict:
     result["single"] = {"tpot_ms": round(tpot * 1e3, 3), "tok_s": round(1 / tpot, 2),
                         "ttft_ms": round(t1 * 1e3, 2), "wall_s": round(tn, 3)}
     result["greedy_tokens"] = list(outs[0].outputs[0].token_ids)
-    sweep = []
+    sweep = result["sweep"] = []
+    save(result)
     for c in spec["concurrency"]:
         c1, _ = timed(c, 1)
         cn, _ = timed(c, n)
         tpot_c = (cn - c1) / (n - 1)
         sweep.append({"concurrency": c, "out_tok_s": round(c * n / cn, 1), "tpot_ms": round(tpot_c * 1e3, 3),
                       "decode_tok_s": round(c / tpot_c, 1)})
-    result["sweep"] = sweep
+        save(result)
     return result
 
 
 def worker_main(args) -> int:
     spec = json.loads(Path(args.spec).read_text())
-    result = run_worker(spec, BACKENDS[args.worker])
-    Path(args.result).write_text(json.dumps(result))
+    out = Path(args.result)
+
+    def save(result: dict) -> None:
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result))
+        tmp.replace(out)  # the parent never reads a half-written file
+
+    run_worker(spec, BACKENDS[args.worker], save)
     return 0
 
 
@@ -159,18 +168,19 @@ def run_backend(backend: Backend, spec: dict, log_dir: Path, timeout: float) -> 
     res = {"backend": backend.name, "about": backend.about, "env": backend.env,
            "disable_custom_all_reduce": backend.disable_custom_all_reduce, "wall_s": round(time.perf_counter() - t0, 1),
            "log": str(log)}
-    if rc == 0 and result_file.is_file():
-        res.update(ok=True, **json.loads(result_file.read_text()))
-    else:
-        tail = log.read_text(errors="replace").splitlines()[-30:]
-        res.update(ok=False, error=("timed out" if rc is None else f"exit status {rc}"), log_tail=tail)
+    if result_file.is_file():  # complete, or what a run cut short had measured
+        res.update(json.loads(result_file.read_text()))
+    res["ok"] = rc == 0 and "sweep" in res
+    if not res["ok"]:
+        res["error"] = "timed out" if rc is None else f"exit status {rc}"
+        res["log_tail"] = log.read_text(errors="replace").splitlines()[-30:]
     return res
 
 
 def check_active(res: dict) -> str | None:
     """Why a row does not measure what its name says (a fastcomm row without fastcomm), or None."""
     workers = res.get("workers")
-    if not res.get("ok") or not isinstance(workers, list):
+    if not isinstance(workers, list):
         return None
     active = [bool(w.get("fastcomm")) for w in workers]
     wanted = BACKENDS[res["backend"]].fastcomm if res["backend"] in BACKENDS else any(active)
@@ -183,7 +193,7 @@ def check_active(res: dict) -> str | None:
 
 
 def compare_tokens(results: dict) -> dict:
-    ok = {k: v for k, v in results.items() if v.get("ok") and v.get("greedy_tokens")}
+    ok = {k: v for k, v in results.items() if v.get("greedy_tokens")}
     ref = next((k for k in REFERENCE_ORDER if k in ok), next(iter(ok), None))
     out = {"reference": ref}
     if ref is None:
@@ -199,19 +209,21 @@ def compare_tokens(results: dict) -> dict:
 
 
 def print_report(results: dict, meta: dict) -> None:
-    conc = sorted({s["concurrency"] for r in results.values() if r.get("ok") for s in r["sweep"]})
+    conc = sorted({s["concurrency"] for r in results.values() for s in r.get("sweep", ())})
     print(f"# model {meta.get('model')}  tp {meta.get('tp')}  max_tokens {meta.get('max_tokens')}  "
           f"capture sizes {meta.get('capture_sizes') or 'vLLM default'}")
     head = f"{'backend':<14} {'start s':>8} {'bs1 tok/s':>10} {'TPOT ms':>8} " + \
         " ".join(f"{'c=' + str(c) + ' tok/s':>12}" for c in conc)
     print(head)
     for name, r in results.items():
-        if not r.get("ok"):
+        if "single" not in r:
             print(f"{name:<14} FAILED: {r.get('error')} (log {r.get('log')})")
             continue
-        by_c = {s["concurrency"]: s for s in r["sweep"]}
+        by_c = {s["concurrency"]: s for s in r.get("sweep", ())}
         cols = " ".join(f"{by_c[c]['out_tok_s']:>12.1f}" if c in by_c else f"{'-':>12}" for c in conc)
         print(f"{name:<14} {r['startup_s']:>8.0f} {r['single']['tok_s']:>10.1f} {r['single']['tpot_ms']:>8.2f} {cols}")
+        if not r.get("ok"):
+            print(f"{'':<14} INCOMPLETE: {r.get('error')} (log {r.get('log')})")
         problem = check_active(r)
         if problem:
             print(f"{'':<14} WARNING: {problem}")

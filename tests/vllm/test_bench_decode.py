@@ -61,8 +61,11 @@ def test_compare_merges_separate_runs(tmp_path, capsys):
     for name, fc in (("vllm", False), ("fastcomm", True)):
         (tmp_path / f"{name}.json").write_text(json.dumps({"meta": meta, "results": {name: result(name, tokens, fastcomm=fc)}}))
     failed = {"backend": "nccl", "ok": False, "error": "timed out", "log": "nccl.log"}
-    (tmp_path / "nccl.json").write_text(json.dumps({"meta": meta, "results": {"nccl": failed}}))
+    cut = {**result("nccl-nop2p", tokens[:40] + [7] * 24), "ok": False, "error": "timed out", "log": "x.log"}
+    cut["sweep"] = cut["sweep"][:2]  # a run cut short keeps what it measured
+    (tmp_path / "nccl.json").write_text(json.dumps({"meta": meta, "results": {"nccl": failed, "nccl-nop2p": cut}}))
     assert B.main(["--compare"] + [str(tmp_path / f"{n}.json") for n in ("vllm", "fastcomm", "nccl")]) == 0
     out = capsys.readouterr().out
     assert "c=64 tok/s" in out and "nccl           FAILED: timed out" in out
     assert "fastcomm       64/64 match, identical" in out
+    assert "INCOMPLETE: timed out" in out and "nccl-nop2p     40/64 match, diverge at token 40" in out
