@@ -20,24 +20,16 @@ __device__ __forceinline__ void fc_one_shot(const FcTable* __restrict__ t, const
   const u32 npush = t->n_ll_push;
   const u64 npk = (nbytes + FC_PACKET_PAYLOAD - 1) / FC_PACKET_PAYLOAD;
 
-  // Two packets per thread per pass (i and i + stride): twice the loads in flight per round trip.
-  const u64 stride = (u64)gridDim.x * blockDim.x;
-  for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < npk; i += 2 * stride) {
-    const u64 off[2] = {i * FC_PACKET_BYTES, (i + stride) * FC_PACKET_BYTES};
-    const bool valid[2] = {true, i + stride < npk};
-    uint2 mine[2];
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      if (valid[u]) {
-        mine[u] = fc_load_payload(in, i + u * stride, nbytes);
-        for (u32 j = 0; j < npush; ++j) fc_store_packet(t->ll_push[h][j] + off[u], mine[u].x, epoch, mine[u].y, epoch);
-      }
-    }
-    float acc[2][P::N];
-    fc_gather_sum<D, 2>(t, h, off, valid, epoch, mine, FC_STEP_ONE_SHOT, acc);
-#pragma unroll
-    for (int u = 0; u < 2; ++u)
-      if (valid[u]) fc_store_payload(out, i + u * stride, nbytes, P::pack(acc[u]));
+  // One packet per thread per pass. (Two per pass, all loads in flight, measured slower on 2 x H200 at
+  // every size: bench/results/2026-11-30-h200x2-run4-p2p.json.)
+  for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < npk; i += (u64)gridDim.x * blockDim.x) {
+    const u64 off[1] = {i * FC_PACKET_BYTES};
+    const bool valid[1] = {true};
+    const uint2 mine = fc_load_payload(in, i, nbytes);
+    for (u32 j = 0; j < npush; ++j) fc_store_packet(t->ll_push[h][j] + off[0], mine.x, epoch, mine.y, epoch);
+    float acc[1][P::N];
+    fc_gather_sum<D, 1>(t, h, off, valid, epoch, &mine, FC_STEP_ONE_SHOT, acc);
+    fc_store_payload(out, i, nbytes, P::pack(acc[0]));
   }
   fc_end(t, epoch);
 }

@@ -166,8 +166,11 @@ def gpu_vllm_tp(rank: int, world: int, gloo) -> dict:
                                                                             tp.unique_name)
             for name, (a, b) in {"helper": (f_out, f_res), "op": (o_out, o_res)}.items():
                 assert torch.equal(b, ref_res), (name, tokens, (b.float() - ref_res.float()).abs().max())
+                # The row's sum of squares is added in another order than vLLM's kernel, so inv_rms can differ
+                # in its last bit and a bf16 output by one ulp (2^-7 relative); residual_out is exact above.
                 diff = (a.float() - ref_out.float()).abs().max().item()
-                assert diff <= 2e-2, (name, tokens, diff)
+                ulps = ((a.float() - ref_out.float()).abs() / (ref_out.float().abs() * 2.0 ** -7 + 1e-30)).max().item()
+                assert ulps <= 1.0, (name, tokens, diff, ulps)
                 out[f"{name}_max_diff_{tokens}"] = diff
         ps.destroy_model_parallel()
     out["closed"] = ws.closed
