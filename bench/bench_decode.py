@@ -45,6 +45,8 @@ BACKENDS = {b.name: b for b in (
     Backend("nccl", "vLLM, custom all-reduce off: NCCL only", {"FASTCOMM_VLLM": "0"}, True),
     Backend("fastcomm", "vLLM + fastcomm (auto transport; vLLM's path for what fastcomm declines)",
             {"FASTCOMM_VLLM": "1"}, fastcomm=True),
+    Backend("fastcomm-nofuse", "vLLM + fastcomm all-reduce only (FASTCOMM_VLLM_FUSION=0)",
+            {"FASTCOMM_VLLM": "1", "FASTCOMM_VLLM_FUSION": "0"}, fastcomm=True),
     # Stand-ins for GPUs without P2P: vLLM's custom all-reduce needs P2P, so it is off in both.
     Backend("nccl-nop2p", "NCCL only, NCCL_P2P_DISABLE=1", {"FASTCOMM_VLLM": "0", "NCCL_P2P_DISABLE": "1"}, True),
     Backend("fastcomm-host", "fastcomm host transport, NCCL_P2P_DISABLE=1",

@@ -36,6 +36,8 @@ VARIABLES: tuple[Var, ...] = (
     Var("FASTCOMM_TUNE_FILE", "", "Tuning cache written by `fastcomm tune`; read at workspace start if set "
         "or present at the default path under FASTCOMM_CACHE_DIR."),
     Var("FASTCOMM_VLLM", "1", "0 turns the vLLM plugin off (vLLM then runs unchanged)."),
+    Var("FASTCOMM_VLLM_FUSION", "1", "0 keeps the vLLM communicator but leaves all-reduce + RMSNorm unfused "
+        "(no compile pass, no helper routing): isolates the fusion when comparing."),
     Var("FASTCOMM_LOG", "info", "Log level of the 'fastcomm' logger."),
 )
 _BY_NAME = {v.name: v for v in VARIABLES}
@@ -47,6 +49,10 @@ ALGOS = ("auto", "one_shot", "two_shot")
 def _get(env: Mapping[str, str], name: str) -> str:
     raw = env.get(name)
     return _BY_NAME[name].default if raw is None or raw == "" else raw
+
+
+def _flag(text: str) -> bool:
+    return text.strip().lower() not in ("0", "false", "off", "no")
 
 
 def _parse_islands(text: str) -> tuple[tuple[int, ...], ...] | None:
@@ -71,6 +77,7 @@ class Config:
     cache_dir: Path = Path("~/.cache/fastcomm").expanduser()
     tune_file: Path | None = None
     vllm_enabled: bool = True
+    vllm_fusion: bool = True
     log_level: str = "info"
 
     def __post_init__(self):
@@ -100,7 +107,8 @@ class Config:
             max_blocks=int(_get(env, "FASTCOMM_MAX_BLOCKS")),
             cache_dir=Path(_get(env, "FASTCOMM_CACHE_DIR")).expanduser(),
             tune_file=Path(tune).expanduser() if tune else None,
-            vllm_enabled=_get(env, "FASTCOMM_VLLM").lower() not in ("0", "false", "off", "no"),
+            vllm_enabled=_flag(_get(env, "FASTCOMM_VLLM")),
+            vllm_fusion=_flag(_get(env, "FASTCOMM_VLLM_FUSION")),
             log_level=_get(env, "FASTCOMM_LOG").lower(),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})

@@ -44,3 +44,9 @@ def test_no_other_module_reads_fastcomm_environment():
     for f in root.glob("*.py"):
         if f.name != "config.py":
             assert not reads.search(f.read_text()), f"{f.name} reads FASTCOMM_* itself; use fastcomm.config"
+
+
+def test_vllm_fusion_switch():
+    assert Config.from_env({}).vllm_fusion
+    assert not Config.from_env({"FASTCOMM_VLLM_FUSION": "0"}).vllm_fusion
+    assert Config.from_env({"FASTCOMM_VLLM_FUSION": "0"}).vllm_enabled

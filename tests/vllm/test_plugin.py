@@ -127,3 +127,25 @@ def test_vllm_tp_group_on_gpus():
     res = check_all_ok(run_ranks(W.gpu_vllm_tp, world, timeout=600))
     print(res[0])
     assert all(r["closed"] for r in res) and res[0]["graph_replays"] == 20
+
+
+def test_fusion_switch_keeps_the_communicator_only():
+    code = """
+import json
+from vllm.platforms.interface import Platform
+from fastcomm_vllm import plugin
+
+class CudaLike(Platform):
+    @classmethod
+    def get_device_communicator_cls(cls):
+        return plugin.VLLM_COMMUNICATOR
+
+plugin.install(CudaLike, fuse=False)
+print(json.dumps(dict(comm=CudaLike.get_device_communicator_cls(), pm=CudaLike.get_pass_manager_cls())))
+"""
+    r = W.run_python(code)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    from fastcomm_vllm import plugin
+
+    assert got["comm"] == plugin.COMMUNICATOR and got["pm"] == plugin.VLLM_PASS_MANAGER

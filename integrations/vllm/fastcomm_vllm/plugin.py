@@ -36,26 +36,31 @@ def register() -> None:
         return
     from vllm.platforms.cuda import CudaPlatformBase  # needs libcuda: import only on CUDA platforms
 
-    install(CudaPlatformBase)
+    install(CudaPlatformBase, fuse=Config.from_env().vllm_fusion)
 
 
-def install(platform_cls: type) -> None:
-    """Point ``platform_cls`` at fastcomm's communicator and pass manager and route the fused helper.
+def install(platform_cls: type, fuse: bool = True) -> None:
+    """Point ``platform_cls`` at fastcomm's communicator and (with ``fuse``) pass manager, and route the
+    fused helper.
 
     Idempotent (vLLM may load plugins more than once per process). Raises if another plugin already
     replaced either class: silently overriding it would break that plugin.
     """
     from . import fusion
 
-    hooks = (("get_device_communicator_cls", COMMUNICATOR, VLLM_COMMUNICATOR),
-             ("get_pass_manager_cls", PASS_MANAGER, VLLM_PASS_MANAGER))
+    hooks = (("get_device_communicator_cls", COMMUNICATOR, VLLM_COMMUNICATOR),)
+    if fuse:
+        hooks += (("get_pass_manager_cls", PASS_MANAGER, VLLM_PASS_MANAGER),)
+    else:
+        logger.info("fastcomm: fusion off (FASTCOMM_VLLM_FUSION=0): all-reduce and RMSNorm stay separate")
     for method, ours, vllms in hooks:  # check both before changing either
         _check(platform_cls, method, ours, vllms)
     for method, ours, _ in hooks:
         _point(platform_cls, method, ours)
     fusion.register_ops()
-    fusion.route_fused_helper()
-    _fold_into_compile_hash()
+    if fuse:
+        fusion.route_fused_helper()
+    _fold_into_compile_hash(fuse)
 
 
 def _check(platform_cls: type, method: str, ours: str, vllms: str) -> None:
@@ -73,7 +78,7 @@ def _point(platform_cls: type, method: str, ours: str) -> None:
     setattr(platform_cls, method, classmethod(qualname))
 
 
-def _fold_into_compile_hash() -> None:
+def _fold_into_compile_hash(fuse: bool = True) -> None:
     """Make fastcomm part of vLLM's torch.compile cache key.
 
     vLLM keys its compile cache on the vLLM config, not on the post-grad passes, so without this a run
@@ -86,6 +91,7 @@ def _fold_into_compile_hash() -> None:
     if getattr(original, "_fastcomm_tag", None):
         return
     tag = "fastcomm-" + hashlib.sha256((Path(__file__).parent / "fusion.py").read_bytes()).hexdigest()[:12]
+    tag += "" if fuse else "-nofuse"
 
     def compute_hash(self) -> str:
         return hashlib.sha256(f"{original(self)}|{tag}".encode()).hexdigest()
