@@ -80,12 +80,19 @@ DEFAULT_TABLE: dict[PolicyKey, tuple[Rule, ...]] = {
     # two-shot from 1 MB (11.6 vs 12.2 us).
     PolicyKey(Transport.P2P, LinkType.NVLINK, 0): (
         Rule(512 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT)),
-    # PCIe: writes are cheap and posted, reads of peer memory are not; one-shot moves (n-1)x the data
-    # but has a single hop, which wins while the message is latency-bound.
+    # PCIe (modelled, not measured: no PCIe-only GPUs lent yet). Writes are cheap and posted; one-shot has a
+    # single hop but each GPU writes (n-1) x 2 x size over its own x16 link, so its range shrinks with the
+    # world size (8 ranks, 32 KB: 7 x 64 KB = ~10 us of link time at ~45 GB/s).
     PolicyKey(Transport.P2P, LinkType.PCIE_SWITCH, 0): (
         Rule(128 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT)),
+    PolicyKey(Transport.P2P, LinkType.PCIE_SWITCH, 4): (
+        Rule(64 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT)),
+    PolicyKey(Transport.P2P, LinkType.PCIE_SWITCH, 8): (
+        Rule(32 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT)),
     PolicyKey(Transport.P2P, LinkType.HOST_BRIDGE, 0): (
         Rule(128 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT)),
+    PolicyKey(Transport.P2P, LinkType.HOST_BRIDGE, 8): (
+        Rule(32 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT)),
     # Cross-socket P2P writes are slow on many boards; keep fastcomm to the small sizes there.
     PolicyKey(Transport.P2P, LinkType.CROSS_SOCKET, 0): (
         Rule(64 * KiB, Algo.ONE_SHOT), Rule(4 * MiB, Algo.TWO_SHOT)),
