@@ -5,6 +5,7 @@ is graph-safe), no environment reads. Launch shapes come from the pure functions
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 
 import torch
@@ -13,7 +14,7 @@ from . import jit, policy
 from .errors import FastcommError
 from .layout import FLAT, ISLAND, PARTNER
 from .policy import Algo
-from .workspace import Workspace, get
+from .workspace import _DTYPE_NAME, Workspace, get
 
 _u32, _u64, _f32 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_float
 
@@ -22,9 +23,6 @@ def _driver():
     from cupy_backends.cuda.api import driver
 
     return driver
-
-
-_DTYPE_NAME = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 def _launch(ws: Workspace, family: str, dtype: torch.dtype, grid: int, block: int, args: list) -> None:
@@ -70,14 +68,11 @@ def _check_out(name: str, out: torch.Tensor, like: torch.Tensor) -> None:
 def all_reduce(x: torch.Tensor, ws: Workspace, *, algo: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
     """Sum ``x`` over the workspace's ranks (out-of-place unless ``out is x``). Collective."""
     ws.raise_if_failed()
-    reason = policy.check_tensor(is_cuda=x.is_cuda, device_index=x.device.index, ws_device_index=ws.device_index,
-                                 dtype=_DTYPE_NAME.get(x.dtype, str(x.dtype)), contiguous=x.is_contiguous(),
-                                 data_ptr=x.data_ptr(), nbytes=x.numel() * x.element_size(),
-                                 max_bytes=ws.config.max_bytes)
-    if reason is not None:
-        raise FastcommError(f"fastcomm.all_reduce: {reason}")
     if ws.closed:
         raise FastcommError("fastcomm.all_reduce: workspace is closed")
+    reason = ws.tensor_reason(x)
+    if reason is not None:
+        raise FastcommError(f"fastcomm.all_reduce: {reason}")
     if out is None:
         out = torch.empty_like(x)
     else:
@@ -102,20 +97,11 @@ def all_reduce(x: torch.Tensor, ws: Workspace, *, algo: str = "auto", out: torch
     return out
 
 
-class _Nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return None
-
-
-_NOTHING = _Nothing()
-
-
 def _on_device(ws: Workspace):
     """Kernels were loaded in the workspace device's context; switch only when the caller is elsewhere."""
-    return _NOTHING if torch.cuda.current_device() == ws.device_index else torch.cuda.device(ws.device_index)
+    if torch.cuda.current_device() == ws.device_index:
+        return contextlib.nullcontext()
+    return torch.cuda.device(ws.device_index)
 
 
 def fused_all_reduce_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, ws: Workspace, *,

@@ -57,6 +57,7 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 PROT_RW, MAP_SHARED = 0x1 | 0x2, 0x01
 _HOST_REGISTER_PORTABLE, _HOST_REGISTER_MAPPED = 0x01, 0x02  # cudaHostRegister flags
 _H2D = 1  # cudaMemcpyHostToDevice
+_DTYPE_NAME = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 def _pid_alive(pid: int) -> bool:
@@ -361,14 +362,18 @@ class Workspace:
         return policy.choose_algo(nbytes, self.rules, one_shot_max_bytes=self.layout.one_shot_max_bytes,
                                   max_bytes=self.config.max_bytes, forced=forced or self.config.algo)
 
+    def tensor_reason(self, x: torch.Tensor) -> str | None:
+        """Why ``x`` is not a valid fastcomm input at all (device, dtype, layout, size), or None."""
+        return policy.check_tensor(is_cuda=x.is_cuda, device_index=x.device.index, ws_device_index=self.device_index,
+                                   dtype=_DTYPE_NAME.get(x.dtype, str(x.dtype)), contiguous=x.is_contiguous(),
+                                   data_ptr=x.data_ptr(), nbytes=x.numel() * x.element_size(),
+                                   max_bytes=self.config.max_bytes)
+
     def why_not(self, x: torch.Tensor) -> str | None:
         """Why fastcomm cannot all-reduce ``x`` (None: it can). Identical on every rank for the same shapes."""
         if self.closed:
             return "workspace is closed"
-        reason = policy.check_tensor(is_cuda=x.is_cuda, device_index=x.device.index, ws_device_index=self.device_index,
-                                     dtype=str(x.dtype).replace("torch.", ""), contiguous=x.is_contiguous(),
-                                     data_ptr=x.data_ptr(), nbytes=x.numel() * x.element_size(),
-                                     max_bytes=self.config.max_bytes)
+        reason = self.tensor_reason(x)
         if reason is None and self.algo_for(x.numel() * x.element_size()) is Algo.NCCL:
             return "policy sends this size to NCCL"
         return reason
@@ -377,15 +382,15 @@ class Workspace:
         return self.why_not(x) is None
 
     def why_not_fused(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> str | None:
-        reason = policy.check_tensor(is_cuda=x.is_cuda, device_index=x.device.index, ws_device_index=self.device_index,
-                                     dtype=str(x.dtype).replace("torch.", ""), contiguous=x.is_contiguous(),
-                                     data_ptr=x.data_ptr(), nbytes=x.numel() * x.element_size(),
-                                     max_bytes=self.config.max_bytes)
+        if self.closed:
+            return "workspace is closed"
+        reason = self.tensor_reason(x)
         if reason or x.dim() < 1:
             return reason or "input must have a hidden dimension"
         if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
-                                     or not residual.is_contiguous() or residual.device != x.device):
-            return "residual must match the input's shape, dtype and device and be contiguous"
+                                     or not residual.is_contiguous() or residual.device != x.device
+                                     or residual.data_ptr() % policy.ALIGN):
+            return "residual must match the input's shape, dtype and device, be contiguous and 16-byte aligned"
         hidden = x.shape[-1]
         return policy.check_fused(tokens=x.numel() // max(hidden, 1), hidden=hidden, elem_size=x.element_size(),
                                   one_shot_max_bytes=self.layout.one_shot_max_bytes)
