@@ -34,8 +34,13 @@ def sizes(lo: int, hi: int, factor: float) -> list[int]:
 
 # ---- per-rank body -------------------------------------------------------------------------------------
 
-def _timers(torch, fn, calls: int, iters: int, warmup: int, graph: bool) -> float:
-    """Median microseconds per call: graph replays of `calls` calls, or eager loops of `calls` calls."""
+def _timers(torch, fn, calls: int, iters: int, warmup: int, graph: bool, capture_ctx=None) -> float:
+    """Median microseconds per call: graph replays of `calls` calls, or eager loops of `calls` calls.
+
+    ``capture_ctx`` wraps the graph capture (vLLM's custom all-reduce registers captured buffers on exit).
+    """
+    import contextlib
+
     import torch.distributed as dist
 
     s = torch.cuda.Stream()
@@ -45,9 +50,10 @@ def _timers(torch, fn, calls: int, iters: int, warmup: int, graph: bool) -> floa
             fn()
         if graph:
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, stream=s):
-                for _ in range(calls):
-                    fn()
+            with (capture_ctx() if capture_ctx else contextlib.nullcontext()):
+                with torch.cuda.graph(g, stream=s):
+                    for _ in range(calls):
+                        fn()
         run = g.replay if graph else (lambda: [fn() for _ in range(calls)])
         for _ in range(warmup):
             run()
@@ -112,12 +118,19 @@ def _impls(torch, rank, world, gloo, opts):
         except Exception as e:
             print(f"[rank {rank}] torch symmetric memory unavailable: {e}")
             symm_buf, group_name = None, None
-    try:
-        from vllm.distributed.device_communicators.custom_all_reduce import CustomAllreduce  # noqa: F401
+    vllm_ca = None
+    if opts.vllm:
+        try:  # vLLM's own custom all-reduce, where vLLM is installed (it needs only a CPU group)
+            from vllm.distributed.device_communicators.custom_all_reduce import CustomAllreduce
 
-        # vLLM's custom all-reduce needs vLLM's own distributed state; measured end to end in bench_decode.
-    except Exception:
-        pass
+            vllm_ca = CustomAllreduce(gloo, torch.device("cuda", rank), max_size=min(opts.max_bytes, 8 << 20))
+            if vllm_ca.disabled:
+                print(f"[rank {rank}] vLLM custom all-reduce is disabled on this machine")
+                vllm_ca = None
+            else:
+                impls["vllm-custom-ar"] = ("vllm", None)
+        except Exception as e:
+            print(f"[rank {rank}] vLLM custom all-reduce unavailable: {type(e).__name__}: {e}")
 
     def setup(name, n, dtype):
         kind, algo = impls[name]
@@ -126,6 +139,11 @@ def _impls(torch, rank, world, gloo, opts):
         if kind == "nccl":
             x = torch.empty(n, dtype=dtype, device=dev)
             return (lambda: dist.all_reduce(x)), x, x
+        if kind == "vllm":
+            x = torch.empty(n, dtype=dtype, device=dev)
+            if not vllm_ca.should_custom_ar(x):
+                return None
+            return (lambda: vllm_ca.custom_all_reduce(x)), None, x
         if kind == "symm":
             if symm_buf is None or nbytes > opts.max_bytes:
                 return None
@@ -140,7 +158,8 @@ def _impls(torch, rank, world, gloo, opts):
         out = torch.empty_like(x)
         return (lambda: fastcomm.all_reduce(x, ws, algo=algo, out=out)), out, x
 
-    return impls, setup, workspaces
+    capture = {"vllm-custom-ar": vllm_ca.capture} if vllm_ca is not None else {}
+    return impls, setup, workspaces, capture
 
 
 def _check(torch, fn, out, inp, rank) -> int:
@@ -163,7 +182,7 @@ def bench_rank(rank, world, gloo, opts):
     import torch.distributed as dist
 
     dtype = getattr(torch, opts.dtype)
-    impls, setup, workspaces = _impls(torch, rank, world, gloo, opts)
+    impls, setup, workspaces, capture = _impls(torch, rank, world, gloo, opts)
     names = [n for n in impls if not opts.only or any(o in n for o in opts.only)]
     rows = []
     elem = torch.tensor([], dtype=dtype).element_size()
@@ -179,7 +198,8 @@ def bench_rank(rank, world, gloo, opts):
                 continue
             fn, out, inp = got
             wrong = _check(torch, fn, out, inp, rank)
-            t_graph = _timers(torch, fn, opts.graph_calls, opts.iters, opts.warmup, graph=True)
+            t_graph = _timers(torch, fn, opts.graph_calls, opts.iters, opts.warmup, graph=True,
+                              capture_ctx=capture.get(name))
             t_eager = _timers(torch, fn, opts.graph_calls, max(3, opts.iters // 4), 2, graph=False)
             rows.append(dict(size=n * elem, count=n, type=opts.dtype, redop="sum", impl=name,
                              graph_us=t_graph, eager_us=t_eager, wrong=wrong))
@@ -250,7 +270,7 @@ def ratios(rows: list[dict]) -> str:
     by = {(r["impl"], r["size"]): r["graph_us"] for r in rows if r["redop"] == "sum"}
     out = ["# ratios (graph mode): impl / baseline, lower is better"]
     for impl in ("fastcomm-auto", "fastcomm-host-auto"):
-        for base in ("nccl", "symm-one_shot"):
+        for base in ("nccl", "symm-one_shot", "vllm-custom-ar"):
             pairs = [(s, by[(impl, s)] / by[(base, s)]) for (i, s) in by if i == impl and (base, s) in by]
             if pairs:
                 out.append(f"{impl} / {base}: " + ", ".join(f"{_fmt(s)} {q:.2f}" for s, q in sorted(pairs)))
@@ -276,6 +296,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-bytes", dest="max_bytes", type=parse_size, default=64 * MB, help="workspace size")
     p.add_argument("--host-max-bytes", dest="host_max_bytes", type=parse_size, default=4 * MB)
     p.add_argument("--no-symm", dest="symm", action="store_false", help="skip torch symmetric memory rows")
+    p.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip vLLM's custom all-reduce row")
     p.add_argument("--islands", action="store_true", help="add forced-island (hierarchical) one-shot rows")
     p.add_argument("--fused", action="store_true", help="also time the fused all-reduce + RMSNorm")
     p.add_argument("--hidden", type=int, default=6144)

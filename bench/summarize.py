@@ -62,8 +62,10 @@ def main(argv=None) -> int:
     rows = run["rows"]
     print(f"### P2P ({run['meta'].get('label', '')}; NCCL {run['meta'].get('nccl')}, torch {run['meta'].get('torch')})\n")
     print("Graph mode, us per call:\n")
-    print(allreduce_table(rows, ["fastcomm-auto", "fastcomm-one_shot", "fastcomm-two_shot", "nccl", "symm-one_shot",
-                                 "symm-two_shot"], "nccl"))
+    impls = ["fastcomm-auto", "fastcomm-one_shot", "fastcomm-two_shot", "nccl", "symm-one_shot", "symm-two_shot"]
+    if any(r["impl"] == "vllm-custom-ar" for r in rows):
+        impls.append("vllm-custom-ar")
+    print(allreduce_table(rows, impls, "nccl"))
     print("\nfastcomm-auto / symm-one_shot:", ", ".join(
         f"{_fmt(s)} {_graph(rows, 'fastcomm-auto', s) / _graph(rows, 'symm-one_shot', s):.2f}"
         for s in SIZES if _graph(rows, "symm-one_shot", s) and _graph(rows, "fastcomm-auto", s)))
