@@ -176,6 +176,21 @@ class Workspace:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def _all_ok(self, step: str, fn) -> list:
+        """Run a local step on every rank and share the outcome: every rank's result, or, if any rank
+        failed, the same error on all of them (naming who failed). A rank that fails alone must not leave
+        the others waiting in the next collective."""
+        err, value = None, None
+        try:
+            value = fn()
+        except Exception as e:
+            err = f"{type(e).__name__}: {e}"
+        outcomes = self._gather((err, value))
+        bad = [(r, e) for r, (e, _) in enumerate(outcomes) if e]
+        if bad:
+            raise FastcommError(f"fastcomm workspace: {step} failed on " + "; ".join(f"rank {r}: {e}" for r, e in bad))
+        return [v for _, v in outcomes]
+
     def _build(self) -> None:
         import cupy
 
@@ -222,38 +237,17 @@ class Workspace:
         self.num_sms = props.multi_processor_count
         self.max_blocks = min(policy.MAX_BLOCKS, cfg.max_blocks or self.num_sms)
 
-        res = self._res
         with cupy.cuda.Device(self.device_index):
-            res.err_ptr = rt.hostAlloc(ctypes.sizeof(ErrorRecord), rt.hostAllocMapped | rt.hostAllocPortable)
-            ctypes.memset(res.err_ptr, 0, ctypes.sizeof(ErrorRecord))
-            self._err = ErrorRecord.from_address(res.err_ptr)
-            res.local_buffer = rt.malloc(self.layout.local_bytes)
-            rt.memset(res.local_buffer, 0, self.layout.local_bytes)
+            handles = self._all_ok("allocating device memory", lambda: self._allocate(rt))
             if self.transport is Transport.P2P:
-                peer_bases = self._map_peers(rt)
-                host_base = None
+                opened = self._all_ok("opening peer buffers (CUDA IPC)", lambda: self._open_peers(rt, handles))
+                peer_bases, host_base = opened[self.rank], None
             else:
                 peer_bases = None
                 host_base = self._map_host_segment(rt)
-            own = peer_bases[self.rank] if peer_bases else 0
-            tables = L.groups_of(self.layout, self.rank)
-            self._tables: dict[int, int] = {}  # group id (FLAT / ISLAND / PARTNER) -> device table address
-            blob = bytearray(self.layout.local_bytes - self.layout.table_off)
-            for k, g in enumerate(tables):
-                gi = self.layout.groups.index(g)
-                state = res.local_buffer + self.layout.state_off + 16 * gi
-                t = L.build_table(self.layout, g, self.rank, own_base=own, peer_bases=peer_bases,
-                                  host_base=host_base, state_ptr=state, err_ptr=res.err_ptr,
-                                  timeout_ns=int(cfg.timeout_s * 1e9),
-                                  scratch_ptr=res.local_buffer + self.layout.scratch_off + L.SCRATCH_BYTES * gi)
-                off = L.TABLE_BYTES * k
-                blob[off:off + L.TABLE_BYTES] = bytes(t)
-                self._tables[g.group_id] = res.local_buffer + self.layout.table_off + off
-            host_blob = (ctypes.c_char * len(blob)).from_buffer(blob)
-            rt.memcpy(res.local_buffer + self.layout.table_off, ctypes.addressof(host_blob), len(blob), _H2D)
-            rt.deviceSynchronize()
-        # Everyone mapped everything before anyone may write into a peer.
-        dist.barrier(group=self.group)
+            # The last agreement doubles as the barrier: everyone has mapped everything before any rank
+            # returns and may write into a peer.
+            self._all_ok("writing the peer tables", lambda: self._write_tables(rt, peer_bases, host_base))
         if self.rank == 0:
             log.info("%s", self.describe())
 
@@ -307,11 +301,22 @@ class Workspace:
                     verdict[1] or "defaults")
         return verdict[0], verdict[1]
 
-    def _map_peers(self, rt) -> list[int]:
+    def _allocate(self, rt) -> bytes | None:
+        """Error record, local state and (P2P) the shared buffer; returns the buffer's IPC handle."""
         res = self._res
+        res.err_ptr = rt.hostAlloc(ctypes.sizeof(ErrorRecord), rt.hostAllocMapped | rt.hostAllocPortable)
+        ctypes.memset(res.err_ptr, 0, ctypes.sizeof(ErrorRecord))
+        self._err = ErrorRecord.from_address(res.err_ptr)
+        res.local_buffer = rt.malloc(self.layout.local_bytes)
+        rt.memset(res.local_buffer, 0, self.layout.local_bytes)
+        if self.transport is not Transport.P2P:
+            return None
         res.own_buffer = rt.malloc(self.layout.shared_bytes)
         rt.memset(res.own_buffer, 0, self.layout.shared_bytes)
-        handles = self._gather(bytes(rt.ipcGetMemHandle(res.own_buffer)))
+        return bytes(rt.ipcGetMemHandle(res.own_buffer))
+
+    def _open_peers(self, rt, handles: list) -> list[int]:
+        res = self._res
         bases = []
         for r, h in enumerate(handles):
             if r == self.rank:
@@ -322,12 +327,34 @@ class Workspace:
                 bases.append(p)
         return bases
 
+    def _write_tables(self, rt, peer_bases: list[int] | None, host_base: int | None) -> None:
+        """One FcTable per group this rank belongs to, copied to its local device memory."""
+        res, lay = self._res, self.layout
+        own = peer_bases[self.rank] if peer_bases else 0
+        self._tables = {}  # group id (FLAT / ISLAND / PARTNER) -> device table address
+        blob = bytearray(lay.local_bytes - lay.table_off)
+        for k, g in enumerate(L.groups_of(lay, self.rank)):
+            gi = lay.groups.index(g)
+            t = L.build_table(lay, g, self.rank, own_base=own, peer_bases=peer_bases, host_base=host_base,
+                              state_ptr=res.local_buffer + lay.state_off + 16 * gi, err_ptr=res.err_ptr,
+                              timeout_ns=int(self.config.timeout_s * 1e9),
+                              scratch_ptr=res.local_buffer + lay.scratch_off + L.SCRATCH_BYTES * gi)
+            off = L.TABLE_BYTES * k
+            blob[off:off + L.TABLE_BYTES] = bytes(t)
+            self._tables[g.group_id] = res.local_buffer + lay.table_off + off
+        host_blob = (ctypes.c_char * len(blob)).from_buffer(blob)
+        rt.memcpy(res.local_buffer + lay.table_off, ctypes.addressof(host_blob), len(blob), _H2D)
+        del host_blob
+        rt.deviceSynchronize()
+
     def _map_host_segment(self, rt) -> int:
         """One /dev/shm file mapped by every rank and registered with CUDA; unlinked as soon as all have it."""
         res = self._res
         size = self.layout.shared_bytes
-        name = [None]
-        if self.rank == 0:
+
+        def create() -> str | None:
+            if self.rank != 0:
+                return None
             remove_stale_segments()
             path = SHM_DIR / f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -336,25 +363,31 @@ class Workspace:
                 os.ftruncate(fd, size)  # zero-filled: no stale flags
             finally:
                 os.close(fd)
-            name = [str(path)]
-        dist.broadcast_object_list(name, src=dist.get_global_rank(self.group, 0), group=self.group)
-        fd = os.open(name[0], os.O_RDWR)
-        try:
-            addr = _libc.mmap(None, size, PROT_RW, MAP_SHARED, fd, 0)
-        finally:
-            os.close(fd)
-        if addr in (None, ctypes.c_void_p(-1).value):
-            raise FastcommError(f"mmap of {name[0]} failed: {os.strerror(ctypes.get_errno())}")
-        res.host_addr, res.host_size = addr, size
-        dist.barrier(group=self.group)
-        if self.rank == 0 and res.shm_path is not None:
-            res.shm_path.unlink(missing_ok=True)  # mappings stay; nothing is left in /dev/shm whatever happens next
+            return str(path)
+
+        def mmap(name: str) -> None:
+            fd = os.open(name, os.O_RDWR)
+            try:
+                addr = _libc.mmap(None, size, PROT_RW, MAP_SHARED, fd, 0)
+            finally:
+                os.close(fd)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                raise FastcommError(f"mmap of {name} failed: {os.strerror(ctypes.get_errno())}")
+            res.host_addr, res.host_size = addr, size
+
+        def register() -> None:
+            if not rt.deviceGetAttribute(rt.cudaDevAttrCanUseHostPointerForRegisteredMem, self.device_index):
+                raise FastcommError("this GPU cannot use registered host pointers directly; no host transport")
+            rt.hostRegister(res.host_addr, size, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED)
+            res.host_registered = True
+
+        name = self._all_ok("creating the host segment", create)[0]
+        self._all_ok("mapping the host segment", lambda: mmap(name))
+        if res.shm_path is not None:  # rank 0, once every rank has it mapped: nothing stays in /dev/shm
+            res.shm_path.unlink(missing_ok=True)
             res.shm_path = None
-        if not rt.deviceGetAttribute(rt.cudaDevAttrCanUseHostPointerForRegisteredMem, self.device_index):
-            raise FastcommError("this GPU cannot use registered host pointers directly; host transport unavailable")
-        rt.hostRegister(addr, size, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED)
-        res.host_registered = True
-        return addr
+        self._all_ok("registering the host segment with CUDA", register)
+        return res.host_addr
 
     # ---- queries ----------------------------------------------------------------------------------
 
