@@ -159,6 +159,9 @@ __device__ __forceinline__ void fc_wait_flag(const FcTable* t, const u32* flag, 
 // The epoch of this launch: one more than the last completed launch on this group. It lives in device
 // memory (not a kernel argument) so that CUDA-graph replays, whose arguments are frozen, still advance it.
 // 0 is never used (buffers start zeroed); skipping to 2 keeps the parity alternating across the wrap.
+// Limit: flags are 32-bit, so a packet left unwritten at one index for exactly 2^32 calls of its group
+// would carry a valid-looking epoch again. At 10^4 calls/s that is ~5 days of a packet index unused by
+// every call in between, then read before its writer arrives; not prevented, only this unlikely.
 __device__ __forceinline__ u32 fc_next_epoch(u32 last) {
   u32 e = last + 1u;
   return e == 0u ? 2u : e;
