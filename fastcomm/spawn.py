@@ -19,7 +19,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world, port, env, queue, args):
+def _entry(fn, rank, world, port, env, queue, args, backend):
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
@@ -27,9 +27,13 @@ def _entry(fn, rank, world, port, env, queue, args):
         import torch
         import torch.distributed as dist
 
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-        gloo = dist.new_group(backend="gloo")
+        if backend == "nccl":  # one GPU per rank; the bodies also get a gloo group for fastcomm's handshake
+            torch.cuda.set_device(rank)
+            dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+            gloo = dist.new_group(backend="gloo")
+        else:  # CPU only (tests of the harness itself)
+            dist.init_process_group("gloo", rank=rank, world_size=world)
+            gloo = dist.group.WORLD
         result = fn(rank, world, gloo, *args)
         queue.put((rank, "ok", result))
     except BaseException as e:  # report, do not hang the parent
@@ -42,7 +46,7 @@ def _entry(fn, rank, world, port, env, queue, args):
 
 
 def run_ranks(fn, world: int, *args, timeout: float = 300.0, env: dict | None = None,
-              allow_exit: tuple[int, ...] = ()) -> dict[int, tuple[str, object]]:
+              allow_exit: tuple[int, ...] = (), backend: str = "nccl") -> dict[int, tuple[str, object]]:
     """Run ``fn(rank, world, gloo_group, *args)`` on ``world`` spawned ranks; return {rank: (status, value)}.
 
     Ranks listed in ``allow_exit`` may die without reporting (tests that kill a rank on purpose).
@@ -50,7 +54,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 300.0, env: dict | None = 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, dict(env or {}), queue, args), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, dict(env or {}), queue, args, backend), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
