@@ -72,6 +72,13 @@ def run_worker(spec: dict, backend: Backend, save) -> dict:
                   disable_custom_all_reduce=backend.disable_custom_all_reduce)
     if spec["capture_sizes"] is not None:
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": spec["capture_sizes"]}
+    if spec.get("profile_dir"):
+        # vLLM's own torch profiler (0.25 and newer): per-worker traces plus a CUDA-time table, to see where
+        # one backend's decode step spends time that another's does not.
+        kwargs["profiler_config"] = {"profiler": "torch",
+                                     "torch_profiler_dir": str(Path(spec["profile_dir"]) / backend.name),
+                                     "torch_profiler_with_stack": False,
+                                     "torch_profiler_dump_cuda_time_total": True}
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     result = {"startup_s": round(time.perf_counter() - t0, 1), "vllm": importlib.metadata.version("vllm")}
@@ -103,6 +110,16 @@ def run_worker(spec: dict, backend: Backend, save) -> dict:
     result["single"] = {"tpot_ms": round(tpot * 1e3, 3), "tok_s": round(1 / tpot, 2),
                         "ttft_ms": round(t1 * 1e3, 2), "wall_s": round(tn, 3)}
     result["greedy_tokens"] = list(outs[0].outputs[0].token_ids)
+    save(result)
+    if spec.get("profile_dir"):
+        try:  # after the timed runs, so profiling never skews them
+            llm.start_profile()
+            params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False)
+            llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+            llm.stop_profile()
+            result["profile"] = str(Path(spec["profile_dir"]) / backend.name)
+        except Exception as e:  # the row stands without a profile
+            result["profile"] = f"failed: {type(e).__name__}: {e}"
     sweep = result["sweep"] = []
     save(result)
     for c in spec["concurrency"]:
@@ -258,6 +275,8 @@ def parse_args(argv):
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     p.add_argument("--seed", type=int, default=0, help="prompt token ids")
+    p.add_argument("--profile-dir", default=None,
+                   help="also profile 16 decode steps per backend with vLLM's torch profiler (traces per backend)")
     p.add_argument("--timeout", type=float, default=1500, help="seconds per backend (start-up included)")
     p.add_argument("--out", default=None, help="JSON results (default bench/results/decode-<model>-<time>.json)")
     p.add_argument("--compare", nargs="+", default=None, metavar="JSON", help="print merged earlier results and exit")
@@ -295,7 +314,8 @@ def main(argv=None) -> int:
     spec = dict(model=str(model), tp=args.tp, max_tokens=args.max_tokens, capture_sizes=sizes,
                 concurrency=[int(c) for c in args.concurrency.split(",")], prompt_len=args.prompt_len,
                 repeats=args.repeats, max_model_len=args.max_model_len, seed=args.seed,
-                gpu_memory_utilization=args.gpu_memory_utilization)
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                profile_dir=str(Path(args.profile_dir).resolve()) if args.profile_dir else None)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(args.out) if args.out else REPO / "bench" / "results" / f"decode-{model.name}-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
