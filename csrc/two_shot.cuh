@@ -29,7 +29,8 @@ __device__ __forceinline__ FcChunk fc_chunk(u64 n, u64 seg, u64 chunk, u32 s) {
   return FcChunk{b, e};
 }
 
-// Copy elements [c.begin, c.end) of `src` to `dst` (dst indexed from the segment's start `dst_origin`).
+// Copy the chunk's (c.end - c.begin) elements from `src` to `dst` (both already offset to the chunk's start):
+// 16 bytes at a time, then the message tail element by element. `volatile_src`: bytes a peer wrote.
 template <class D>
 __device__ __forceinline__ void fc_copy_chunk(char* dst, const char* src, FcChunk c, bool volatile_src) {
   typedef typename D::raw R;
@@ -45,7 +46,7 @@ __device__ __forceinline__ void fc_copy_chunk(char* dst, const char* src, FcChun
   }
 }
 
-template <class D>
+// One thread per source waits for that source's flag of this block; the barrier then shares the acquire.
 __device__ __forceinline__ void fc_wait_all(const FcTable* t, u32* const* flags, u32 epoch, u32 step) {
   const u32 src = threadIdx.x;
   if (src < t->world && src != t->rank) fc_wait_flag(t, flags[src] + blockIdx.x, epoch, src, step);
@@ -74,7 +75,7 @@ __device__ __forceinline__ void fc_two_shot(const FcTable* __restrict__ t, const
   }
 
   // 2. Reduce my segment's chunk in rank order (identical on every rank), then push the result out.
-  fc_wait_all<D>(t, t->rs_flag_pull[h], epoch, FC_STEP_RS);
+  fc_wait_all(t, t->rs_flag_pull[h], epoch, FC_STEP_RS);
   FcChunk mine = fc_chunk(n, seg, chunk, me);
   const u64 off = (mine.begin - (u64)me * seg) * sizeof(R);
   const u64 count = mine.end - mine.begin;
@@ -120,7 +121,7 @@ __device__ __forceinline__ void fc_two_shot(const FcTable* __restrict__ t, const
   }
 
   // 3. All-gather, receive: every other segment's reduced chunk b.
-  fc_wait_all<D>(t, t->ag_flag_pull[h], epoch, FC_STEP_AG);
+  fc_wait_all(t, t->ag_flag_pull[h], epoch, FC_STEP_AG);
   for (u32 p = 0; p < world; ++p) {
     if (p == me) continue;
     FcChunk c = fc_chunk(n, seg, chunk, p);
