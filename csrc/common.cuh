@@ -14,8 +14,6 @@ typedef unsigned short u16;
 #define FC_MAX_BLOCKS 128
 #define FC_PACKET_BYTES 16
 #define FC_PACKET_PAYLOAD 8
-// The fused kernel keeps a row in registers: at most this many packets per thread (1024 threads).
-#define FC_ROW_PACKETS_PER_THREAD 8
 
 static_assert(FC_PACKET_BYTES == 2 * FC_PACKET_PAYLOAD, "a packet is (4B data, 4B flag) x 2");
 

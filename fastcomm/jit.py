@@ -102,9 +102,9 @@ def _module(device_index: int, cache_dir: str) -> int:
         return driver.moduleLoadData(path.read_bytes())
 
 
-@functools.lru_cache(maxsize=None)
 def kernel(device_index: int, cache_dir: Path, family: str, dtype: str) -> int:
-    """The CUfunction of ``fc_<family>_<dtype>`` for this device, loaded once per process and device."""
+    """The CUfunction of ``fc_<family>_<dtype>`` for this device (the module is loaded once per process and
+    device; callers keep the handle, as each workspace does)."""
     import cupy
     from cupy_backends.cuda.api import driver
 

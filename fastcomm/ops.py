@@ -55,7 +55,7 @@ def _fused(ws: Workspace, table: int, x: torch.Tensor, residual, weight, out, re
     _launch(ws, f"fused_rmsnorm{lc.k}", x.dtype, lc.grid, lc.block,
             [_u64(table), _u64(x.data_ptr()), _u64(residual.data_ptr() if residual is not None else 0),
              _u64(weight.data_ptr()), _u64(out.data_ptr()), _u64(residual_out.data_ptr() if residual_out is not None else 0),
-             _u32(tokens), _u32(hidden), _u32(lc.seg), _f32(eps)])
+             _u32(tokens), _u32(hidden), _u32(lc.splits), _f32(eps)])
 
 
 def _check_out(name: str, out: torch.Tensor, like: torch.Tensor) -> None:

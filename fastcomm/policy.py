@@ -38,9 +38,11 @@ PACKET_PAYLOAD = 8
 MAX_WORLD = 8
 MAX_BLOCKS = 128
 ALIGN = 16
-# The fused kernel holds a row in registers: 1024 threads x FC_ROW_PACKETS_PER_THREAD (8) packets of 8 bytes.
+# The fused kernel holds its share of a row in registers: up to 1024 threads x K packets of 8 bytes, with K one
+# of the compiled variants (fc_fused_rmsnorm<K>_<dtype> in csrc/kernels.cu).
 FUSED_THREADS = 1024
-FUSED_PACKETS_PER_THREAD = 8  # the largest compiled variant
+FUSED_VARIANTS = (1, 2, 4, 8)
+FUSED_PACKETS_PER_THREAD = max(FUSED_VARIANTS)
 FUSED_MAX_ROW_BYTES = FUSED_THREADS * FUSED_PACKETS_PER_THREAD * PACKET_PAYLOAD
 ONE_SHOT_THREADS = 256
 TWO_SHOT_THREADS = 512
@@ -169,9 +171,10 @@ def check_fused(*, tokens: int, hidden: int, elem_size: int, one_shot_max_bytes:
 class Launch:
     grid: int
     block: int
-    seg: int = 0    # two-shot: elements per segment
-    chunk: int = 0  # two-shot: elements per block within a segment
-    k: int = 0      # fused: packets per thread (kernel variant fc_fused_rmsnorm<k>)
+    seg: int = 0     # two-shot: elements per segment
+    chunk: int = 0   # two-shot: elements per block within a segment
+    splits: int = 0  # fused: blocks per row
+    k: int = 0       # fused: packets per thread (kernel variant fc_fused_rmsnorm<k>)
 
 
 def one_shot_launch(nbytes: int, max_blocks: int) -> Launch:
@@ -191,15 +194,12 @@ def two_shot_launch(numel: int, elem_size: int, world_size: int, max_blocks: int
     return Launch(grid, TWO_SHOT_THREADS, seg, chunk)
 
 
-FUSED_VARIANTS = (1, 2, 4, 8)  # packets per thread compiled for the fused kernel
-
-
 FUSED_MAX_SPLITS = 32          # blocks per row (the kernel's shared partial-sum array)
 FUSED_SPLIT_PACKETS = 256      # aim for about one packet per thread of a 256-thread block, as one-shot does
 
 
 def fused_launch(tokens: int, hidden: int, elem_size: int, max_blocks: int) -> Launch:
-    """Rows cut into `seg` splits (one block each) so few tokens still use many SMs; whole rounds of rows.
+    """Rows cut into `splits` chunks (one block each) so few tokens still use many SMs; whole rounds of rows.
 
     The grid is a multiple of the split count (the blocks of a row run together) and at most max_blocks
     (all co-resident, as the blocks of a row wait for each other's partial sums).
@@ -211,7 +211,7 @@ def fused_launch(tokens: int, hidden: int, elem_size: int, max_blocks: int) -> L
     k = next(k for k in FUSED_VARIANTS if k * FUSED_THREADS >= chunk_pk)  # check_fused admits only rows that fit
     block = min(FUSED_THREADS, max(32, -(-(-(-chunk_pk // k)) // 32) * 32))
     rows_per_round = max(1, min(tokens, max_blocks // splits))
-    return Launch(rows_per_round * splits, block, seg=splits, k=k)
+    return Launch(rows_per_round * splits, block, splits=splits, k=k)
 
 
 def num_blocks(work_items: int, threads: int, max_blocks: int) -> int:

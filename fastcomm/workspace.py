@@ -176,6 +176,21 @@ class Workspace:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def _decided_by_rank0(self, decide, default):
+        """Run ``decide()`` on rank 0 only and give every rank its answer, so all ranks act alike.
+
+        Returns (value, error): value is ``default`` where rank 0 raised, and error its message; each caller
+        chooses whether that error is advisory or fatal (it is then fatal on every rank at once).
+        """
+        verdict = [(default, None)]
+        if self.rank == 0:
+            try:
+                verdict = [(decide(), None)]
+            except Exception as e:
+                verdict = [(default, f"{type(e).__name__}: {e}")]
+        dist.broadcast_object_list(verdict, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return verdict[0]
+
     def _all_ok(self, step: str, fn) -> list:
         """Run a local step on every rank and share the outcome: every rank's result, or, if any rank
         failed, the same error on all of them (naming who failed). A rank that fails alone must not leave
@@ -225,7 +240,6 @@ class Workspace:
         if cfg.transport == "p2p" and not all_p2p:
             raise FastcommError(f"FASTCOMM_TRANSPORT=p2p but some GPU pairs cannot reach each other: {p2p_rows}")
         self.transport = Transport.P2P if (all_p2p and cfg.transport != "host") else Transport.HOST
-        self.p2p_matrix = p2p_rows
         self.link, probed_islands = self._decide_topology([i["uuid"] for i in infos])
         islands = cfg.islands if cfg.islands else (probed_islands if self.transport is Transport.P2P else None)
         self.islands = policy.validate_islands(islands, self.world_size) if islands else None
@@ -252,54 +266,45 @@ class Workspace:
             log.info("%s", self.describe())
 
     def _decide_topology(self, uuids: list[str]) -> tuple[LinkType, tuple[tuple[int, ...], ...] | None]:
-        """Rank 0 reads the topology and shares its verdict, so every rank uses the same policy row.
+        """The worst link among this group's GPUs and, where the probe finds them, islands (only when the
+        group spans CPU sockets: cross-socket P2P writes are the slow ones hierarchical mode avoids).
+        Rank 0 probes; every rank uses its verdict, so all pick the same policy row."""
 
-        Returns the worst link among this group's GPUs and, where the probe finds them, islands (only
-        when the group spans CPU sockets: cross-socket P2P writes are the slow ones hierarchical mode avoids).
-        """
-        verdict = [(LinkType.UNKNOWN.value, None)]
-        if self.rank == 0:
-            try:
-                from . import topology
+        def probe():
+            from . import topology
 
-                topo = topology.probe()
-                pos = {_norm_uuid(g.uuid): i for i, g in enumerate(topo.gpus) if g.uuid}
-                if all(_norm_uuid(u) in pos for u in uuids):
-                    ranks = [pos[_norm_uuid(u)] for u in uuids]
-                    link = topo.worst_link(ranks)
-                    isl = None
-                    if link is LinkType.CROSS_SOCKET:
-                        groups = topology.islands(topo, ranks)
-                        if len(groups) > 1:
-                            isl = tuple(tuple(ranks.index(p) for p in g) for g in groups)
-                    verdict = [(link.value, isl)]
-                else:
-                    log.info("fastcomm: topology probe did not see every rank's GPU (%s); conservative policy",
-                             "; ".join(topo.notes) or "UUIDs not matched")
-            except Exception as e:  # topology is advisory; the UNKNOWN row is conservative
-                log.warning("fastcomm: topology probe failed (%s); using conservative defaults", e)
-        dist.broadcast_object_list(verdict, src=dist.get_global_rank(self.group, 0), group=self.group)
-        link, isl = verdict[0]
+            topo = topology.probe()
+            pos = {_norm_uuid(g.uuid): i for i, g in enumerate(topo.gpus) if g.uuid}
+            if not all(_norm_uuid(u) in pos for u in uuids):
+                log.info("fastcomm: topology probe did not see every rank's GPU (%s); conservative policy",
+                         "; ".join(topo.notes) or "UUIDs not matched")
+                return LinkType.UNKNOWN.value, None
+            ranks = [pos[_norm_uuid(u)] for u in uuids]
+            link = topo.worst_link(ranks)
+            groups = topology.islands(topo, ranks) if link is LinkType.CROSS_SOCKET else ()
+            isl = tuple(tuple(ranks.index(p) for p in g) for g in groups) if len(groups) > 1 else None
+            return link.value, isl
+
+        (link, isl), err = self._decided_by_rank0(probe, (LinkType.UNKNOWN.value, None))
+        if err and self.rank == 0:  # topology is advisory; the UNKNOWN row is conservative
+            log.warning("fastcomm: topology probe failed (%s); using conservative defaults", err)
         return LinkType(link), isl
 
     def _decide_rules(self) -> tuple[tuple[policy.Rule, ...], str]:
-        """Rank 0 reads the tune cache (if any) and shares its verdict, so every rank runs the same rules."""
+        """Rank 0 reads the tune cache (if any); every rank runs the rules it chose."""
         from . import tuning
 
-        verdict: list = [None, "", None]  # rules (None: defaults), why, error
-        if self.rank == 0:
-            try:
-                fp = tuning.fingerprint_here(self.transport, self.link, self.world_size, self.device_index)
-                verdict[0], verdict[1] = tuning.rules_from_file(self.config, fp)
-            except Exception as e:  # fail on every rank: the others are already waiting in the broadcast
-                verdict[2] = str(e)
-        dist.broadcast_object_list(verdict, src=dist.get_global_rank(self.group, 0), group=self.group)
-        if verdict[2] is not None:
-            raise tuning.TuneCacheError(verdict[2])
-        if verdict[0] is None:
+        def read():
+            fp = tuning.fingerprint_here(self.transport, self.link, self.world_size, self.device_index)
+            return tuning.rules_from_file(self.config, fp)
+
+        (rules, why), err = self._decided_by_rank0(read, (None, ""))
+        if err is not None:  # an explicit but unusable FASTCOMM_TUNE_FILE: fail on every rank alike
+            raise tuning.TuneCacheError(err)
+        if rules is None:
             return (policy.lookup_rules(policy.DEFAULT_TABLE, self.transport, self.link, self.world_size),
-                    verdict[1] or "defaults")
-        return verdict[0], verdict[1]
+                    why or "defaults")
+        return rules, why
 
     def _allocate(self, rt) -> bytes | None:
         """Error record, local state and (P2P) the shared buffer; returns the buffer's IPC handle."""

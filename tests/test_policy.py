@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from fastcomm import policy as P
@@ -19,9 +21,11 @@ def test_constants_mirror_the_kernel_header():
 
     text = (source_dir() / "common.cuh").read_text()
     for name, value in (("FC_MAX_WORLD", P.MAX_WORLD), ("FC_MAX_BLOCKS", P.MAX_BLOCKS),
-                        ("FC_PACKET_BYTES", P.PACKET_BYTES), ("FC_PACKET_PAYLOAD", P.PACKET_PAYLOAD),
-                        ("FC_ROW_PACKETS_PER_THREAD", P.FUSED_PACKETS_PER_THREAD)):
+                        ("FC_PACKET_BYTES", P.PACKET_BYTES), ("FC_PACKET_PAYLOAD", P.PACKET_PAYLOAD)):
         assert f"#define {name} {value}\n" in text, name
+    kernels = (source_dir() / "kernels.cu").read_text()
+    compiled = sorted(int(k) for k in re.findall(r"FC_DEFINE_FUSED\(NAME, D, (\d+)\)", kernels))
+    assert tuple(compiled) == P.FUSED_VARIANTS
 
 
 RULES = (Rule(256 * KB, Algo.ONE_SHOT), Rule(64 * MB, Algo.TWO_SHOT))

@@ -28,8 +28,12 @@ def _rank(rank, port, q):
         group, world_size = dist.group.WORLD, 2
         _gather = Workspace._gather
         _all_ok = Workspace._all_ok
+        _decided_by_rank0 = Workspace._decided_by_rank0
 
     stub = Stub()
+    stub.rank = rank
+    decided = stub._decided_by_rank0(lambda: f"chosen by rank {rank}", "default")
+    failed = stub._decided_by_rank0(lambda: 1 / 0, "default")
     ok = stub._all_ok("step one", lambda: rank * 10)
 
     def fail_on_rank_1():
@@ -39,9 +43,9 @@ def _rank(rank, port, q):
 
     try:
         stub._all_ok("allocating device memory", fail_on_rank_1)
-        q.put((rank, ok, None))
+        q.put((rank, ok, None, decided, failed))
     except FastcommError as e:
-        q.put((rank, ok, str(e)))
+        q.put((rank, ok, str(e), decided, failed))
     dist.destroy_process_group()
 
 
@@ -55,6 +59,8 @@ def test_a_local_failure_is_raised_on_every_rank():
     got = sorted(q.get(timeout=120) for _ in procs)
     for p in procs:
         p.join(30)
-    for rank, ok, err in got:
+    for rank, ok, err, decided, failed in got:
+        assert decided == ("chosen by rank 0", None)  # every rank gets rank 0's answer
+        assert failed[0] == "default" and "ZeroDivisionError" in failed[1]
         assert ok == [0, 10]
         assert err is not None and "allocating device memory failed on rank 1" in err and "out of device memory" in err
