@@ -63,19 +63,24 @@ print(current_platform.is_cuda(), any(type(f).__name__ == "_WrapOnImport" for f 
     assert r.stdout.split()[-1] == "False"
 
 
-def test_install_points_the_platform_at_fastcomm():
-    # A real vLLM platform class (the interface's CUDA answers are what install() checks against).
-    code = """
+# A real vLLM platform class whose communicator answer is CUDA's (what install() checks against).
+CUDA_LIKE = """
 import json
 from vllm.platforms.interface import Platform
-from vllm.config.compilation import CompilationConfig
-from vllm.utils.import_utils import resolve_obj_by_qualname
-from fastcomm_vllm import plugin, fusion
+from fastcomm_vllm import plugin
 
 class CudaLike(Platform):
     @classmethod
     def get_device_communicator_cls(cls):
         return plugin.VLLM_COMMUNICATOR
+"""
+
+
+def test_install_points_the_platform_at_fastcomm():
+    code = CUDA_LIKE + """
+from vllm.config.compilation import CompilationConfig
+from vllm.utils.import_utils import resolve_obj_by_qualname
+from fastcomm_vllm import fusion
 
 before = CompilationConfig().compute_hash()
 plugin.install(CudaLike)
@@ -130,16 +135,7 @@ def test_vllm_tp_group_on_gpus():
 
 
 def test_fusion_switch_keeps_the_communicator_only():
-    code = """
-import json
-from vllm.platforms.interface import Platform
-from fastcomm_vllm import plugin
-
-class CudaLike(Platform):
-    @classmethod
-    def get_device_communicator_cls(cls):
-        return plugin.VLLM_COMMUNICATOR
-
+    code = CUDA_LIKE + """
 plugin.install(CudaLike, fuse=False)
 print(json.dumps(dict(comm=CudaLike.get_device_communicator_cls(), pm=CudaLike.get_pass_manager_cls())))
 """
