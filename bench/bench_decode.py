@@ -51,6 +51,9 @@ BACKENDS = {b.name: b for b in (
     Backend("nccl-nop2p", "NCCL only, NCCL_P2P_DISABLE=1", {"FASTCOMM_VLLM": "0", "NCCL_P2P_DISABLE": "1"}, True),
     Backend("fastcomm-host", "fastcomm host transport, NCCL_P2P_DISABLE=1",
             {"FASTCOMM_VLLM": "1", "FASTCOMM_TRANSPORT": "host", "NCCL_P2P_DISABLE": "1"}, True, fastcomm=True),
+    Backend("fastcomm-host-nofuse", "fastcomm host transport, all-reduce only, NCCL_P2P_DISABLE=1",
+            {"FASTCOMM_VLLM": "1", "FASTCOMM_TRANSPORT": "host", "FASTCOMM_VLLM_FUSION": "0",
+             "NCCL_P2P_DISABLE": "1"}, True, fastcomm=True),
 )}
 REFERENCE_ORDER = ("vllm", "nccl", "nccl-nop2p", "fastcomm", "fastcomm-host")
 
@@ -114,7 +117,8 @@ def run_worker(spec: dict, backend: Backend, save) -> dict:
     if spec.get("profile_dir"):
         try:  # after the timed runs, so profiling never skews them
             llm.start_profile()
-            params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False)
+            params = SamplingParams(temperature=0.0, max_tokens=spec.get("profile_tokens", 16), ignore_eos=True,
+                                    detokenize=False)
             llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
             llm.stop_profile()
             result["profile"] = str(Path(spec["profile_dir"]) / backend.name)
@@ -123,6 +127,10 @@ def run_worker(spec: dict, backend: Backend, save) -> dict:
     sweep = result["sweep"] = []
     save(result)
     for c in spec["concurrency"]:
+        # Untimed first: a new batch size compiles Triton kernels for its shapes (vLLM warns "JIT compilation
+        # during inference"), which would otherwise land in the 1-token run and shrink the TPOT difference.
+        llm.generate([{"prompt_token_ids": p} for p in prompts[:c]],
+                     SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False), use_tqdm=False)
         c1, _ = timed(c, 1)
         cn, _ = timed(c, n)
         tpot_c = (cn - c1) / (n - 1)
@@ -164,12 +172,12 @@ def _check_plugin() -> None:
                          "the repo (pip install --no-deps --no-build-isolation -e .) so vLLM's workers load it")
 
 
-def run_backend(backend: Backend, spec: dict, log_dir: Path, timeout: float) -> dict:
+def run_backend(backend: Backend, spec: dict, log_dir: Path, timeout: float, tag: str = "") -> dict:
     spec_file = log_dir / "spec.json"
     spec_file.write_text(json.dumps(spec))
-    result_file = log_dir / f"{backend.name}.result.json"
+    result_file = log_dir / f"{backend.name}{tag}.result.json"
     result_file.unlink(missing_ok=True)
-    log = log_dir / f"{backend.name}.log"
+    log = log_dir / f"{backend.name}{tag}.log"
     # status RPC: collective_rpc ships worker_status by reference (cloudpickle), which vLLM gates on this.
     env = {**os.environ, **backend.env, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", backend.name, "--spec", str(spec_file),
@@ -194,6 +202,33 @@ def run_backend(backend: Backend, spec: dict, log_dir: Path, timeout: float) -> 
         res["error"] = "timed out" if rc is None else f"exit status {rc}"
         res["log_tail"] = log.read_text(errors="replace").splitlines()[-30:]
     return res
+
+
+def combine_rounds(runs: list[dict]) -> dict:
+    """One row from several rounds of a backend: medians of what every complete round measured.
+
+    Why rounds: in every end-to-end comparison so far the backend that ran first in a device call was the
+    slowest, whichever it was; running the configs round-robin and taking medians takes that order out.
+    """
+    if len(runs) == 1:
+        return runs[0]
+    done = [r for r in runs if "single" in r]
+    row = dict(done[-1] if done else runs[-1])
+    row["rounds"] = [{"startup_s": r.get("startup_s"), "ok": r.get("ok"),
+                      "tpot_ms": r["single"]["tpot_ms"] if "single" in r else None} for r in runs]
+    row["ok"] = all(r.get("ok") for r in runs)
+    if not row["ok"]:
+        row["error"] = "; ".join(f"round {i + 1}: {r.get('error')}" for i, r in enumerate(runs) if not r.get("ok"))
+    if len(done) >= 2:
+        tpot = statistics.median(r["single"]["tpot_ms"] for r in done)
+        row["single"] = {"tpot_ms": round(tpot, 3), "tok_s": round(1e3 / tpot, 2),
+                         "ttft_ms": round(statistics.median(r["single"]["ttft_ms"] for r in done), 2)}
+        sweeps = [{s["concurrency"]: s for s in r.get("sweep", ())} for r in done]
+        row["sweep"] = []
+        for c in sorted(set.intersection(*(set(sw) for sw in sweeps))):
+            row["sweep"].append({"concurrency": c, **{k: round(statistics.median(sw[c][k] for sw in sweeps), 3)
+                                                      for k in ("out_tok_s", "tpot_ms", "decode_tok_s")}})
+    return row
 
 
 def check_active(res: dict) -> str | None:
@@ -241,6 +276,10 @@ def print_report(results: dict, meta: dict) -> None:
         by_c = {s["concurrency"]: s for s in r.get("sweep", ())}
         cols = " ".join(f"{by_c[c]['out_tok_s']:>12.1f}" if c in by_c else f"{'-':>12}" for c in conc)
         print(f"{name:<14} {r['startup_s']:>8.0f} {r['single']['tok_s']:>10.1f} {r['single']['tpot_ms']:>8.2f} {cols}")
+        if r.get("rounds"):
+            print(f"{'':<14} rounds (in run order), TPOT ms: "
+                  + ", ".join("-" if x["tpot_ms"] is None else f"{x['tpot_ms']:.2f}" for x in r["rounds"])
+                  + " (row: medians)")
         if not r.get("ok"):
             print(f"{'':<14} INCOMPLETE: {r.get('error')} (log {r.get('log')})")
         problem = check_active(r)
@@ -276,7 +315,10 @@ def parse_args(argv):
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     p.add_argument("--seed", type=int, default=0, help="prompt token ids")
     p.add_argument("--profile-dir", default=None,
-                   help="also profile 16 decode steps per backend with vLLM's torch profiler (traces per backend)")
+                   help="also profile decode steps per backend with vLLM's torch profiler (traces per backend)")
+    p.add_argument("--profile-tokens", type=int, default=16, help="tokens generated while profiling")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the configs round-robin this many times; rows are medians (takes run order out)")
     p.add_argument("--timeout", type=float, default=1500, help="seconds per backend (start-up included)")
     p.add_argument("--out", default=None, help="JSON results (default bench/results/decode-<model>-<time>.json)")
     p.add_argument("--compare", nargs="+", default=None, metavar="JSON", help="print merged earlier results and exit")
@@ -303,6 +345,8 @@ def main(argv=None) -> int:
     unknown = [c for c in names if c not in BACKENDS]
     if unknown:
         raise SystemExit(f"bench-decode: unknown config(s) {unknown}; choose from {', '.join(BACKENDS)}")
+    if args.rounds < 1:
+        raise SystemExit("bench-decode: --rounds must be at least 1")
     if args.max_tokens < 2:
         raise SystemExit("bench-decode: --max-tokens must be at least 2 (TPOT needs two lengths)")
     if args.max_tokens < 64:
@@ -315,17 +359,23 @@ def main(argv=None) -> int:
                 concurrency=[int(c) for c in args.concurrency.split(",")], prompt_len=args.prompt_len,
                 repeats=args.repeats, max_model_len=args.max_model_len, seed=args.seed,
                 gpu_memory_utilization=args.gpu_memory_utilization,
-                profile_dir=str(Path(args.profile_dir).resolve()) if args.profile_dir else None)
+                profile_dir=str(Path(args.profile_dir).resolve()) if args.profile_dir else None,
+                profile_tokens=args.profile_tokens)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(args.out) if args.out else REPO / "bench" / "results" / f"decode-{model.name}-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix=f"decode-{stamp}-", dir=out.parent))
-    meta = {**spec, "configs": names, "started": stamp}
+    meta = {**spec, "configs": names, "rounds": args.rounds, "started": stamp}
+    runs: dict[str, list[dict]] = {name: [] for name in names}
     results = {}
-    for name in names:
-        print(f"bench-decode: {name}: {BACKENDS[name].about} ...", flush=True)
-        results[name] = run_backend(BACKENDS[name], spec, log_dir, args.timeout)
-        out.write_text(json.dumps({"meta": meta, "results": results, "tokens": compare_tokens(results)}, indent=1))
+    for k in range(args.rounds):
+        for name in names:
+            print(f"bench-decode: {name}: {BACKENDS[name].about}"
+                  + (f" (round {k + 1}/{args.rounds})" if args.rounds > 1 else "") + " ...", flush=True)
+            runs[name].append(run_backend(BACKENDS[name], spec, log_dir, args.timeout,
+                                          f"-r{k + 1}" if args.rounds > 1 else ""))
+            results[name] = combine_rounds(runs[name])
+            out.write_text(json.dumps({"meta": meta, "results": results, "tokens": compare_tokens(results)}, indent=1))
     print_report(results, meta)
     print(f"# results: {out}  (logs: {log_dir})")
     return 0 if all(r.get("ok") for r in results.values()) else 1

@@ -70,3 +70,35 @@ def test_compare_merges_separate_runs(tmp_path, capsys):
     assert "c=64 tok/s" in out and "nccl           FAILED: timed out" in out
     assert "fastcomm       64/64 match, identical" in out
     assert "INCOMPLETE: timed out" in out and "nccl-nop2p     40/64 match, diverge at token 40" in out
+
+
+def test_cli_hands_every_argument_to_bench_decode():
+    # argparse's REMAINDER used to swallow a leading "--model": the CLI must pass arguments through as-is.
+    from fastcomm import cli
+
+    with pytest.raises(SystemExit, match="unknown config"):
+        cli.main(["bench-decode", "--model", "glm5-mini", "--configs", "nvlink"])
+
+
+def test_rounds_give_medians_and_keep_each_round():
+    def run(tpot, ok=True, startup=100.0):
+        r = result("fastcomm", list(range(64)), tok_s=1e3 / tpot, fastcomm=True)
+        r["single"].update(ttft_ms=30.0, tpot_ms=tpot)
+        r.update(ok=ok, startup_s=startup)
+        for s in r["sweep"]:
+            s["tpot_ms"] = tpot
+        return r
+
+    assert B.combine_rounds([run(25.0)])["single"]["tpot_ms"] == 25.0  # one round: unchanged
+    row = B.combine_rounds([run(30.0, startup=270.0), run(22.0), run(24.0)])
+    assert row["single"]["tpot_ms"] == 24.0 and row["single"]["tok_s"] == round(1e3 / 24.0, 2)
+    assert [r["tpot_ms"] for r in row["rounds"]] == [30.0, 22.0, 24.0] and row["ok"]
+    assert {s["concurrency"]: s["tpot_ms"] for s in row["sweep"]} == {1: 24.0, 4: 24.0, 16: 24.0, 64: 24.0}
+    cut = B.combine_rounds([run(30.0), {"backend": "fastcomm", "ok": False, "error": "timed out"}])
+    assert not cut["ok"] and "round 2: timed out" in cut["error"] and cut["single"]["tpot_ms"] == 30.0
+
+
+def test_rounds_argument():
+    assert B.parse_args(["--rounds", "2"]).rounds == 2
+    with pytest.raises(SystemExit, match="rounds"):
+        B.main(["--configs", "nccl", "--rounds", "0", "--model", str(B.REPO / "tests")])

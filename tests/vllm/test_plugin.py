@@ -135,9 +135,14 @@ def test_vllm_tp_group_on_gpus():
 
 
 def test_fusion_switch_keeps_the_communicator_only():
+    # Without the fusion the compiled graphs are vLLM's own, so the compile-cache key must stay vLLM's:
+    # such a run shares compiled graphs with plain vLLM (minutes of start-up on a 78-layer model).
     code = CUDA_LIKE + """
+from vllm.config.compilation import CompilationConfig
+before = CompilationConfig().compute_hash()
 plugin.install(CudaLike, fuse=False)
-print(json.dumps(dict(comm=CudaLike.get_device_communicator_cls(), pm=CudaLike.get_pass_manager_cls())))
+print(json.dumps(dict(comm=CudaLike.get_device_communicator_cls(), pm=CudaLike.get_pass_manager_cls(),
+                      same_hash=before == CompilationConfig().compute_hash())))
 """
     r = W.run_python(code)
     assert r.returncode == 0, r.stderr
@@ -145,3 +150,4 @@ print(json.dumps(dict(comm=CudaLike.get_device_communicator_cls(), pm=CudaLike.g
     from fastcomm_vllm import plugin
 
     assert got["comm"] == plugin.COMMUNICATOR and got["pm"] == plugin.VLLM_PASS_MANAGER
+    assert got["same_hash"], got

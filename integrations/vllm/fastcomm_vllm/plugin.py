@@ -60,7 +60,7 @@ def install(platform_cls: type, fuse: bool = True) -> None:
     fusion.register_ops()
     if fuse:
         fusion.route_fused_helper()
-    _fold_into_compile_hash(fuse)
+        _fold_into_compile_hash()
 
 
 def _check(platform_cls: type, method: str, ours: str, vllms: str) -> None:
@@ -78,12 +78,13 @@ def _point(platform_cls: type, method: str, ours: str) -> None:
     setattr(platform_cls, method, classmethod(qualname))
 
 
-def _fold_into_compile_hash(fuse: bool = True) -> None:
-    """Make fastcomm part of vLLM's torch.compile cache key.
+def _fold_into_compile_hash() -> None:
+    """Make the fusion pass part of vLLM's torch.compile cache key.
 
     vLLM keys its compile cache on the vLLM config, not on the post-grad passes, so without this a run
-    with fastcomm could load graphs compiled without the fusion (or a FASTCOMM_VLLM=0 run load graphs
-    holding fastcomm's op). The tag changes whenever the fusion code changes.
+    with the fusion could load graphs compiled without it (or a FASTCOMM_VLLM=0 run load graphs holding
+    fastcomm's op). The tag changes whenever the fusion code changes. Without the fusion the compiled
+    graphs are vLLM's own (the communicator is picked at run time), so they share vLLM's cache entries.
     """
     from vllm.config.compilation import CompilationConfig
 
@@ -91,7 +92,6 @@ def _fold_into_compile_hash(fuse: bool = True) -> None:
     if getattr(original, "_fastcomm_tag", None):
         return
     tag = "fastcomm-" + hashlib.sha256((Path(__file__).parent / "fusion.py").read_bytes()).hexdigest()[:12]
-    tag += "" if fuse else "-nofuse"
 
     def compute_hash(self) -> str:
         return hashlib.sha256(f"{original(self)}|{tag}".encode()).hexdigest()

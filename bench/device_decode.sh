@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One device call for the end-to-end decode benchmark (vLLM staged as ../shared/tools/VLLM_ON_DEVICE.md says).
+#   bash bench/device_decode.sh TAG MODEL CONFIGS [more fastcomm bench-decode arguments]
+# One bench-decode process per backend, so a call cut short at its time limit still brings back every backend
+# that finished. Under $OUT: decode-TAG-BACKEND.json (the row), profile-TAG-BACKEND.json (where that
+# backend's GPU time goes, with --profile-dir), and at the end report-TAG.txt (merged table and profile
+# summary) and logs-TAG.tar.gz (the vLLM logs).
+set -uo pipefail
+OUT=${OUT:-/tmp/fastcomm-out}
+mkdir -p "$OUT"
+tag=$1 model=$2 configs=$3
+shift 3
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export FASTCOMM_CACHE_DIR=/tmp/fastcomm-cache
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/install-$tag.log 2>&1 \
+  || { cat /tmp/install-$tag.log; exit 1; }
+fastcomm compile --arch sm_90 >/dev/null 2>&1  # kernels into the disk cache: start-up times exclude NVRTC
+prof=$(python3 -c 'import sys; a=sys.argv[1:]; print(a[a.index("--profile-dir")+1] if "--profile-dir" in a else "")' "$@")
+work=/tmp/decode-$tag
+mkdir -p "$work"
+rc=0
+for cfg in ${configs//,/ }; do
+  fastcomm bench-decode --model "$model" --configs "$cfg" --out "$work/$cfg.json" "$@" 2>&1 | tail -n 12
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  cp "$work/$cfg.json" "$OUT/decode-$tag-$cfg.json" 2>/dev/null
+  if [ -n "$prof" ] && [ -d "$prof/$cfg" ]; then
+    python3 -m fastcomm_bench.profile_summary "$prof" --backend "$cfg" --json "$OUT/profile-$tag-$cfg.json" >/dev/null
+  fi
+done
+{
+  fastcomm bench-decode --compare "$work"/*.json
+  ls "$OUT"/profile-"$tag"-*.json >/dev/null 2>&1 && python3 -m fastcomm_bench.profile_summary --print "$OUT"/profile-"$tag"-*.json
+} >"$OUT/report-$tag.txt" 2>&1
+cat "$OUT/report-$tag.txt"
+tar czf "$OUT/logs-$tag.tar.gz" -C "$work" . 2>/dev/null
+exit $rc

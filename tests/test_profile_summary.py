@@ -1,0 +1,58 @@
+"""The profile summary reads Chrome traces as vLLM's torch profiler writes them (gzip, per backend)."""
+import gzip
+import json
+
+from fastcomm_bench import profile_summary as P
+
+
+def _k(name, ts, dur, cat="kernel"):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+
+def test_all_reduce_share_busy_time_and_launch_counts(tmp_path):
+    events = [
+        _k("gemv_kernel", 0, 10), _k("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 10, 5),
+        _k("fc_one_shot_bfloat16", 20, 4), _k("gemv_kernel", 22, 8),  # overlaps the previous one
+        _k("Memcpy DtoD", 40, 10, cat="gpu_memcpy"),
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0, "dur": 1},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 1, "dur": 1},
+        {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernel", "ts": 2, "dur": 1},
+    ]
+    s = P.summarize_events(events)
+    assert s["window_us"] == 50 and s["busy_us"] == 10 + 5 + 10 + 10  # 20..30 counted once
+    ar = s["all_reduce"]
+    assert ar["calls"] == 2 and ar["total_us"] == 9 and ar["share_of_window"] == round(9 / 50, 3)
+    assert set(ar["kernels"]) == {"ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "fc_one_shot_bfloat16"}
+    assert [k["name"] for k in s["top_other_kernels"]] == ["gemv_kernel", "Memcpy DtoD"]
+    assert s["launches"] == {"graph": 1, "kernel": 2}
+
+
+def test_directory_of_backends(tmp_path, capsys):
+    for backend in ("nccl", "fastcomm"):
+        d = tmp_path / backend
+        d.mkdir()
+        with gzip.open(d / "worker_0.123.pt.trace.json.gz", "wt") as f:
+            json.dump({"traceEvents": [_k("cross_device_reduce_1stage", 0, 3), _k("x", 3, 7)]}, f)
+    out = tmp_path / "s.json"
+    assert P.main([str(tmp_path), "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert set(data) == {"nccl", "fastcomm"}
+    assert data["nccl"]["worker_0.123.pt.trace.json.gz"]["all_reduce"]["share_of_window"] == 0.3
+    assert "fastcomm" in capsys.readouterr().out
+
+
+def test_no_traces_is_an_error(tmp_path):
+    assert P.main([str(tmp_path)]) == 1
+
+
+def test_one_backend_and_printing_saved_summaries(tmp_path, capsys):
+    for backend in ("nccl", "fastcomm"):
+        (tmp_path / backend).mkdir()
+        with gzip.open(tmp_path / backend / "w.pt.trace.json.gz", "wt") as f:
+            json.dump({"traceEvents": [_k("fc_one_shot_bf16", 0, 2)]}, f)
+    saved = tmp_path / "fastcomm.json"
+    assert P.main([str(tmp_path), "--backend", "fastcomm", "--json", str(saved)]) == 0
+    assert set(json.loads(saved.read_text())) == {"fastcomm"}
+    capsys.readouterr()
+    assert P.main(["--print", str(saved)]) == 0
+    assert "fc_one_shot_bf16" in capsys.readouterr().out
