@@ -203,11 +203,56 @@ def bench_rank(rank, world, gloo, opts):
             t_eager = _timers(torch, fn, opts.graph_calls, max(3, opts.iters // 4), 2, graph=False)
             rows.append(dict(size=n * elem, count=n, type=opts.dtype, redop="sum", impl=name,
                              graph_us=t_graph, eager_us=t_eager, wrong=wrong))
+    if opts.interleave:
+        rows += _bench_interleaved(torch, rank, gloo, names, setup, capture, opts)
     if opts.fused:
         rows += _bench_fused(torch, rank, world, gloo, workspaces, opts)
     for ws in workspaces:
         ws.close()
     return rows if rank == 0 else None
+
+
+def _bench_interleaved(torch, rank, gloo, names, setup, capture, opts):
+    """Each all-reduce right after the GEMM that writes its input, as in a decode step.
+
+    Back-to-back all-reduces (the table above) hide what a collective costs around its neighbours: its
+    launch after a GEMM, extra graph nodes or stream joins. Here a graph holds G x (GEMM -> all-reduce) and
+    another G x GEMM alone; the row is their difference per call: what the all-reduce adds to a step.
+    """
+    import torch.distributed as dist
+
+    dtype = getattr(torch, opts.dtype)
+    dev = torch.device("cuda", rank)
+    hidden = opts.hidden
+    g = torch.Generator(device="cpu").manual_seed(rank)
+    weight = (torch.randn(hidden, hidden, generator=g) / hidden ** 0.5).to(dtype=dtype, device=dev)
+    rows = []
+    for tokens in (1, 8):
+        a = torch.randn(tokens, hidden, generator=g).to(dtype=dtype, device=dev)
+        scratch = torch.empty(tokens, hidden, dtype=dtype, device=dev)
+        dist.barrier()
+        t_gemm = _timers(torch, lambda: torch.matmul(a, weight, out=scratch), opts.graph_calls, opts.iters,
+                         opts.warmup, graph=True)
+        for name in names:
+            dist.barrier()
+            got = setup(name, tokens * hidden, dtype)
+            ok = torch.tensor([0 if got is None else 1], dtype=torch.int32)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=gloo)
+            if not ok.item():
+                continue
+            fn, _, inp = got
+            target = inp.view(tokens, hidden)
+
+            def step(fn=fn, target=target):
+                torch.matmul(a, weight, out=target)
+                return fn()
+
+            t_both = _timers(torch, step, opts.graph_calls, opts.iters, opts.warmup, graph=True,
+                             capture_ctx=capture.get(name))
+            rows.append(dict(size=tokens * hidden * a.element_size(), count=tokens * hidden, type=opts.dtype,
+                             redop="gemm+", impl=f"{name} {tokens}x{hidden}", graph_us=t_both - t_gemm,
+                             eager_us=float("nan"), gemm_us=t_gemm, wrong=-1))
+    return rows
 
 
 def _bench_fused(torch, rank, world, gloo, workspaces, opts):
@@ -257,7 +302,8 @@ def table(rows: list[dict], world: int) -> str:
              f"#{'size':>12} {'count':>10} {'type':>8} {'redop':>6} {'impl':>28} {'graph us':>9} {'algbw':>7} "
              f"{'busbw':>7} {'eager us':>9} {'#wrong':>7}"]
     for r in rows:
-        algbw = r["size"] / (r["graph_us"] * 1e-6) / 1e9
+        # An interleaved row's time is a difference and can be ~0 (fully hidden): no bandwidth then.
+        algbw = r["size"] / (r["graph_us"] * 1e-6) / 1e9 if r["graph_us"] > 0 else float("nan")
         busbw = algbw * 2 * (world - 1) / world
         lines.append(f" {r['size']:>12} {r['count']:>10} {r['type']:>8} {r['redop']:>6} {r['impl']:>28} "
                      f"{r['graph_us']:>9.2f} {algbw:>7.2f} {busbw:>7.2f} {r['eager_us']:>9.2f} "
@@ -274,6 +320,12 @@ def ratios(rows: list[dict]) -> str:
             pairs = [(s, by[(impl, s)] / by[(base, s)]) for (i, s) in by if i == impl and (base, s) in by]
             if pairs:
                 out.append(f"{impl} / {base}: " + ", ".join(f"{_fmt(s)} {q:.2f}" for s, q in sorted(pairs)))
+    inter = {r["impl"]: r["graph_us"] for r in rows if r["redop"] == "gemm+"}
+    for key, t in sorted(inter.items()):
+        name, shape = key.rsplit(" ", 1)
+        if name in ("fastcomm-auto", "fastcomm-host-auto") and f"nccl {shape}" in inter:
+            out.append(f"{name} / nccl after a GEMM, {shape}: {t / inter[f'nccl {shape}']:.2f} "
+                       f"(adds {t:.2f} us against {inter[f'nccl {shape}']:.2f} us per call)")
     return "\n".join(out)
 
 
@@ -299,6 +351,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip vLLM's custom all-reduce row")
     p.add_argument("--islands", action="store_true", help="add forced-island (hierarchical) one-shot rows")
     p.add_argument("--fused", action="store_true", help="also time the fused all-reduce + RMSNorm")
+    p.add_argument("--interleave", action="store_true",
+                   help="also time each all-reduce right after a hidden x hidden GEMM (1 and 8 tokens): the cost "
+                        "it adds to a step, launch and graph-node effects included")
     p.add_argument("--hidden", type=int, default=6144)
     p.add_argument("--only", action="append", help="only impls whose name contains this (repeatable)")
     p.add_argument("--json", help="write rows and metadata here")

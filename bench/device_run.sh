@@ -11,6 +11,9 @@ stages=${*:-tests bench nop2p}
 # NVLink multicast stays off on shared hosts (see the device notes); fastcomm never uses it anyway.
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export FASTCOMM_CACHE_DIR=/tmp/fastcomm-cache
+# Where vLLM was staged on this machine (../shared/tools/VLLM_ON_DEVICE.md), the bench gains its custom
+# all-reduce row.
+if [ -d /tmp/stage ] && [ -f .stage/install.sh ]; then eval "$(bash .stage/install.sh)"; fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 {
   date -u; nvidia-smi -L; nvidia-smi topo -m
@@ -25,7 +28,7 @@ if [[ " $stages " == *" tests "* ]]; then
   rc=${PIPESTATUS[0]}
 fi
 if [[ " $stages " == *" bench "* ]]; then
-  timeout 300 fastcomm bench --transports p2p,host --islands --fused -n 40 --json "$OUT/bench_p2p.json" \
+  timeout 300 fastcomm bench --transports p2p,host --islands --fused --interleave -n 40 --json "$OUT/bench_p2p.json" \
     --label "2xH200 NVLink, P2P + host transports" 2>&1 | tee "$OUT/bench_p2p.txt" | tail -80
 fi
 if [[ " $stages " == *" nop2p "* ]]; then

@@ -83,6 +83,30 @@ def all_reduce(x: torch.Tensor, ws: Workspace, *, algo: str = "auto", out: torch
     if chosen is Algo.NCCL:
         raise FastcommError(f"fastcomm.all_reduce: {x.numel() * x.element_size()} bytes with algo={algo!r} is not "
                             "served by fastcomm (check ws.can_all_reduce first and use NCCL)")
+    _run(ws, chosen, x, out)
+    return out
+
+
+def try_all_reduce(x: torch.Tensor, ws: Workspace) -> torch.Tensor | None:
+    """``all_reduce(x, ws)`` if fastcomm's policy takes ``x``, else None (the caller then uses NCCL).
+
+    For integrations that route per call: one check instead of ``ws.why_not`` followed by ``all_reduce``'s
+    own. The answer depends only on the workspace and ``x``'s shape, dtype and layout, so it is the same on
+    every rank. A device-side timeout recorded earlier still raises.
+    """
+    ws.raise_if_failed()
+    if ws.closed or ws.tensor_reason(x) is not None:
+        return None
+    chosen = ws.algo_for(x.numel() * x.element_size())
+    if chosen is Algo.NCCL:
+        return None
+    out = torch.empty_like(x)
+    if x.numel():
+        _run(ws, chosen, x, out)
+    return out
+
+
+def _run(ws: Workspace, chosen: Algo, x: torch.Tensor, out: torch.Tensor) -> None:
     with _on_device(ws):
         if chosen is Algo.ONE_SHOT:
             if ws.islands is not None:
@@ -94,7 +118,6 @@ def all_reduce(x: torch.Tensor, ws: Workspace, *, algo: str = "auto", out: torch
                 _one_shot(ws, ws._tables[FLAT], x, out)
         else:
             _two_shot(ws, x, out)
-    return out
 
 
 def _on_device(ws: Workspace):

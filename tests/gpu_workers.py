@@ -121,6 +121,20 @@ def _bad_inputs(ws):
     return msgs
 
 
+def _try_all_reduce(ws):
+    """The routing entry point: None for what the policy declines, the same sum as all_reduce otherwise."""
+    dev = ws.device
+    declined = [torch.ones(16, dtype=torch.int32, device=dev), torch.ones(16, dtype=torch.float32),
+                torch.ones(17, dtype=torch.float32, device=dev)[1:],
+                torch.ones(ws.config.max_bytes // 4 + 1, dtype=torch.float32, device=dev)]
+    assert all(fastcomm.try_all_reduce(x, ws) is None for x in declined)
+    for n in (0, 1, 6144, 3 * 6144 + 5):
+        x = _ints(n, torch.bfloat16, ws.rank, 9, dev)
+        got = fastcomm.try_all_reduce(x, ws)
+        assert got is not None and torch.equal(got, _nccl_sum(x)), n
+    return True
+
+
 def _back_to_back(ws, calls):
     """Many calls, alternating sizes and algorithms, every result checked (inputs differ per call)."""
     dev = ws.device
@@ -237,6 +251,7 @@ def core(rank, world, gloo, transport, islands, calls, replays):
         found["random_worst_rel_err"] = _random_vs_fp64(ws, 3)
         _specials(ws)
         found["bad_input_messages"] = _bad_inputs(ws)
+        found["try_all_reduce"] = _try_all_reduce(ws)
         found["back_to_back"] = _back_to_back(ws, calls)
         found["graph_replays"] = _graphs(ws, replays)
         found["fused_worst_rel_err"] = _fused(ws, 4)

@@ -28,3 +28,26 @@ def test_op_with_an_unknown_workspace_id_raises_clearly():
     fastcomm.register_torch_ops()
     with pytest.raises(FastcommError, match="no open fastcomm workspace with id 123456"):
         torch.ops.fastcomm.all_reduce(torch.ones(4), 123456, "auto")
+
+
+class _Declining:
+    """Stands in for a Workspace whose policy declines (fastcomm's own class; it needs GPUs to build)."""
+
+    def __init__(self, closed=False, reason=None, algo=fastcomm.Algo.NCCL):
+        self.closed, self.reason, self.algo = closed, reason, algo
+
+    def raise_if_failed(self):
+        pass
+
+    def tensor_reason(self, x):
+        return self.reason
+
+    def algo_for(self, nbytes):
+        return self.algo
+
+
+def test_try_all_reduce_declines_without_launching():
+    x = torch.ones(8)
+    assert fastcomm.try_all_reduce(x, _Declining(closed=True, algo=fastcomm.Algo.ONE_SHOT)) is None
+    assert fastcomm.try_all_reduce(x, _Declining(reason="not on this GPU", algo=fastcomm.Algo.ONE_SHOT)) is None
+    assert fastcomm.try_all_reduce(x, _Declining()) is None  # the policy sends it to NCCL

@@ -20,6 +20,7 @@ def test_core(transport):
     res = check_all_ok(run_ranks(W.core, _world(), transport, None, 10_000, 2_000, timeout=900))
     print(transport, res[0])
     assert res[0]["exact"] > 100 and res[0]["back_to_back"] == 10_000 and res[0]["graph_replays"] == 2_000
+    assert res[0]["try_all_reduce"]
 
 
 def test_forced_islands():

@@ -31,16 +31,18 @@ class FastcommCudaCommunicator(CudaCommunicator):
         if self.unique_name.split(":")[0] == "tp" and self.world_size >= 2 \
                 and isinstance(self.cpu_group, dist.ProcessGroup):
             self.fastcomm_workspace, self.fastcomm_why_not = self._open_workspace()
-        self._fastcomm_all_reduce = None
+        self._fastcomm_try = None
         if self.fastcomm_workspace is not None:
             import fastcomm
 
-            self._fastcomm_all_reduce = fastcomm.all_reduce
+            self._fastcomm_try = fastcomm.try_all_reduce
 
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
         ws = self.fastcomm_workspace
-        if ws is not None and ws.why_not(input_) is None:
-            return self._fastcomm_all_reduce(input_, ws)
+        if ws is not None:
+            out = self._fastcomm_try(input_, ws)  # None: fastcomm's policy declines, on every rank alike
+            if out is not None:
+                return out
         return super().all_reduce(input_)
 
     def destroy(self) -> None:

@@ -1,0 +1,34 @@
+"""The microbenchmark's report (table and ratios) on CPU, from rows as the ranks return them."""
+import math
+
+from fastcomm_bench import bench_allreduce as B
+
+
+def _row(impl, us, redop="sum", size=12288):
+    return dict(size=size, count=size // 2, type="bfloat16", redop=redop, impl=impl, graph_us=us, eager_us=10.0,
+                wrong=0 if redop == "sum" else -1)
+
+
+def test_ratios_cover_back_to_back_and_after_a_gemm():
+    rows = [_row("fastcomm-auto", 4.0), _row("nccl", 8.0), _row("symm-one_shot", 5.0),
+            _row("fastcomm-auto 1x6144", 3.0, "gemm+"), _row("nccl 1x6144", 12.0, "gemm+"),
+            _row("fastcomm-host-auto 8x6144", 0.0, "gemm+", 98304)]
+    text = B.ratios(rows)
+    assert "fastcomm-auto / nccl: 12K 0.50" in text and "fastcomm-auto / symm-one_shot: 12K 0.80" in text
+    assert "fastcomm-auto / nccl after a GEMM, 1x6144: 0.25 (adds 3.00 us against 12.00 us per call)" in text
+    assert "host-auto / nccl after a GEMM" not in text  # no NCCL row of that shape to compare with
+
+
+def test_table_tolerates_a_fully_hidden_interleaved_row():
+    table = B.table([_row("fastcomm-auto 8x6144", 0.0, "gemm+", 98304), _row("nccl", 8.0)], world=2)
+    lines = table.splitlines()
+    assert len(lines) == 4 and "gemm+" in lines[2] and "nan" in lines[2] and "n/a" in lines[2]
+    assert not math.isnan(float(lines[3].split()[6]))  # ordinary rows keep their bandwidth
+
+
+def test_interleave_flag():
+    import argparse
+
+    p = argparse.ArgumentParser()
+    B.add_arguments(p)
+    assert p.parse_args(["--interleave"]).interleave and not p.parse_args([]).interleave
