@@ -1,7 +1,8 @@
 """End-to-end decode benchmark: vLLM serving a GLM-5-shaped model, one all-reduce backend per process.
 
     fastcomm bench-decode --model glm5-78L-16E --configs vllm,nccl,fastcomm --max-tokens 128
-    fastcomm bench-decode --compare run1.json run2.json      # merge runs made in separate calls
+    fastcomm bench-decode --compare run1.json run2.json      # merge runs made in separate calls (a backend
+                                                             # in several files: one row of medians)
 
 The model directory holds only a config.json: weights are vLLM's dummy ones (same seed, so every backend
 computes with the same weights), the tokenizer is skipped and prompts are token ids. Each backend runs in
@@ -221,8 +222,10 @@ def combine_rounds(runs: list[dict]) -> dict:
         row["error"] = "; ".join(f"round {i + 1}: {r.get('error')}" for i, r in enumerate(runs) if not r.get("ok"))
     if len(done) >= 2:
         tpot = statistics.median(r["single"]["tpot_ms"] for r in done)
-        row["single"] = {"tpot_ms": round(tpot, 3), "tok_s": round(1e3 / tpot, 2),
-                         "ttft_ms": round(statistics.median(r["single"]["ttft_ms"] for r in done), 2)}
+        row["single"] = {"tpot_ms": round(tpot, 3), "tok_s": round(1e3 / tpot, 2)}
+        ttft = [r["single"]["ttft_ms"] for r in done if "ttft_ms" in r["single"]]
+        if ttft:
+            row["single"]["ttft_ms"] = round(statistics.median(ttft), 2)
         sweeps = [{s["concurrency"]: s for s in r.get("sweep", ())} for r in done]
         row["sweep"] = []
         for c in sorted(set.intersection(*(set(sw) for sw in sweeps))):
@@ -333,12 +336,15 @@ def main(argv=None) -> int:
     if args.worker:
         return worker_main(args)
     if args.compare:
-        results, meta = {}, {}
+        # A backend found in several files (rounds made in separate device calls) becomes one row of medians.
+        runs: dict[str, list[dict]] = {}
+        meta = {}
         for f in args.compare:
             data = json.loads(Path(f).read_text())
-            results.update(data["results"])
+            for name, res in data["results"].items():
+                runs.setdefault(name, []).append(res)
             meta = meta or data["meta"]
-        print_report(results, meta)
+        print_report({name: combine_rounds(r) for name, r in runs.items()}, meta)
         return 0
 
     names = [c.strip() for c in args.configs.split(",") if c.strip()]

@@ -102,3 +102,14 @@ def test_rounds_argument():
     assert B.parse_args(["--rounds", "2"]).rounds == 2
     with pytest.raises(SystemExit, match="rounds"):
         B.main(["--configs", "nccl", "--rounds", "0", "--model", str(B.REPO / "tests")])
+
+
+def test_compare_turns_repeated_backends_into_rounds(tmp_path, capsys):
+    meta = {"model": "glm5-78L-16E", "tp": 2, "max_tokens": 128, "capture_sizes": [1, 2, 4, 8]}
+    for k, tok_s in enumerate((40.0, 50.0, 45.0)):
+        (tmp_path / f"r{k}.json").write_text(json.dumps({"meta": meta, "results": {
+            "nccl": result("nccl", list(range(128)), tok_s=tok_s)}}))
+    assert B.main(["--compare"] + [str(tmp_path / f"r{k}.json") for k in range(3)]) == 0
+    out = capsys.readouterr().out
+    assert "rounds (in run order), TPOT ms: 25.00, 20.00, 22.22 (row: medians)" in out
+    assert "nccl                200       45.0    22.22" in out
