@@ -7,7 +7,8 @@ Chrome trace per rank (``*.pt.trace.json.gz``). For every trace this reports the
 start to last kernel end), how much of it the GPU was busy, the all-reduce kernels' count and time (their
 share of the window: what fastcomm can win), the busiest other kernels, and the host-side launch counts
 (graph launches vs single kernel launches: a backend whose pieces stopped being replayed as CUDA graphs
-shows many more kernel launches per step).
+shows many more kernel launches per step), and per CUDA-graph launch (one decode step when vLLM runs the
+step as one full graph) the step's GPU span and the all-reduce share of it, prefill and host gaps excluded.
 
 All-reduce kernels are told by name: NCCL's, vLLM's custom all-reduce, torch symmetric memory, fastcomm's
 ``fc_*`` kernels and FlashInfer's.
@@ -48,6 +49,33 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def graph_steps(events: list[dict], gpu: list[dict]) -> dict | None:
+    """Per CUDA-graph launch (a decode step when vLLM runs the step as one full graph): its GPU span and the
+    all-reduce kernels' time inside it. CUPTI gives a graph's kernels the correlation id of the
+    cudaGraphLaunch that ran them, so the eager prefill and the host gaps between steps stay out."""
+    launches = {e.get("args", {}).get("correlation") for e in events
+                if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")
+                and LAUNCHES["graph"].match(str(e.get("name", "")))}
+    launches.discard(None)
+    steps: dict[int, list[dict]] = defaultdict(list)
+    for e in gpu:
+        c = e.get("args", {}).get("correlation")
+        if c in launches:
+            steps[c].append(e)
+    if not steps:
+        return None
+    spans, ars, counts = [], [], []
+    for kernels in steps.values():
+        spans.append(max(float(e["ts"]) + float(e["dur"]) for e in kernels) - min(float(e["ts"]) for e in kernels))
+        ar = [float(e["dur"]) for e in kernels if ALL_REDUCE.search(str(e.get("name", "")))]
+        ars.append(sum(ar))
+        counts.append(len(ar))
+    span, ar = statistics.median(spans), statistics.median(ars)
+    return {"steps": len(steps), "median_span_us": round(span, 1), "median_all_reduce_us": round(ar, 1),
+            "all_reduce_share": round(ar / span, 3) if span else None,
+            "all_reduce_calls_per_step": statistics.median(counts)}
+
+
 def summarize_events(events: list[dict], top: int = 8) -> dict:
     """Times in microseconds (Chrome traces are in us)."""
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS and "dur" in e]
@@ -84,6 +112,7 @@ def summarize_events(events: list[dict], top: int = 8) -> dict:
         },
         "top_other_kernels": [{"name": n[:90], "calls": len(d), "total_us": round(sum(d), 1)} for n, d in others],
         "launches": launches,
+        "graph_steps": graph_steps(events, gpu),
     }
 
 
@@ -111,6 +140,11 @@ def print_summary(summary: dict, file=None) -> None:
                   f"{ar['calls']:>8} {ar['total_us'] / 1e3:>7.2f} {ar['share_of_window']:>8.3f} "
                   f"{ar['median_us'] if ar['median_us'] is not None else '-':>9} "
                   f"{s['launches']['graph']:>6} {s['launches']['kernel']:>7}", file=file)
+            st = s.get("graph_steps")
+            if st:
+                print(f"{'':<16}   per graph step (median of {st['steps']}): span {st['median_span_us'] / 1e3:.2f} ms, "
+                      f"all-reduce {st['median_all_reduce_us'] / 1e3:.3f} ms in {st['all_reduce_calls_per_step']:g} "
+                      f"calls = {st['all_reduce_share']:.3f} of the step", file=file)
             for n, k in ar["kernels"].items():
                 print(f"{'':<16}   AR  {k['calls']:>5} x {k['median_us']:>7.2f} us  {n}", file=file)
             for k in s["top_other_kernels"][:4]:

@@ -56,3 +56,21 @@ def test_one_backend_and_printing_saved_summaries(tmp_path, capsys):
     capsys.readouterr()
     assert P.main(["--print", str(saved)]) == 0
     assert "fc_one_shot_bf16" in capsys.readouterr().out
+
+
+def test_graph_steps_exclude_prefill_and_host_gaps():
+    def k(name, ts, dur, corr):
+        return {**_k(name, ts, dur), "args": {"correlation": corr}}
+
+    def launch(ts, corr):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": ts, "dur": 2,
+                "args": {"correlation": corr}}
+
+    events = [k("prefill_gemm", 0, 500, 1),  # eager, launched by cudaLaunchKernel (correlation 1)
+              launch(600, 10), k("gemv", 610, 80, 10), k("fc_one_shot_bf16", 690, 5, 10), k("gemv", 695, 5, 10),
+              launch(2000, 11), k("gemv", 2010, 90, 11), k("fc_one_shot_bf16", 2100, 10, 11)]
+    st = P.summarize_events(events)["graph_steps"]
+    assert st["steps"] == 2 and st["all_reduce_calls_per_step"] == 1
+    assert st["median_span_us"] == (90 + 100) / 2 and st["median_all_reduce_us"] == 7.5
+    assert st["all_reduce_share"] == round(7.5 / 95, 3)
+    assert P.summarize_events([_k("x", 0, 1)])["graph_steps"] is None  # no graphs: no per-step figures
