@@ -1,6 +1,6 @@
 """Where a decode step's GPU time goes, per backend, from vLLM's torch-profiler traces.
 
-    python -m bench.profile_summary PROFILE_DIR [--json OUT]
+    python -m fastcomm_bench.profile_summary PROFILE_DIR [--backend NAME] [--json OUT]
 
 PROFILE_DIR is what ``fastcomm bench-decode --profile-dir`` wrote: one folder per backend, each with one
 Chrome trace per rank (``*.pt.trace.json.gz``). For every trace this reports the GPU window (first kernel
@@ -10,8 +10,8 @@ share of the window: what fastcomm can win), the busiest other kernels, and the 
 shows many more kernel launches per step), and per CUDA-graph launch (one decode step when vLLM runs the
 step as one full graph) the step's GPU span and the all-reduce share of it, prefill and host gaps excluded.
 
-All-reduce kernels are told by name: NCCL's, vLLM's custom all-reduce, torch symmetric memory, fastcomm's
-``fc_*`` kernels and FlashInfer's.
+All-reduce kernels are told by name: NCCL's all-reduce, vLLM's custom all-reduce, torch symmetric memory,
+fastcomm's ``fc_*`` kernels and FlashInfer's.
 """
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-ALL_REDUCE = re.compile(r"nccl|allreduce|all_reduce|cross_device_reduce|one_shot|two_shot|multimem|"
+# NCCL's all-reduce kernels carry "AllReduce" in their names; its all-gathers (vLLM's logits) are not counted.
+ALL_REDUCE = re.compile(r"allreduce|all_reduce|cross_device_reduce|one_shot|two_shot|multimem|"
                         r"^fc_|lamport|oneshot|twoshot", re.IGNORECASE)
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 LAUNCHES = {"graph": re.compile(r"^cu(da)?GraphLaunch"), "kernel": re.compile(r"^cu(da)?LaunchKernel")}

@@ -76,11 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench-decode"] and "-h" not in argv[1:2] and "--help" not in argv[1:2]:
-        # argparse's REMAINDER drops arguments that start with '--' when they come first: hand them over as-is.
-        from fastcomm_bench import bench_decode
-
-        return int(bench_decode.main(argv[1:]) or 0)
+    if argv[:1] == ["bench-decode"]:
+        # argparse's REMAINDER drops arguments that start with '--' when they come first: hand them over as-is
+        # (its own --help included).
+        try:
+            from fastcomm_bench import bench_decode
+        except ImportError:  # installed without the bench package: argparse says the command is unknown
+            bench_decode = None
+        if bench_decode is not None:
+            return int(bench_decode.main(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
     if getattr(args, "command", None) == "compile" and not args.arch:
         args.arch = ["sm_80", "sm_90", "sm_120"]

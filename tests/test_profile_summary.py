@@ -13,7 +13,7 @@ def test_all_reduce_share_busy_time_and_launch_counts(tmp_path):
     events = [
         _k("gemv_kernel", 0, 10), _k("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 10, 5),
         _k("fc_one_shot_bfloat16", 20, 4), _k("gemv_kernel", 22, 8),  # overlaps the previous one
-        _k("Memcpy DtoD", 40, 10, cat="gpu_memcpy"),
+        _k("Memcpy DtoD", 40, 10, cat="gpu_memcpy"), _k("ncclDevKernel_AllGather_RING_LL", 50, 0),
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0, "dur": 1},
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 1, "dur": 1},
         {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernel", "ts": 2, "dur": 1},
@@ -23,7 +23,7 @@ def test_all_reduce_share_busy_time_and_launch_counts(tmp_path):
     ar = s["all_reduce"]
     assert ar["calls"] == 2 and ar["total_us"] == 9 and ar["share_of_window"] == round(9 / 50, 3)
     assert set(ar["kernels"]) == {"ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "fc_one_shot_bfloat16"}
-    assert [k["name"] for k in s["top_other_kernels"]] == ["gemv_kernel", "Memcpy DtoD"]
+    assert [k["name"] for k in s["top_other_kernels"]] == ["gemv_kernel", "Memcpy DtoD", "ncclDevKernel_AllGather_RING_LL"]
     assert s["launches"] == {"graph": 1, "kernel": 2}
 
 

@@ -113,3 +113,11 @@ def test_compare_turns_repeated_backends_into_rounds(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "rounds (in run order), TPOT ms: 25.00, 20.00, 22.22 (row: medians)" in out
     assert "nccl                200       45.0    22.22" in out
+
+
+def test_cli_help_is_bench_decodes_own(capsys):
+    from fastcomm import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench-decode", "--help"])
+    assert e.value.code == 0 and "--rounds" in capsys.readouterr().out
