@@ -9,13 +9,9 @@ import ctypes
 import dataclasses
 from typing import Sequence
 
-from .policy import ALIGN, MAX_BLOCKS, MAX_WORLD, ll_bytes
+from .policy import ALIGN, MAX_BLOCKS, MAX_WORLD, cdiv, ll_bytes, round_up
 
 FLAT, ISLAND, PARTNER = 0, 1, 2  # group ids, as printed in timeout errors
-
-
-def round_up(x: int, a: int) -> int:
-    return -(-x // a) * a
 
 
 _P16 = ctypes.c_uint64 * MAX_WORLD
@@ -97,7 +93,7 @@ def plan_layout(transport: str, world_size: int, max_bytes: int, one_shot_max_by
         raise ValueError(f"world size {world_size} outside 1..{MAX_WORLD}")
     host = transport == "host"
     ll_slot = round_up(ll_bytes(one_shot_max_bytes), ALIGN)
-    seg = round_up(-(-max_bytes // world_size), ALIGN)
+    seg = round_up(cdiv(max_bytes, world_size), ALIGN)
     groups = [_group_regions(range(world_size), FLAT, ll_slot, seg, 0, host)]
     if islands and len(islands) > 1:
         for isl in islands:

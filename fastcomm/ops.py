@@ -95,10 +95,8 @@ def try_all_reduce(x: torch.Tensor, ws: Workspace) -> torch.Tensor | None:
     every rank. A device-side timeout recorded earlier still raises.
     """
     ws.raise_if_failed()
-    if ws.closed or ws.tensor_reason(x) is not None:
-        return None
-    chosen = ws.algo_for(x.numel() * x.element_size())
-    if chosen is Algo.NCCL:
+    chosen, _ = ws.route(x)
+    if chosen is None:
         return None
     out = torch.empty_like(x)
     if x.numel():

@@ -50,9 +50,18 @@ SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 DTYPE_SIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling of a / b for non-negative integers."""
+    return -(-a // b)
+
+
+def round_up(x: int, a: int) -> int:
+    return cdiv(x, a) * a
+
+
 def packets_for(nbytes: int) -> int:
     """Packets needed to carry ``nbytes`` of payload (the tail packet may be partial)."""
-    return -(-nbytes // PACKET_PAYLOAD)
+    return cdiv(nbytes, PACKET_PAYLOAD)
 
 
 def ll_bytes(nbytes: int) -> int:
@@ -179,18 +188,17 @@ class Launch:
 
 def one_shot_launch(nbytes: int, max_blocks: int) -> Launch:
     npk = packets_for(nbytes)
-    block = min(ONE_SHOT_THREADS, max(32, -(-npk // 32) * 32))
+    block = min(ONE_SHOT_THREADS, max(32, round_up(npk, 32)))
     return Launch(num_blocks(npk, block, max_blocks), block)
 
 
 def two_shot_launch(numel: int, elem_size: int, world_size: int, max_blocks: int) -> Launch:
     """Segments and chunks are whole 16-byte vectors so every chunk starts aligned."""
     per_vec = ALIGN // elem_size
-    seg = -(-(-(-numel // world_size)) // per_vec) * per_vec
-    vecs = -(-seg // per_vec)
-    grid = num_blocks(vecs, TWO_SHOT_THREADS, min(max_blocks, MAX_BLOCKS))
-    chunk = -(-(-(-seg // grid)) // per_vec) * per_vec
-    grid = max(1, -(-seg // chunk))
+    seg = round_up(cdiv(numel, world_size), per_vec)
+    grid = num_blocks(cdiv(seg, per_vec), TWO_SHOT_THREADS, min(max_blocks, MAX_BLOCKS))
+    chunk = round_up(cdiv(seg, grid), per_vec)
+    grid = max(1, cdiv(seg, chunk))
     return Launch(grid, TWO_SHOT_THREADS, seg, chunk)
 
 
@@ -205,18 +213,18 @@ def fused_launch(tokens: int, hidden: int, elem_size: int, max_blocks: int) -> L
     (all co-resident, as the blocks of a row wait for each other's partial sums).
     """
     row_pk = packets_for(hidden * elem_size)
-    splits = max(1, min(-(-row_pk // FUSED_SPLIT_PACKETS), FUSED_MAX_SPLITS, max(1, max_blocks // max(tokens, 1)),
+    splits = max(1, min(cdiv(row_pk, FUSED_SPLIT_PACKETS), FUSED_MAX_SPLITS, max(1, max_blocks // max(tokens, 1)),
                         max_blocks))
-    chunk_pk = -(-row_pk // splits)
+    chunk_pk = cdiv(row_pk, splits)
     k = next(k for k in FUSED_VARIANTS if k * FUSED_THREADS >= chunk_pk)  # check_fused admits only rows that fit
-    block = min(FUSED_THREADS, max(32, -(-(-(-chunk_pk // k)) // 32) * 32))
+    block = min(FUSED_THREADS, max(32, round_up(cdiv(chunk_pk, k), 32)))
     rows_per_round = max(1, min(tokens, max_blocks // splits))
     return Launch(rows_per_round * splits, block, splits=splits, k=k)
 
 
 def num_blocks(work_items: int, threads: int, max_blocks: int) -> int:
     """Blocks for a grid-stride kernel: enough to cover the items, capped (all blocks must be co-resident)."""
-    return max(1, min(-(-work_items // threads), max_blocks))
+    return max(1, min(cdiv(work_items, threads), max_blocks))
 
 
 def validate_islands(islands: Iterable[Iterable[int]], world_size: int) -> tuple[tuple[int, ...], ...]:

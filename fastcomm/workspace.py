@@ -407,14 +407,20 @@ class Workspace:
                                    data_ptr=x.data_ptr(), nbytes=x.numel() * x.element_size(),
                                    max_bytes=self.config.max_bytes)
 
-    def why_not(self, x: torch.Tensor) -> str | None:
-        """Why fastcomm cannot all-reduce ``x`` (None: it can). Identical on every rank for the same shapes."""
+    def route(self, x: torch.Tensor) -> tuple[Algo | None, str | None]:
+        """(algorithm, None) when fastcomm all-reduces ``x``, else (None, why not). The one routing decision,
+        identical on every rank for the same shapes, dtypes and layouts."""
         if self.closed:
-            return "workspace is closed"
+            return None, "workspace is closed"
         reason = self.tensor_reason(x)
-        if reason is None and self.algo_for(x.numel() * x.element_size()) is Algo.NCCL:
-            return "policy sends this size to NCCL"
-        return reason
+        if reason is not None:
+            return None, reason
+        algo = self.algo_for(x.numel() * x.element_size())
+        return (None, "policy sends this size to NCCL") if algo is Algo.NCCL else (algo, None)
+
+    def why_not(self, x: torch.Tensor) -> str | None:
+        """Why fastcomm cannot all-reduce ``x`` (None: it can)."""
+        return self.route(x)[1]
 
     def can_all_reduce(self, x: torch.Tensor) -> bool:
         return self.why_not(x) is None

@@ -31,7 +31,10 @@ def test_op_with_an_unknown_workspace_id_raises_clearly():
 
 
 class _Declining:
-    """Stands in for a Workspace whose policy declines (fastcomm's own class; it needs GPUs to build)."""
+    """Stands in for a Workspace whose policy declines (fastcomm's own class; it needs GPUs to build); its
+    routing decision is the real ``Workspace.route``."""
+
+    route = fastcomm.Workspace.route
 
     def __init__(self, closed=False, reason=None, algo=fastcomm.Algo.NCCL):
         self.closed, self.reason, self.algo = closed, reason, algo
