@@ -234,6 +234,43 @@ def combine_rounds(runs: list[dict]) -> dict:
     return row
 
 
+# What makes two runs the same measurement; runs that differ in any of these are never merged as rounds.
+SETUP_KEYS = ("model", "tp", "max_tokens", "capture_sizes", "prompt_len")
+
+
+def _setup_text(meta: dict, keys) -> str:
+    return ", ".join(f"{k} {meta.get(k) if meta.get(k) is not None else 'vLLM default'}" for k in keys)
+
+
+def _setup(meta: dict) -> tuple:
+    return tuple(json.dumps(meta.get(k)) for k in SETUP_KEYS)  # lists (capture sizes) as hashable text
+
+
+def merge_files(files: list[dict]) -> tuple[dict, dict]:
+    """Rows from several result files: a backend measured under the same setup in several files (rounds
+    made in separate device calls) becomes one row of medians; a setup other than the first file's stays
+    a row of its own and says how it differs, so a table never silently mixes capture sizes or lengths."""
+    meta = files[0]["meta"] if files else {}
+    base = _setup(meta)
+    runs: dict[tuple, list[dict]] = {}
+    setups: dict[tuple, dict] = {}
+    for data in files:
+        setup = _setup(data["meta"])
+        for name, res in data["results"].items():
+            runs.setdefault((name, setup), []).append(res)
+            setups[(name, setup)] = data["meta"]
+    names_seen: dict[str, int] = {}
+    results = {}
+    for (name, setup), rs in runs.items():
+        row = combine_rounds(rs)
+        if setup != base:
+            diff = [k for k, a, b in zip(SETUP_KEYS, setup, base) if a != b]
+            row = {**row, "setup_note": "measured with " + _setup_text(setups[(name, setup)], diff)}
+        names_seen[name] = names_seen.get(name, 0) + 1
+        results[name if names_seen[name] == 1 else f"{name}#{names_seen[name]}"] = row
+    return results, meta
+
+
 def check_active(res: dict) -> str | None:
     """Why a row does not measure what its name says (a fastcomm row without fastcomm), or None."""
     workers = res.get("workers")
@@ -283,6 +320,8 @@ def print_report(results: dict, meta: dict) -> None:
             print(f"{'':<14} rounds (in run order), TPOT ms: "
                   + ", ".join("-" if x["tpot_ms"] is None else f"{x['tpot_ms']:.2f}" for x in r["rounds"])
                   + " (row: medians)")
+        if r.get("setup_note"):
+            print(f"{'':<14} NOTE: {r['setup_note']} (not as the header says)")
         if not r.get("ok"):
             print(f"{'':<14} INCOMPLETE: {r.get('error')} (log {r.get('log')})")
         problem = check_active(r)
@@ -336,15 +375,8 @@ def main(argv=None) -> int:
     if args.worker:
         return worker_main(args)
     if args.compare:
-        # A backend found in several files (rounds made in separate device calls) becomes one row of medians.
-        runs: dict[str, list[dict]] = {}
-        meta = {}
-        for f in args.compare:
-            data = json.loads(Path(f).read_text())
-            for name, res in data["results"].items():
-                runs.setdefault(name, []).append(res)
-            meta = meta or data["meta"]
-        print_report({name: combine_rounds(r) for name, r in runs.items()}, meta)
+        results, meta = merge_files([json.loads(Path(f).read_text()) for f in args.compare])
+        print_report(results, meta)
         return 0
 
     names = [c.strip() for c in args.configs.split(",") if c.strip()]

@@ -121,3 +121,22 @@ def test_cli_help_is_bench_decodes_own(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["bench-decode", "--help"])
     assert e.value.code == 0 and "--rounds" in capsys.readouterr().out
+
+
+def test_compare_never_merges_different_setups(tmp_path, capsys):
+    # Session 3 merged a default-capture-sizes run under a "[1, 2, 4, 8]" header; such rows must say so.
+    meta = {"model": "glm5-78L-16E", "tp": 2, "max_tokens": 128, "capture_sizes": [1, 2, 4, 8]}
+    files = []
+    for k, (sizes, tok_s) in enumerate((([1, 2, 4, 8], 40.0), (None, 50.0), ([1, 2, 4, 8], 44.0))):
+        f = tmp_path / f"r{k}.json"
+        f.write_text(json.dumps({"meta": {**meta, "capture_sizes": sizes},
+                                 "results": {"fastcomm": result("fastcomm", list(range(128)), tok_s=tok_s,
+                                                                fastcomm=True)}}))
+        files.append(str(f))
+    results, _ = B.merge_files([json.loads(open(f).read()) for f in files])
+    assert set(results) == {"fastcomm", "fastcomm#2"}
+    assert len(results["fastcomm"]["rounds"]) == 2  # the two [1, 2, 4, 8] runs are rounds of one row
+    assert results["fastcomm#2"]["setup_note"] == "measured with capture_sizes vLLM default"
+    assert B.main(["--compare"] + files) == 0
+    out = capsys.readouterr().out
+    assert "NOTE: measured with capture_sizes vLLM default (not as the header says)" in out
