@@ -44,14 +44,15 @@ class Backend:
 BACKENDS = {b.name: b for b in (
     Backend("vllm", "vLLM default (its custom all-reduce, NCCL above its range)", {"FASTCOMM_VLLM": "0"}),
     Backend("nccl", "vLLM, custom all-reduce off: NCCL only", {"FASTCOMM_VLLM": "0"}, True),
-    Backend("fastcomm", "vLLM + fastcomm (auto transport; vLLM's path for what fastcomm declines)",
-            {"FASTCOMM_VLLM": "1"}, fastcomm=True),
-    Backend("fastcomm-nofuse", "vLLM + fastcomm all-reduce only (FASTCOMM_VLLM_FUSION=0)",
+    Backend("fastcomm", "vLLM + fastcomm with the all-reduce + RMSNorm fusion (FASTCOMM_VLLM_FUSION=1)",
+            {"FASTCOMM_VLLM": "1", "FASTCOMM_VLLM_FUSION": "1"}, fastcomm=True),
+    Backend("fastcomm-nofuse", "vLLM + fastcomm all-reduce only (FASTCOMM_VLLM_FUSION=0, the default)",
             {"FASTCOMM_VLLM": "1", "FASTCOMM_VLLM_FUSION": "0"}, fastcomm=True),
     # Stand-ins for GPUs without P2P: vLLM's custom all-reduce needs P2P, so it is off in both.
     Backend("nccl-nop2p", "NCCL only, NCCL_P2P_DISABLE=1", {"FASTCOMM_VLLM": "0", "NCCL_P2P_DISABLE": "1"}, True),
-    Backend("fastcomm-host", "fastcomm host transport, NCCL_P2P_DISABLE=1",
-            {"FASTCOMM_VLLM": "1", "FASTCOMM_TRANSPORT": "host", "NCCL_P2P_DISABLE": "1"}, True, fastcomm=True),
+    Backend("fastcomm-host", "fastcomm host transport with the fusion, NCCL_P2P_DISABLE=1",
+            {"FASTCOMM_VLLM": "1", "FASTCOMM_TRANSPORT": "host", "FASTCOMM_VLLM_FUSION": "1",
+             "NCCL_P2P_DISABLE": "1"}, True, fastcomm=True),
     Backend("fastcomm-host-nofuse", "fastcomm host transport, all-reduce only, NCCL_P2P_DISABLE=1",
             {"FASTCOMM_VLLM": "1", "FASTCOMM_TRANSPORT": "host", "FASTCOMM_VLLM_FUSION": "0",
              "NCCL_P2P_DISABLE": "1"}, True, fastcomm=True),
@@ -72,7 +73,7 @@ def run_worker(spec: dict, backend: Backend, save) -> dict:
 
     kwargs = dict(model=spec["model"], tensor_parallel_size=spec["tp"], load_format="dummy",
                   skip_tokenizer_init=True, seed=0, max_model_len=spec["max_model_len"],
-                  max_num_seqs=max(spec["concurrency"]), gpu_memory_utilization=spec["gpu_memory_utilization"],
+                  max_num_seqs=spec.get("max_num_seqs") or max(spec["concurrency"]), gpu_memory_utilization=spec["gpu_memory_utilization"],
                   disable_custom_all_reduce=backend.disable_custom_all_reduce)
     if spec["capture_sizes"] is not None:
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": spec["capture_sizes"]}
@@ -235,7 +236,7 @@ def combine_rounds(runs: list[dict]) -> dict:
 
 
 # What makes two runs the same measurement; runs that differ in any of these are never merged as rounds.
-SETUP_KEYS = ("model", "tp", "max_tokens", "capture_sizes", "prompt_len")
+SETUP_KEYS = ("model", "tp", "max_tokens", "capture_sizes", "prompt_len", "max_num_seqs")
 
 
 def _setup_text(meta: dict, keys) -> str:
@@ -305,7 +306,8 @@ def compare_tokens(results: dict) -> dict:
 def print_report(results: dict, meta: dict) -> None:
     conc = sorted({s["concurrency"] for r in results.values() for s in r.get("sweep", ())})
     print(f"# model {meta.get('model')}  tp {meta.get('tp')}  max_tokens {meta.get('max_tokens')}  "
-          f"capture sizes {meta.get('capture_sizes') or 'vLLM default'}")
+          f"capture sizes {meta.get('capture_sizes') or 'vLLM default'}"
+          + (f"  max_num_seqs {meta['max_num_seqs']}" if meta.get("max_num_seqs") else ""))
     head = f"{'backend':<14} {'start s':>8} {'bs1 tok/s':>10} {'TPOT ms':>8} " + \
         " ".join(f"{'c=' + str(c) + ' tok/s':>12}" for c in conc)
     print(head)
@@ -350,6 +352,9 @@ def parse_args(argv):
     p.add_argument("--capture-sizes", default="default",
                    help="cudagraph_capture_sizes: 'default' (vLLM's) or a list such as 1,2,4,8")
     p.add_argument("--concurrency", default="1,4,16,64", help="concurrent requests for the sweep")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="vLLM's max_num_seqs (default: the largest concurrency). vLLM's default capture sizes "
+                        "grow with it: 256 gives its 51-size list, 64 gives sizes up to 128")
     p.add_argument("--tp", type=int, default=2, help="tensor parallel size")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point (median)")
@@ -391,10 +396,14 @@ def main(argv=None) -> int:
         print(f"bench-decode: note: the token agreement check covers only {args.max_tokens} tokens (< 64)")
     if any(BACKENDS[n].fastcomm for n in names):
         _check_plugin()
+    conc = [int(c) for c in args.concurrency.split(",")]
+    if args.max_num_seqs is not None and args.max_num_seqs < max(conc):
+        raise SystemExit(f"bench-decode: --max-num-seqs {args.max_num_seqs} is below the largest concurrency "
+                         f"{max(conc)}: vLLM would queue requests and the sweep would not measure that concurrency")
     model = resolve_model(args.model)
     sizes = None if args.capture_sizes == "default" else [int(s) for s in args.capture_sizes.split(",")]
     spec = dict(model=str(model), tp=args.tp, max_tokens=args.max_tokens, capture_sizes=sizes,
-                concurrency=[int(c) for c in args.concurrency.split(",")], prompt_len=args.prompt_len,
+                concurrency=conc, max_num_seqs=args.max_num_seqs, prompt_len=args.prompt_len,
                 repeats=args.repeats, max_model_len=args.max_model_len, seed=args.seed,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 profile_dir=str(Path(args.profile_dir).resolve()) if args.profile_dir else None,

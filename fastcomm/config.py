@@ -36,8 +36,8 @@ VARIABLES: tuple[Var, ...] = (
     Var("FASTCOMM_TUNE_FILE", "", "Tuning cache written by `fastcomm tune`; read at workspace start if set "
         "or present at the default path under FASTCOMM_CACHE_DIR."),
     Var("FASTCOMM_VLLM", "1", "0 turns the vLLM plugin off (vLLM then runs unchanged)."),
-    Var("FASTCOMM_VLLM_FUSION", "1", "0 keeps the vLLM communicator but leaves all-reduce + RMSNorm unfused "
-        "(no compile pass, no helper routing): isolates the fusion when comparing."),
+    Var("FASTCOMM_VLLM_FUSION", "0", "1 also fuses all-reduce + RMSNorm in vLLM (compile pass and GLM-5 helper "
+        "routing). Opt-in: end to end it measured slower than the all-reduce alone (bench/RESULTS.md)."),
     Var("FASTCOMM_LOG", "info", "Log level of the 'fastcomm' logger."),
 )
 _BY_NAME = {v.name: v for v in VARIABLES}
@@ -77,7 +77,7 @@ class Config:
     cache_dir: Path = Path("~/.cache/fastcomm").expanduser()
     tune_file: Path | None = None
     vllm_enabled: bool = True
-    vllm_fusion: bool = True
+    vllm_fusion: bool = False  # opt-in, see FASTCOMM_VLLM_FUSION
     log_level: str = "info"
 
     def __post_init__(self):

@@ -21,7 +21,11 @@ def test_backends_cover_the_issue():
     assert {"vllm", "nccl", "fastcomm", "nccl-nop2p", "fastcomm-host"} <= set(B.BACKENDS)
     assert B.BACKENDS["fastcomm-nofuse"].env == {"FASTCOMM_VLLM": "1", "FASTCOMM_VLLM_FUSION": "0"}
     assert B.BACKENDS["nccl"].disable_custom_all_reduce and not B.BACKENDS["vllm"].disable_custom_all_reduce
-    assert B.BACKENDS["fastcomm-host"].env == {"FASTCOMM_VLLM": "1", "FASTCOMM_TRANSPORT": "host", "NCCL_P2P_DISABLE": "1"}
+    assert B.BACKENDS["fastcomm-host"].env == {"FASTCOMM_VLLM": "1", "FASTCOMM_TRANSPORT": "host",
+                                               "FASTCOMM_VLLM_FUSION": "1", "NCCL_P2P_DISABLE": "1"}
+    # Every fastcomm row names its fusion setting, so a row means the same whatever the default is.
+    assert all("FASTCOMM_VLLM_FUSION" in b.env for b in B.BACKENDS.values() if b.fastcomm)
+    assert B.BACKENDS["fastcomm"].env["FASTCOMM_VLLM_FUSION"] == "1"
     assert B.BACKENDS["nccl-nop2p"].env["NCCL_P2P_DISABLE"] == "1"
     assert all("FASTCOMM_VLLM" in b.env for b in B.BACKENDS.values())
 
@@ -140,3 +144,11 @@ def test_compare_never_merges_different_setups(tmp_path, capsys):
     assert B.main(["--compare"] + files) == 0
     out = capsys.readouterr().out
     assert "NOTE: measured with capture_sizes vLLM default (not as the header says)" in out
+
+
+def test_max_num_seqs_option():
+    # vLLM's default capture-size list depends on max_num_seqs (256 -> the 51 sizes the issue names).
+    assert B.parse_args(["--max-num-seqs", "256"]).max_num_seqs == 256
+    assert B.parse_args([]).max_num_seqs is None
+    with pytest.raises(SystemExit, match="below the largest concurrency"):
+        B.main(["--configs", "nccl", "--concurrency", "1,64", "--max-num-seqs", "8", "--model", str(B.REPO / "tests")])

@@ -83,8 +83,8 @@ from vllm.utils.import_utils import resolve_obj_by_qualname
 from fastcomm_vllm import fusion
 
 before = CompilationConfig().compute_hash()
-plugin.install(CudaLike)
-plugin.install(CudaLike)  # idempotent
+plugin.install(CudaLike, fuse=True)
+plugin.install(CudaLike, fuse=True)  # idempotent
 after = CompilationConfig().compute_hash()
 comm = resolve_obj_by_qualname(CudaLike.get_device_communicator_cls())
 

@@ -71,6 +71,14 @@ def test_fastcomm_options_and_environment(capsys, clean_env, monkeypatch, model)
     env, _, _ = dry_run(capsys, ["--no-fastcomm", "--model", model, "--gpus", "2"])
     assert env["FASTCOMM_VLLM"] == "0"
 
+    # The fusion is opt-in: only --fastcomm-fusion sets it, and it needs fastcomm on.
+    env, argv, _ = dry_run(capsys, [model, "--gpus", "2", "--fastcomm-fusion"])
+    assert env["FASTCOMM_VLLM_FUSION"] == "1" and "--fastcomm-fusion" not in argv
+    env, _, _ = dry_run(capsys, [model, "--gpus", "2"])
+    assert "FASTCOMM_VLLM_FUSION" not in env
+    with pytest.raises(serve.ServeError, match="needs fastcomm"):
+        serve.build(*serve.split_args([model, "--no-fastcomm", "--fastcomm-fusion"]), {}, topo=_topology("nvlink", True))
+
 
 def test_hugging_face_ids_are_not_paths(capsys, clean_env):
     env, argv, _ = dry_run(capsys, ["zai-org/GLM-5", "--gpus", "8"])
@@ -101,7 +109,8 @@ def test_nccl_env_follows_the_topology(clean_env, model, link, p2p, expect):
 def test_help_lists_own_flags(capsys):
     assert serve.main(["--help"]) == 0
     out = capsys.readouterr().out
-    for flag in ("--dry-run", "--gpus", "--fastcomm-transport", "--no-fastcomm", "--no-nccl-env", "NCCL_P2P_LEVEL"):
+    for flag in ("--dry-run", "--gpus", "--fastcomm-transport", "--fastcomm-fusion", "--no-fastcomm", "--no-nccl-env",
+                 "NCCL_P2P_LEVEL"):
         assert flag in out
 
 

@@ -101,7 +101,7 @@ def gpu_vllm_tp(rank: int, world: int, gloo) -> dict:
     from fastcomm_vllm import fusion, plugin
     from fastcomm_vllm.communicator import FastcommCudaCommunicator
 
-    plugin.install(CudaPlatformBase)
+    plugin.install(CudaPlatformBase, fuse=True)  # the fusion is opt-in; this test covers it
     out = {}
     config = VllmConfig()
     config.kernel_config.ir_op_priority.set_default()  # as vLLM's workers do: the norm kernels they would run

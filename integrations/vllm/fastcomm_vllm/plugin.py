@@ -6,6 +6,8 @@ Hooks, identical in vLLM 0.25.0 and the newest release (0.33.0):
 - ``...get_pass_manager_cls``: vLLM's compile backend builds its post-grad pass manager from it; ours adds
   the all-reduce + RMSNorm fusion pass.
 - the fused all-reduce + RMSNorm helper of the DSA (GLM-5 / DeepSeek-V3.2) model: see ``fusion``.
+The last two only with FASTCOMM_VLLM_FUSION=1: end to end the fused kernel measured slower than fastcomm's
+all-reduce followed by vLLM's own norm (bench/RESULTS.md), so the default is the communicator alone.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def register() -> None:
     install(CudaPlatformBase, fuse=Config.from_env().vllm_fusion)
 
 
-def install(platform_cls: type, fuse: bool = True) -> None:
+def install(platform_cls: type, fuse: bool = False) -> None:
     """Point ``platform_cls`` at fastcomm's communicator and (with ``fuse``) pass manager, and route the
     fused helper.
 
@@ -52,7 +54,8 @@ def install(platform_cls: type, fuse: bool = True) -> None:
     if fuse:
         hooks += (("get_pass_manager_cls", PASS_MANAGER, VLLM_PASS_MANAGER),)
     else:
-        logger.info("fastcomm: fusion off (FASTCOMM_VLLM_FUSION=0): all-reduce and RMSNorm stay separate")
+        logger.info("fastcomm: fusion off (FASTCOMM_VLLM_FUSION=1 turns it on): all-reduce and RMSNorm stay "
+                    "separate")
     for method, ours, vllms in hooks:  # check both before changing either
         _check(platform_cls, method, ours, vllms)
     for method, ours, _ in hooks:
