@@ -73,7 +73,8 @@ def run_worker(spec: dict, backend: Backend, save) -> dict:
 
     kwargs = dict(model=spec["model"], tensor_parallel_size=spec["tp"], load_format="dummy",
                   skip_tokenizer_init=True, seed=0, max_model_len=spec["max_model_len"],
-                  max_num_seqs=spec.get("max_num_seqs") or max(spec["concurrency"]), gpu_memory_utilization=spec["gpu_memory_utilization"],
+                  max_num_seqs=spec.get("max_num_seqs") or max(spec["concurrency"]),
+                  gpu_memory_utilization=spec["gpu_memory_utilization"],
                   disable_custom_all_reduce=backend.disable_custom_all_reduce)
     if spec["capture_sizes"] is not None:
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": spec["capture_sizes"]}
@@ -254,19 +255,19 @@ def merge_files(files: list[dict]) -> tuple[dict, dict]:
     meta = files[0]["meta"] if files else {}
     base = _setup(meta)
     runs: dict[tuple, list[dict]] = {}
-    setups: dict[tuple, dict] = {}
+    metas: dict[tuple, dict] = {}
     for data in files:
         setup = _setup(data["meta"])
+        metas[setup] = data["meta"]
         for name, res in data["results"].items():
             runs.setdefault((name, setup), []).append(res)
-            setups[(name, setup)] = data["meta"]
     names_seen: dict[str, int] = {}
     results = {}
     for (name, setup), rs in runs.items():
         row = combine_rounds(rs)
         if setup != base:
             diff = [k for k, a, b in zip(SETUP_KEYS, setup, base) if a != b]
-            row = {**row, "setup_note": "measured with " + _setup_text(setups[(name, setup)], diff)}
+            row = {**row, "setup_note": "measured with " + _setup_text(metas[setup], diff)}
         names_seen[name] = names_seen.get(name, 0) + 1
         results[name if names_seen[name] == 1 else f"{name}#{names_seen[name]}"] = row
     return results, meta
