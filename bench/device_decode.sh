@@ -4,7 +4,7 @@
 # One bench-decode process per backend, so a call cut short at its time limit still brings back every backend
 # that finished. Under $OUT: decode-TAG-BACKEND.json (the row), profile-TAG-BACKEND.json (where that
 # backend's GPU time goes, with --profile-dir), and at the end report-TAG.txt (merged table and profile
-# summary) and logs-TAG.tar.gz (the vLLM logs).
+# summary, GPU clocks per backend) and logs-TAG.tar.gz (the vLLM logs and clock samples).
 set -uo pipefail
 OUT=${OUT:-/tmp/fastcomm-out}
 mkdir -p "$OUT"
@@ -20,8 +20,13 @@ work=/tmp/decode-$tag
 mkdir -p "$work"
 rc=0
 for cfg in ${configs//,/ }; do
+  # Clocks beside each backend (observed only): tells a clock or power state from a communicator effect.
+  nvidia-smi --query-gpu=index,clocks.sm,clocks.mem,power.draw,utilization.gpu --format=csv,noheader,nounits \
+    -lms 500 >"$work/clocks-$cfg.csv" 2>/dev/null &
+  sampler=$!
   fastcomm bench-decode --model "$model" --configs "$cfg" --out "$work/$cfg.json" "$@" 2>&1 | tail -n 12
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  kill $sampler 2>/dev/null; wait $sampler 2>/dev/null
   cp "$work/$cfg.json" "$OUT/decode-$tag-$cfg.json" 2>/dev/null
   if [ -n "$prof" ] && [ -d "$prof/$cfg" ]; then
     python3 -m fastcomm_bench.profile_summary "$prof" --backend "$cfg" --json "$OUT/profile-$tag-$cfg.json" >/dev/null
@@ -30,6 +35,8 @@ done
 {
   fastcomm bench-decode --compare "$work"/*.json
   ls "$OUT"/profile-"$tag"-*.json >/dev/null 2>&1 && python3 -m fastcomm_bench.profile_summary --print "$OUT"/profile-"$tag"-*.json
+  echo "# GPU clocks while each backend ran (samples at >= 50 % utilization)"
+  python3 -m fastcomm_bench.clocks "$work"/clocks-*.csv
 } >"$OUT/report-$tag.txt" 2>&1
 cat "$OUT/report-$tag.txt"
 tar czf "$OUT/logs-$tag.tar.gz" -C "$work" . 2>/dev/null
