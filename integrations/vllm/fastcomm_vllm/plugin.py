@@ -28,7 +28,8 @@ def register() -> None:
     """Entry point. A no-op with a log line when FASTCOMM_VLLM=0 or the platform is not CUDA."""
     from fastcomm.config import Config
 
-    if not Config.from_env().vllm_enabled:
+    config = Config.from_env()
+    if not config.vllm_enabled:
         logger.info("fastcomm: plugin off (FASTCOMM_VLLM=0); vLLM runs unchanged")
         return
     from vllm.platforms import current_platform
@@ -38,7 +39,7 @@ def register() -> None:
         return
     from vllm.platforms.cuda import CudaPlatformBase  # needs libcuda: import only on CUDA platforms
 
-    install(CudaPlatformBase, fuse=Config.from_env().vllm_fusion)
+    install(CudaPlatformBase, fuse=config.vllm_fusion)
 
 
 def install(platform_cls: type, fuse: bool = False) -> None:
@@ -48,8 +49,6 @@ def install(platform_cls: type, fuse: bool = False) -> None:
     Idempotent (vLLM may load plugins more than once per process). Raises if another plugin already
     replaced either class: silently overriding it would break that plugin.
     """
-    from . import fusion
-
     hooks = (("get_device_communicator_cls", COMMUNICATOR, VLLM_COMMUNICATOR),)
     if fuse:
         hooks += (("get_pass_manager_cls", PASS_MANAGER, VLLM_PASS_MANAGER),)
@@ -60,8 +59,10 @@ def install(platform_cls: type, fuse: bool = False) -> None:
         _check(platform_cls, method, ours, vllms)
     for method, ours, _ in hooks:
         _point(platform_cls, method, ours)
-    fusion.register_ops()
-    if fuse:
+    if fuse:  # the fused op, the helper routing and the compile-key tag exist only for the fusion
+        from . import fusion
+
+        fusion.register_ops()
         fusion.route_fused_helper()
         _fold_into_compile_hash()
 
