@@ -162,6 +162,18 @@ def _impls(torch, rank, world, gloo, opts):
     return impls, setup, workspaces, capture
 
 
+def _setup_on_all(torch, setup, gloo, name, n, dtype):
+    """``setup(name, n, dtype)`` on every rank, or None on all of them if any rank cannot run that row
+    (a rank that skipped alone would leave the others waiting in the row's collectives)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    got = setup(name, n, dtype)
+    ok = torch.tensor([0 if got is None else 1], dtype=torch.int32)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=gloo)
+    return got if ok.item() else None
+
+
 def _check(torch, fn, out, inp, rank) -> int:
     """#wrong: elements differing from the exact sum of small integers (the in-place baselines too)."""
     import torch.distributed as dist
@@ -179,7 +191,6 @@ def _check(torch, fn, out, inp, rank) -> int:
 
 def bench_rank(rank, world, gloo, opts):
     import torch
-    import torch.distributed as dist
 
     dtype = getattr(torch, opts.dtype)
     impls, setup, workspaces, capture = _impls(torch, rank, world, gloo, opts)
@@ -190,11 +201,8 @@ def bench_rank(rank, world, gloo, opts):
     for nbytes in sorted(set(sizes(opts.min_bytes, opts.max_size, opts.factor) + extra)):
         n = max(1, nbytes // elem)
         for name in names:
-            dist.barrier()
-            got = setup(name, n, dtype)
-            ok = torch.tensor([0 if got is None else 1], dtype=torch.int32)
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=gloo)
-            if not ok.item():
+            got = _setup_on_all(torch, setup, gloo, name, n, dtype)
+            if got is None:
                 continue
             fn, out, inp = got
             wrong = _check(torch, fn, out, inp, rank)
@@ -234,11 +242,8 @@ def _bench_interleaved(torch, rank, gloo, names, setup, capture, opts):
         t_gemm = _timers(torch, lambda: torch.matmul(a, weight, out=scratch), opts.graph_calls, opts.iters,
                          opts.warmup, graph=True)
         for name in names:
-            dist.barrier()
-            got = setup(name, tokens * hidden, dtype)
-            ok = torch.tensor([0 if got is None else 1], dtype=torch.int32)
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=gloo)
-            if not ok.item():
+            got = _setup_on_all(torch, setup, gloo, name, tokens * hidden, dtype)
+            if got is None:
                 continue
             fn, _, inp = got
             target = inp.view(tokens, hidden)
