@@ -122,7 +122,8 @@ def run_worker(spec: dict, backend: Backend, save) -> dict:
             llm.start_profile()
             params = SamplingParams(temperature=0.0, max_tokens=spec.get("profile_tokens", 16), ignore_eos=True,
                                     detokenize=False)
-            llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+            batch = spec.get("profile_concurrency", 1)
+            llm.generate([{"prompt_token_ids": p} for p in prompts[:batch]], params, use_tqdm=False)
             llm.stop_profile()
             result["profile"] = str(Path(spec["profile_dir"]) / backend.name)
         except Exception as e:  # the row stands without a profile
@@ -365,6 +366,8 @@ def parse_args(argv):
     p.add_argument("--profile-dir", default=None,
                    help="also profile decode steps per backend with vLLM's torch profiler (traces per backend)")
     p.add_argument("--profile-tokens", type=int, default=16, help="tokens generated while profiling")
+    p.add_argument("--profile-concurrency", type=int, default=1,
+                   help="requests decoded together while profiling (e.g. 8: the all-reduce share at 8 concurrent)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the configs round-robin this many times; rows are medians (takes run order out)")
     p.add_argument("--timeout", type=float, default=1500, help="seconds per backend (start-up included)")
@@ -401,6 +404,9 @@ def main(argv=None) -> int:
     if args.max_num_seqs is not None and args.max_num_seqs < max(conc):
         raise SystemExit(f"bench-decode: --max-num-seqs {args.max_num_seqs} is below the largest concurrency "
                          f"{max(conc)}: vLLM would queue requests and the sweep would not measure that concurrency")
+    if not 1 <= args.profile_concurrency <= max(conc):
+        raise SystemExit(f"bench-decode: --profile-concurrency {args.profile_concurrency} must be between 1 and the "
+                         f"largest concurrency {max(conc)} (the prompts and max_num_seqs are sized by it)")
     model = resolve_model(args.model)
     sizes = None if args.capture_sizes == "default" else [int(s) for s in args.capture_sizes.split(",")]
     spec = dict(model=str(model), tp=args.tp, max_tokens=args.max_tokens, capture_sizes=sizes,
@@ -408,7 +414,7 @@ def main(argv=None) -> int:
                 repeats=args.repeats, max_model_len=args.max_model_len, seed=args.seed,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 profile_dir=str(Path(args.profile_dir).resolve()) if args.profile_dir else None,
-                profile_tokens=args.profile_tokens)
+                profile_tokens=args.profile_tokens, profile_concurrency=args.profile_concurrency)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(args.out) if args.out else REPO / "bench" / "results" / f"decode-{model.name}-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -152,3 +152,13 @@ def test_max_num_seqs_option():
     assert B.parse_args([]).max_num_seqs is None
     with pytest.raises(SystemExit, match="below the largest concurrency"):
         B.main(["--configs", "nccl", "--concurrency", "1,64", "--max-num-seqs", "8", "--model", str(B.REPO / "tests")])
+
+
+def test_profile_concurrency_option():
+    # Profiles at N concurrent requests show the all-reduce share where the 8-concurrent figure is set.
+    assert B.parse_args([]).profile_concurrency == 1
+    assert B.parse_args(["--profile-concurrency", "8"]).profile_concurrency == 8
+    for bad in ("0", "64"):
+        with pytest.raises(SystemExit, match="--profile-concurrency"):
+            B.main(["--configs", "nccl", "--concurrency", "1,8", "--profile-concurrency", bad,
+                    "--model", str(B.REPO / "tests")])
