@@ -4,9 +4,12 @@
 // every peer, sums the packets that arrive in rank order, and finishes the row with the add and the norm
 // while the row is still in registers. The all-reduced row never goes back to memory before the norm.
 //
-// Rounding follows the unfused path exactly (all-reduce result stored as D, vLLM's fused_add_rms_norm:
-// z = D(ar + residual); variance over z in fp32; out = D(D(z * inv_rms) * weight)), so the fused op can
-// replace all_reduce + fused_add_rms_norm without changing a single output bit.
+// Rounding follows the unfused path as vLLM serves it: the all-reduce result is stored as D (a = D(sum)),
+// then vLLM's native (fused_add_)rms_norm, which torch.compile turns into one fp32 expression:
+//   z = a + residual in fp32, residual_out = D(z), variance over the unrounded z,
+//   out = D(z * inv_rms * weight)   (inductor drops the eager D() between the scale and the weight).
+// The only difference left is the order in which the row's sum of squares is added (inv_rms may differ
+// in its last fp32 bit), so outputs match bit for bit except, rarely, by one ulp.
 #pragma once
 #include "common.cuh"
 
@@ -75,8 +78,9 @@ __device__ __forceinline__ void fc_fused_rmsnorm(const FcTable* __restrict__ t, 
       }
     }
 
-    // Sum, round as the unfused all-reduce would store it, add the residual, round again (vLLM's z).
-    // The row is then kept as packed D values (exact: z is a D value), a quarter of the registers of fp32.
+    // Sum, round as the unfused all-reduce would store it (a), add the residual in fp32 (z, not rounded).
+    // The row is kept as packed a (exact: a is a D value) beside the residual's packets, and z is formed
+    // again below: a quarter of the registers that z in fp32 would take.
     float ss = 0.f;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
@@ -89,13 +93,13 @@ __device__ __forceinline__ void fc_fused_rmsnorm(const FcTable* __restrict__ t, 
         P::unpack(res[k], r);
 #pragma unroll
         for (int e = 0; e < P::N; ++e) {
-          float a = D::to_f(D::from_f(acc[0][e]));
-          if (residual) a = D::to_f(D::from_f(a + r[e]));
           // Padding lanes of a row's last packet are zero-filled, so they add nothing to ss.
-          acc[0][e] = (i * P::N + e < hidden) ? a : 0.f;
-          ss += acc[0][e] * acc[0][e];
+          const float a = (i * P::N + e < hidden) ? D::to_f(D::from_f(acc[0][e])) : 0.f;
+          const float z = residual ? a + r[e] : a;  // no "+ 0" without a residual: it would turn -0 into +0
+          acc[0][e] = a;
+          ss += z * z;
         }
-        mine[k] = P::pack(acc[0]);  // mine[k] now holds z
+        mine[k] = P::pack(acc[0]);  // mine[k] now holds a
       }
     }
     ss = fc_block_sum(ss, smem32);
@@ -136,12 +140,16 @@ __device__ __forceinline__ void fc_fused_rmsnorm(const FcTable* __restrict__ t, 
     for (int k = 0; k < K; ++k) {
       const u64 i = c0 + threadIdx.x + (u64)k * blockDim.x;
       if (i < c1) {
-        float wf[P::N], z[P::N], o[P::N];
+        float wf[P::N], z[P::N], r[P::N], o[P::N];
         P::unpack(w[k], wf);
         P::unpack(mine[k], z);
+        P::unpack(res[k], r);
 #pragma unroll
-        for (int e = 0; e < P::N; ++e) o[e] = D::to_f(D::from_f(z[e] * inv)) * wf[e];
-        if (residual_out) fc_store_payload(residual_out + base, i, row_bytes, mine[k]);
+        for (int e = 0; e < P::N; ++e) {
+          if (residual) z[e] += r[e];  // the same fp32 z as in the sum of squares above
+          o[e] = z[e] * inv * wf[e];
+        }
+        if (residual_out) fc_store_payload(residual_out + base, i, row_bytes, P::pack(z));  // D(z)
         fc_store_payload(out + base, i, row_bytes, P::pack(o));
       }
     }

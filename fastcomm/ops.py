@@ -130,8 +130,10 @@ def fused_all_reduce_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, 
                              residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``residual_out = all_reduce(x) + residual`` (or ``all_reduce(x)``) and ``out = rmsnorm(residual_out) * weight``.
 
-    Same rounding as all_reduce followed by vLLM's fused_add_rms_norm / rms_norm. Outputs may alias the
-    inputs (``out is x``, ``residual_out is residual``) for in-place use. Collective.
+    Same rounding as all_reduce followed by vLLM's native (fused_add_)rms_norm as torch.compile runs it
+    (``residual_out`` bit for bit; ``out`` too but for the order of the row's sum of squares, which can move
+    it by one ulp, rarely). Outputs may alias the inputs (``out is x``, ``residual_out is residual``) for
+    in-place use. Collective.
     """
     ws.raise_if_failed()
     reason = ws.why_not_fused(x, residual)

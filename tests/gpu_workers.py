@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import fastcomm
 from fastcomm import FastcommError
+from numerics import rmsnorm_ref, ulp_diff
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ODD_SIZES = (1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 33, 127, 1000, 4095, 6144, 6147, 65537, 100003)
@@ -202,13 +203,6 @@ def _graphs(ws, replays):
     return replays
 
 
-def _rmsnorm_ref(ar, residual, weight, eps):
-    """The unfused path's rounding: all-reduce stored as T, then vLLM's (fused_add_)rms_norm."""
-    z = ar if residual is None else (ar.float() + residual.float()).to(ar.dtype)
-    var = z.float().pow(2).mean(-1, keepdim=True)
-    return (z.float() * torch.rsqrt(var + eps)).to(ar.dtype) * weight, z
-
-
 def _fused(ws, seed):
     dev = ws.device
     rank = dist.get_rank()
@@ -225,16 +219,22 @@ def _fused(ws, seed):
                 r = resid.clone() if with_res else None
                 out, rout = fastcomm.fused_all_reduce_rmsnorm(x, w, 1e-5, ws, residual=r)
                 ar = _nccl_sum(x)
-                ref_out, ref_z = _rmsnorm_ref(ar, r, w, 1e-5)
+                ref_out, ref_z = rmsnorm_ref(ar, r, w, 1e-5)
                 assert torch.equal(rout, ref_z), f"fused {dtype} {tokens}x{hidden}: residual_out differs"
-                err = ((out.double() - ref_out.double()).norm() / ref_out.double().norm().clamp_min(1e-30)).item()
-                tol = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}[dtype]
-                assert err < tol, f"fused {dtype} {tokens}x{hidden} res={with_res}: rel err {err}"
+                # Same rounding steps as the reference; only the sum of squares is added in another order, so
+                # inv_rms may differ in its last fp32 bit: a rare one-ulp output difference, no more.
+                # (fp32 keeps every bit of that difference, so it gets a loose bound and no exact share.)
+                err = ulp_diff(out, ref_out).max().item()
+                exact = (out == ref_out).double().mean().item()
+                bound, share = {torch.bfloat16: (1.0, 0.99), torch.float16: (1.0, 0.97), torch.float32: (64.0, 0.0)}[dtype]
+                assert err <= bound, f"fused {dtype} {tokens}x{hidden} res={with_res}: {err} ulps"
+                if out.numel() >= 1000:
+                    assert exact >= share, f"fused {dtype} {tokens}x{hidden} res={with_res}: only {exact:.4f} exact"
                 assert _same_on_all_ranks(out) and _same_on_all_ranks(rout)
                 worst = max(worst, err)
             # in place, as vLLM calls it: out into x, residual_out into residual
             xi, ri = x.clone(), resid.clone()
-            ref_out, ref_z = _rmsnorm_ref(_nccl_sum(x), resid, w, 1e-5)
+            ref_out, ref_z = rmsnorm_ref(_nccl_sum(x), resid, w, 1e-5)
             fastcomm.fused_all_reduce_rmsnorm(xi, w, 1e-5, ws, residual=ri, out=xi, residual_out=ri)
             assert torch.equal(ri, ref_z), "in-place fused: residual differs"
     return worst
@@ -254,7 +254,7 @@ def core(rank, world, gloo, transport, islands, calls, replays):
         found["try_all_reduce"] = _try_all_reduce(ws)
         found["back_to_back"] = _back_to_back(ws, calls)
         found["graph_replays"] = _graphs(ws, replays)
-        found["fused_worst_rel_err"] = _fused(ws, 4)
+        found["fused_worst_ulps"] = _fused(ws, 4)
         torch.cuda.synchronize()
     return found
 

@@ -100,6 +100,7 @@ def gpu_vllm_tp(rank: int, world: int, gloo) -> dict:
 
     from fastcomm_vllm import fusion, plugin
     from fastcomm_vllm.communicator import FastcommCudaCommunicator
+    from numerics import rmsnorm_ref, ulp_diff
 
     plugin.install(CudaPlatformBase, fuse=True)  # the fusion is opt-in; this test covers it
     out = {}
@@ -147,6 +148,7 @@ def gpu_vllm_tp(rank: int, world: int, gloo) -> dict:
         out["graph_replays"] = 20
 
         # Fusion: the wrapped DSA helper and the compile-pass op against the unfused path.
+        from vllm.ir.op import IrOp
         from vllm.model_executor.layers.layernorm import RMSNorm
 
         norm = RMSNorm(4096, eps=1e-5).to(device=dev, dtype=torch.bfloat16)
@@ -154,6 +156,10 @@ def gpu_vllm_tp(rank: int, world: int, gloo) -> dict:
             norm.weight.copy_(torch.rand(4096, device=dev, dtype=torch.bfloat16) + 0.5)
         gen = torch.Generator(device=dev).manual_seed(1234 + rank)
         torch.set_grad_enabled(False)  # as in vLLM's forward: the norm weight is a Parameter
+        # Eager vLLM rounds once more than the compiled norm (before the weight): two ulps at most from it;
+        # its CUDA kernel (vllm_c, eager without inductor) also rounds z before the norm: three.
+        out["norm_priority"] = IrOp.registry["fused_add_rms_norm"].get_priority()
+        eager_bound = 2.0 if out["norm_priority"][0] == "native" else 3.0
         for tokens in (1, 8, 64):
             h = torch.randn((tokens, 4096), generator=gen, device=dev, dtype=torch.bfloat16)
             residual = torch.randn((tokens, 4096), generator=torch.Generator(device=dev).manual_seed(7),
@@ -164,14 +170,18 @@ def gpu_vllm_tp(rank: int, world: int, gloo) -> dict:
             f_out, f_res = wrapped(h, residual.clone(), norm)
             o_out, o_res = torch.ops.fastcomm_vllm.fused_all_reduce_rms_norm(h, residual, norm.weight, 1e-5,
                                                                             tp.unique_name)
+            # Served, vLLM compiles this norm (tests/numerics.rmsnorm_ref, pinned on CPU by
+            # test_fusion_numerics): the fused op follows that one, up to the order of the sum of squares.
+            comp_out, comp_res = rmsnorm_ref(reduced, residual, norm.weight, 1e-5)
+            assert torch.equal(comp_res, ref_res)
             for name, (a, b) in {"helper": (f_out, f_res), "op": (o_out, o_res)}.items():
                 assert torch.equal(b, ref_res), (name, tokens, (b.float() - ref_res.float()).abs().max())
-                # The row's sum of squares is added in another order than vLLM's kernel, so inv_rms can differ
-                # in its last bit and a bf16 output by one ulp (2^-7 relative); residual_out is exact above.
-                diff = (a.float() - ref_out.float()).abs().max().item()
-                ulps = ((a.float() - ref_out.float()).abs() / (ref_out.float().abs() * 2.0 ** -7 + 1e-30)).max().item()
-                assert ulps <= 1.0, (name, tokens, diff, ulps)
-                out[f"{name}_max_diff_{tokens}"] = diff
+                ulps = ulp_diff(a, comp_out).max().item()
+                exact = (a == comp_out).double().mean().item()
+                assert ulps <= 1.0 and exact >= 0.99, (name, tokens, "vs compiled norm", ulps, exact)
+                eager_ulps = ulp_diff(a, ref_out).max().item()
+                assert eager_ulps <= eager_bound, (name, tokens, "vs eager norm", out["norm_priority"], eager_ulps)
+                out[f"{name}_ulps_{tokens}"] = (ulps, exact, eager_ulps)
         ps.destroy_model_parallel()
     out["closed"] = ws.closed
     return out
