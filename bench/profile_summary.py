@@ -51,7 +51,7 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
 
 
 def graph_steps(events: list[dict], gpu: list[dict]) -> dict | None:
-    """Per CUDA-graph launch (a decode step when vLLM runs the step as one full graph): its GPU span and the
+    """Per full-step CUDA-graph launch (a decode step when vLLM runs the step as one full graph): its GPU span and the
     all-reduce kernels' time inside it. CUPTI gives a graph's kernels the correlation id of the
     cudaGraphLaunch that ran them, so the eager prefill and the host gaps between steps stay out."""
     launches = {e.get("args", {}).get("correlation") for e in events
@@ -65,6 +65,13 @@ def graph_steps(events: list[dict], gpu: list[dict]) -> dict | None:
             steps[c].append(e)
     if not steps:
         return None
+    # A prefill (or a batch beyond the full-graph sizes) runs as piecewise graphs: a few kernels each, one
+    # layer's worth, not a step. A full decode-step graph holds by far the most kernels, so keep the graphs
+    # of at least half the largest kernel count.
+    most = max(len(kernels) for kernels in steps.values())
+    pieces = [c for c, kernels in steps.items() if len(kernels) * 2 < most]
+    for c in pieces:
+        del steps[c]
     spans, ars, counts = [], [], []
     for kernels in steps.values():
         spans.append(max(float(e["ts"]) + float(e["dur"]) for e in kernels) - min(float(e["ts"]) for e in kernels))
@@ -72,7 +79,7 @@ def graph_steps(events: list[dict], gpu: list[dict]) -> dict | None:
         ars.append(sum(ar))
         counts.append(len(ar))
     span, ar = statistics.median(spans), statistics.median(ars)
-    return {"steps": len(steps), "median_span_us": round(span, 1), "median_all_reduce_us": round(ar, 1),
+    return {"steps": len(steps), "piecewise_graphs_left_out": len(pieces), "median_span_us": round(span, 1), "median_all_reduce_us": round(ar, 1),
             "all_reduce_share": round(ar / span, 3) if span else None,
             "all_reduce_calls_per_step": statistics.median(counts)}
 
@@ -145,7 +152,9 @@ def print_summary(summary: dict, file=None) -> None:
             if st:
                 print(f"{'':<16}   per graph step (median of {st['steps']}): span {st['median_span_us'] / 1e3:.2f} ms, "
                       f"all-reduce {st['median_all_reduce_us'] / 1e3:.3f} ms in {st['all_reduce_calls_per_step']:g} "
-                      f"calls = {st['all_reduce_share']:.3f} of the step", file=file)
+                      f"calls = {st['all_reduce_share']:.3f} of the step"
+                      + (f" ({st['piecewise_graphs_left_out']} piecewise graphs left out)"
+                         if st.get("piecewise_graphs_left_out") else ""), file=file)
             for n, k in ar["kernels"].items():
                 print(f"{'':<16}   AR  {k['calls']:>5} x {k['median_us']:>7.2f} us  {n}", file=file)
             for k in s["top_other_kernels"][:4]:

@@ -74,3 +74,26 @@ def test_graph_steps_exclude_prefill_and_host_gaps():
     assert st["median_span_us"] == (90 + 100) / 2 and st["median_all_reduce_us"] == 7.5
     assert st["all_reduce_share"] == round(7.5 / 95, 3)
     assert P.summarize_events([_k("x", 0, 1)])["graph_steps"] is None  # no graphs: no per-step figures
+
+
+def test_graph_steps_leave_piecewise_graphs_out():
+    # At 8 concurrent the profile also holds the prefill, replayed as piecewise graphs of a few kernels
+    # each: they are not steps, and the median over all graphs would describe them instead.
+    def k(name, ts, dur, corr):
+        return {**_k(name, ts, dur), "args": {"correlation": corr}}
+
+    def launch(ts, corr):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": ts, "dur": 2,
+                "args": {"correlation": corr}}
+
+    events = []
+    for p in range(5):  # five prefill pieces: one GEMM and one all-reduce each
+        events += [launch(p * 100, p), k("gemm", p * 100 + 1, 20, p), k("fc_two_shot_bf16", p * 100 + 21, 10, p)]
+    for s, t0 in ((10, 1000), (11, 2000)):  # two full decode steps: 3 layers of gemv + all-reduce
+        events.append(launch(t0, s))
+        for layer in range(3):
+            events += [k("gemv", t0 + layer * 30, 25, s), k("fc_one_shot_bf16", t0 + layer * 30 + 25, 5, s)]
+    st = P.summarize_events(events)["graph_steps"]
+    assert st["steps"] == 2 and st["piecewise_graphs_left_out"] == 5
+    assert st["all_reduce_calls_per_step"] == 3 and st["median_span_us"] == 90 and st["median_all_reduce_us"] == 15
+
