@@ -9,6 +9,16 @@ def _k(name, ts, dur, cat="kernel"):
     return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
 
 
+def k(name, ts, dur, corr):
+    """A kernel that CUPTI ties to the launch with correlation id `corr`."""
+    return {**_k(name, ts, dur), "args": {"correlation": corr}}
+
+
+def launch(ts, corr):
+    return {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": ts, "dur": 2,
+            "args": {"correlation": corr}}
+
+
 def test_all_reduce_share_busy_time_and_launch_counts(tmp_path):
     events = [
         _k("gemv_kernel", 0, 10), _k("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 10, 5),
@@ -59,13 +69,6 @@ def test_one_backend_and_printing_saved_summaries(tmp_path, capsys):
 
 
 def test_graph_steps_exclude_prefill_and_host_gaps():
-    def k(name, ts, dur, corr):
-        return {**_k(name, ts, dur), "args": {"correlation": corr}}
-
-    def launch(ts, corr):
-        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": ts, "dur": 2,
-                "args": {"correlation": corr}}
-
     events = [k("prefill_gemm", 0, 500, 1),  # eager, launched by cudaLaunchKernel (correlation 1)
               launch(600, 10), k("gemv", 610, 80, 10), k("fc_one_shot_bf16", 690, 5, 10), k("gemv", 695, 5, 10),
               launch(2000, 11), k("gemv", 2010, 90, 11), k("fc_one_shot_bf16", 2100, 10, 11)]
@@ -79,13 +82,6 @@ def test_graph_steps_exclude_prefill_and_host_gaps():
 def test_graph_steps_leave_piecewise_graphs_out():
     # At 8 concurrent the profile also holds the prefill, replayed as piecewise graphs of a few kernels
     # each: they are not steps, and the median over all graphs would describe them instead.
-    def k(name, ts, dur, corr):
-        return {**_k(name, ts, dur), "args": {"correlation": corr}}
-
-    def launch(ts, corr):
-        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": ts, "dur": 2,
-                "args": {"correlation": corr}}
-
     events = []
     for p in range(5):  # five prefill pieces: one GEMM and one all-reduce each
         events += [launch(p * 100, p), k("gemm", p * 100 + 1, 20, p), k("fc_two_shot_bf16", p * 100 + 21, 10, p)]
