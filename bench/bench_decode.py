@@ -176,6 +176,12 @@ def _check_plugin() -> None:
                          "the repo (pip install --no-deps --no-build-isolation -e .) so vLLM's workers load it")
 
 
+def row_env(backend: Backend, spec: dict) -> dict:
+    """What a row sets in its process: the backend's own variables, plus --fastcomm-env in fastcomm rows."""
+    extra = (spec.get("fastcomm_env") or {}) if backend.fastcomm else {}
+    return {**backend.env, **extra}
+
+
 def run_backend(backend: Backend, spec: dict, log_dir: Path, timeout: float, tag: str = "") -> dict:
     spec_file = log_dir / "spec.json"
     spec_file.write_text(json.dumps(spec))
@@ -183,7 +189,8 @@ def run_backend(backend: Backend, spec: dict, log_dir: Path, timeout: float, tag
     result_file.unlink(missing_ok=True)
     log = log_dir / f"{backend.name}{tag}.log"
     # status RPC: collective_rpc ships worker_status by reference (cloudpickle), which vLLM gates on this.
-    env = {**os.environ, **backend.env, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "PYTHONUNBUFFERED": "1"}
+    env_set = row_env(backend, spec)
+    env = {**os.environ, **env_set, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", backend.name, "--spec", str(spec_file),
            "--result", str(result_file)]
     t0 = time.perf_counter()
@@ -196,7 +203,7 @@ def run_backend(backend: Backend, spec: dict, log_dir: Path, timeout: float, tag
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             rc = None
-    res = {"backend": backend.name, "about": backend.about, "env": backend.env,
+    res = {"backend": backend.name, "about": backend.about, "env": env_set,
            "disable_custom_all_reduce": backend.disable_custom_all_reduce, "wall_s": round(time.perf_counter() - t0, 1),
            "log": str(log)}
     if result_file.is_file():  # complete, or what a run cut short had measured
@@ -238,7 +245,7 @@ def combine_rounds(runs: list[dict]) -> dict:
 
 
 # What makes two runs the same measurement; runs that differ in any of these are never merged as rounds.
-SETUP_KEYS = ("model", "tp", "max_tokens", "capture_sizes", "prompt_len", "max_num_seqs")
+SETUP_KEYS = ("model", "tp", "max_tokens", "capture_sizes", "prompt_len", "max_num_seqs", "fastcomm_env")
 
 
 def _setup_text(meta: dict, keys) -> str:
@@ -309,7 +316,8 @@ def print_report(results: dict, meta: dict) -> None:
     conc = sorted({s["concurrency"] for r in results.values() for s in r.get("sweep", ())})
     print(f"# model {meta.get('model')}  tp {meta.get('tp')}  max_tokens {meta.get('max_tokens')}  "
           f"capture sizes {meta.get('capture_sizes') or 'vLLM default'}"
-          + (f"  max_num_seqs {meta['max_num_seqs']}" if meta.get("max_num_seqs") else ""))
+          + (f"  max_num_seqs {meta['max_num_seqs']}" if meta.get("max_num_seqs") else "")
+          + (f"  fastcomm rows with {_env_text(meta['fastcomm_env'])}" if meta.get("fastcomm_env") else ""))
     head = f"{'backend':<14} {'start s':>8} {'bs1 tok/s':>10} {'TPOT ms':>8} " + \
         " ".join(f"{'c=' + str(c) + ' tok/s':>12}" for c in conc)
     print(head)
@@ -346,6 +354,28 @@ def print_report(results: dict, meta: dict) -> None:
                       f"({c['distinct_tokens']} distinct tokens)")
 
 
+# The variables that make a row what its name says; --fastcomm-env may not change them.
+ROW_DEFINING = ("FASTCOMM_VLLM", "FASTCOMM_VLLM_FUSION", "FASTCOMM_TRANSPORT")
+
+
+def _env_text(env: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in sorted(env.items()))
+
+
+def parse_fastcomm_env(items: list[str]) -> dict:
+    """KEY=VALUE pairs for the fastcomm rows (e.g. FASTCOMM_ALGO=one_shot): an A/B of one knob in the same
+    call. Only FASTCOMM_* variables, and none of those that define a row."""
+    env = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("FASTCOMM_"):
+            raise SystemExit(f"bench-decode: --fastcomm-env {item!r}: expected FASTCOMM_NAME=VALUE")
+        if key in ROW_DEFINING:
+            raise SystemExit(f"bench-decode: --fastcomm-env {key} defines the rows; pick another config instead")
+        env[key] = value
+    return env
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="fastcomm bench-decode", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="glm5-78L-16E", help="directory with config.json, or a name under shared/models")
@@ -368,6 +398,9 @@ def parse_args(argv):
     p.add_argument("--profile-tokens", type=int, default=16, help="tokens generated while profiling")
     p.add_argument("--profile-concurrency", type=int, default=1,
                    help="requests decoded together while profiling (e.g. 8: the all-reduce share at 8 concurrent)")
+    p.add_argument("--fastcomm-env", action="append", default=[], metavar="FASTCOMM_NAME=VALUE",
+                   help="set a fastcomm variable in the fastcomm rows (repeatable), e.g. FASTCOMM_ALGO=one_shot; "
+                        "recorded in the results, and --compare never merges it with runs without it")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the configs round-robin this many times; rows are medians (takes run order out)")
     p.add_argument("--timeout", type=float, default=1500, help="seconds per backend (start-up included)")
@@ -407,6 +440,7 @@ def main(argv=None) -> int:
     if not 1 <= args.profile_concurrency <= max(conc):
         raise SystemExit(f"bench-decode: --profile-concurrency {args.profile_concurrency} must be between 1 and the "
                          f"largest concurrency {max(conc)} (the prompts and max_num_seqs are sized by it)")
+    fastcomm_env = parse_fastcomm_env(args.fastcomm_env)
     model = resolve_model(args.model)
     sizes = None if args.capture_sizes == "default" else [int(s) for s in args.capture_sizes.split(",")]
     spec = dict(model=str(model), tp=args.tp, max_tokens=args.max_tokens, capture_sizes=sizes,
@@ -414,7 +448,8 @@ def main(argv=None) -> int:
                 repeats=args.repeats, max_model_len=args.max_model_len, seed=args.seed,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 profile_dir=str(Path(args.profile_dir).resolve()) if args.profile_dir else None,
-                profile_tokens=args.profile_tokens, profile_concurrency=args.profile_concurrency)
+                profile_tokens=args.profile_tokens, profile_concurrency=args.profile_concurrency,
+                fastcomm_env=fastcomm_env or None)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(args.out) if args.out else REPO / "bench" / "results" / f"decode-{model.name}-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -162,3 +162,31 @@ def test_profile_concurrency_option():
         with pytest.raises(SystemExit, match="--profile-concurrency"):
             B.main(["--configs", "nccl", "--concurrency", "1,8", "--profile-concurrency", bad,
                     "--model", str(B.REPO / "tests")])
+
+
+def test_fastcomm_env_sets_one_knob_in_fastcomm_rows_only(tmp_path):
+    # An A/B of one fastcomm knob (say FASTCOMM_ALGO=one_shot at 64 requests) in the same call.
+    env = B.parse_fastcomm_env(["FASTCOMM_ALGO=one_shot", "FASTCOMM_MAX_BLOCKS=32"])
+    assert env == {"FASTCOMM_ALGO": "one_shot", "FASTCOMM_MAX_BLOCKS": "32"}
+    spec = {"fastcomm_env": env}
+    assert B.row_env(B.BACKENDS["fastcomm-nofuse"], spec) == {**B.BACKENDS["fastcomm-nofuse"].env, **env}
+    assert B.row_env(B.BACKENDS["nccl"], spec) == B.BACKENDS["nccl"].env  # baselines stay as they are
+    assert B.row_env(B.BACKENDS["vllm"], {}) == {"FASTCOMM_VLLM": "0"}
+    for bad in ("NCCL_PROTO=LL", "FASTCOMM_ALGO", "FASTCOMM_VLLM_FUSION=1", "FASTCOMM_TRANSPORT=host"):
+        with pytest.raises(SystemExit, match="--fastcomm-env"):
+            B.parse_fastcomm_env([bad])
+    assert B.parse_args(["--fastcomm-env", "FASTCOMM_ALGO=one_shot"]).fastcomm_env == ["FASTCOMM_ALGO=one_shot"]
+
+
+def test_compare_keeps_fastcomm_env_runs_apart(tmp_path, capsys):
+    meta = {"model": "glm5-78L-16E", "tp": 2, "max_tokens": 128, "capture_sizes": None, "max_num_seqs": 256}
+    files = []
+    for k, extra in enumerate((None, {"FASTCOMM_ALGO": "one_shot"})):
+        f = tmp_path / f"r{k}.json"
+        f.write_text(json.dumps({"meta": {**meta, "fastcomm_env": extra},
+                                 "results": {"fastcomm-nofuse": result("fastcomm-nofuse", list(range(128)),
+                                                                       fastcomm=True)}}))
+        files.append(str(f))
+    results, _ = B.merge_files([json.loads(open(f).read()) for f in files])
+    assert set(results) == {"fastcomm-nofuse", "fastcomm-nofuse#2"}
+    assert "FASTCOMM_ALGO" in results["fastcomm-nofuse#2"]["setup_note"]
