@@ -226,7 +226,8 @@ def _fused(ws, seed):
                 # (fp32 keeps every bit of that difference, so it gets a loose bound and no exact share.)
                 err = ulp_diff(out, ref_out).max().item()
                 exact = (out == ref_out).double().mean().item()
-                bound, share = {torch.bfloat16: (1.0, 0.99), torch.float16: (1.0, 0.97), torch.float32: (64.0, 0.0)}[dtype]
+                bound, share = {torch.bfloat16: (1.0, 0.99), torch.float16: (1.0, 0.97),
+                                torch.float32: (64.0, 0.0)}[dtype]
                 assert err <= bound, f"fused {dtype} {tokens}x{hidden} res={with_res}: {err} ulps"
                 if out.numel() >= 1000:
                     assert exact >= share, f"fused {dtype} {tokens}x{hidden} res={with_res}: only {exact:.4f} exact"
