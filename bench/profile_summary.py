@@ -51,7 +51,7 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
 
 
 def graph_steps(events: list[dict], gpu: list[dict]) -> dict | None:
-    """Per full-step CUDA-graph launch (a decode step when vLLM runs the step as one full graph): its GPU span and the
+    """Per full-step CUDA-graph launch (a decode step when vLLM runs it as one graph): its GPU span and the
     all-reduce kernels' time inside it. CUPTI gives a graph's kernels the correlation id of the
     cudaGraphLaunch that ran them, so the eager prefill and the host gaps between steps stay out."""
     launches = {e.get("args", {}).get("correlation") for e in events
@@ -69,17 +69,16 @@ def graph_steps(events: list[dict], gpu: list[dict]) -> dict | None:
     # layer's worth, not a step. A full decode-step graph holds by far the most kernels, so keep the graphs
     # of at least half the largest kernel count.
     most = max(len(kernels) for kernels in steps.values())
-    pieces = [c for c, kernels in steps.items() if len(kernels) * 2 < most]
-    for c in pieces:
-        del steps[c]
+    full = [kernels for kernels in steps.values() if len(kernels) * 2 >= most]
     spans, ars, counts = [], [], []
-    for kernels in steps.values():
+    for kernels in full:
         spans.append(max(float(e["ts"]) + float(e["dur"]) for e in kernels) - min(float(e["ts"]) for e in kernels))
         ar = [float(e["dur"]) for e in kernels if ALL_REDUCE.search(str(e.get("name", "")))]
         ars.append(sum(ar))
         counts.append(len(ar))
     span, ar = statistics.median(spans), statistics.median(ars)
-    return {"steps": len(steps), "piecewise_graphs_left_out": len(pieces), "median_span_us": round(span, 1), "median_all_reduce_us": round(ar, 1),
+    return {"steps": len(full), "piecewise_graphs_left_out": len(steps) - len(full),
+            "median_span_us": round(span, 1), "median_all_reduce_us": round(ar, 1),
             "all_reduce_share": round(ar / span, 3) if span else None,
             "all_reduce_calls_per_step": statistics.median(counts)}
 

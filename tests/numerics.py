@@ -15,6 +15,11 @@ def ulp_diff(a: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return (a.double() - r).abs() / spacing
 
 
+def ulp_stats(a: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(largest difference in ulps of ref, share of elements equal bit for bit)."""
+    return ulp_diff(a, ref).max().item(), (a == ref).double().mean().item()
+
+
 def rmsnorm_ref(ar: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
     """(out, residual_out) of the unfused path that the fused op replaces: the all-reduce result stored in
     its dtype (``ar``), then vLLM's native (fused_add_)rms_norm as torch.compile runs it: z in fp32, the

@@ -92,4 +92,3 @@ def test_graph_steps_leave_piecewise_graphs_out():
     st = P.summarize_events(events)["graph_steps"]
     assert st["steps"] == 2 and st["piecewise_graphs_left_out"] == 5
     assert st["all_reduce_calls_per_step"] == 3 and st["median_span_us"] == 90 and st["median_all_reduce_us"] == 15
-

@@ -164,7 +164,7 @@ def test_profile_concurrency_option():
                     "--model", str(B.REPO / "tests")])
 
 
-def test_fastcomm_env_sets_one_knob_in_fastcomm_rows_only(tmp_path):
+def test_fastcomm_env_sets_one_knob_in_fastcomm_rows_only():
     # An A/B of one fastcomm knob (say FASTCOMM_ALGO=one_shot at 64 requests) in the same call.
     env = B.parse_fastcomm_env(["FASTCOMM_ALGO=one_shot", "FASTCOMM_MAX_BLOCKS=32"])
     assert env == {"FASTCOMM_ALGO": "one_shot", "FASTCOMM_MAX_BLOCKS": "32"}
@@ -178,7 +178,7 @@ def test_fastcomm_env_sets_one_knob_in_fastcomm_rows_only(tmp_path):
     assert B.parse_args(["--fastcomm-env", "FASTCOMM_ALGO=one_shot"]).fastcomm_env == ["FASTCOMM_ALGO=one_shot"]
 
 
-def test_compare_keeps_fastcomm_env_runs_apart(tmp_path, capsys):
+def test_compare_keeps_fastcomm_env_runs_apart(tmp_path):
     meta = {"model": "glm5-78L-16E", "tp": 2, "max_tokens": 128, "capture_sizes": None, "max_num_seqs": 256}
     files = []
     for k, extra in enumerate((None, {"FASTCOMM_ALGO": "one_shot"})):
