@@ -235,7 +235,7 @@ def _bench_interleaved(torch, rank, gloo, names, setup, capture, opts):
     g = torch.Generator(device="cpu").manual_seed(rank)
     weight = (torch.randn(hidden, hidden, generator=g) / hidden ** 0.5).to(dtype=dtype, device=dev)
     rows = []
-    for tokens in (1, 8):
+    for tokens in opts.interleave_tokens:
         a = torch.randn(tokens, hidden, generator=g).to(dtype=dtype, device=dev)
         scratch = torch.empty(tokens, hidden, dtype=dtype, device=dev)
         dist.barrier()
@@ -357,8 +357,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--islands", action="store_true", help="add forced-island (hierarchical) one-shot rows")
     p.add_argument("--fused", action="store_true", help="also time the fused all-reduce + RMSNorm")
     p.add_argument("--interleave", action="store_true",
-                   help="also time each all-reduce right after a hidden x hidden GEMM (1 and 8 tokens): the cost "
-                        "it adds to a step, launch and graph-node effects included")
+                   help="also time each all-reduce right after a hidden x hidden GEMM (--interleave-tokens): "
+                        "the cost it adds to a step, launch and graph-node effects included")
+    p.add_argument("--interleave-tokens", type=lambda v: [int(t) for t in v.split(",")], default=[1, 8],
+                   help="token counts of the --interleave rows (64: a 64-request decode step's 768 KB)")
     p.add_argument("--hidden", type=int, default=6144)
     p.add_argument("--only", action="append", help="only impls whose name contains this (repeatable)")
     p.add_argument("--json", help="write rows and metadata here")

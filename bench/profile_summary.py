@@ -50,10 +50,11 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def graph_steps(events: list[dict], gpu: list[dict]) -> dict | None:
+def graph_steps(events: list[dict], gpu: list[dict], top_kernels: int = 4) -> dict | None:
     """Per full-step CUDA-graph launch (a decode step when vLLM runs it as one graph): its GPU span and the
-    all-reduce kernels' time inside it. CUPTI gives a graph's kernels the correlation id of the
-    cudaGraphLaunch that ran them, so the eager prefill and the host gaps between steps stay out."""
+    all-reduce kernels' time inside it, and the busiest other kernels' time per step. CUPTI gives a graph's
+    kernels the correlation id of the cudaGraphLaunch that ran them, so the eager prefill and the host gaps
+    between steps stay out."""
     launches = {e.get("args", {}).get("correlation") for e in events
                 if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")
                 and LAUNCHES["graph"].match(str(e.get("name", "")))}
@@ -71,16 +72,29 @@ def graph_steps(events: list[dict], gpu: list[dict]) -> dict | None:
     most = max(len(kernels) for kernels in steps.values())
     full = [kernels for kernels in steps.values() if len(kernels) * 2 >= most]
     spans, ars, counts = [], [], []
+    # Other kernels per step too: a whole-trace total mixes the prefill's (large) calls with the decode
+    # steps', so two backends' totals can differ where their steps do not.
+    others: list[dict[str, float]] = []
     for kernels in full:
         spans.append(max(float(e["ts"]) + float(e["dur"]) for e in kernels) - min(float(e["ts"]) for e in kernels))
         ar = [float(e["dur"]) for e in kernels if ALL_REDUCE.search(str(e.get("name", "")))]
         ars.append(sum(ar))
         counts.append(len(ar))
+        per_name: dict[str, float] = defaultdict(float)
+        for e in kernels:
+            name = str(e.get("name", "?"))
+            if not ALL_REDUCE.search(name):
+                per_name[name[:90]] += float(e["dur"])
+        others.append(per_name)
     span, ar = statistics.median(spans), statistics.median(ars)
+    names = {n for per_name in others for n in per_name}
+    medians = {n: statistics.median(per_name.get(n, 0.0) for per_name in others) for n in names}
+    top = sorted(medians.items(), key=lambda nm: -nm[1])[:top_kernels]
     return {"steps": len(full), "piecewise_graphs_left_out": len(steps) - len(full),
             "median_span_us": round(span, 1), "median_all_reduce_us": round(ar, 1),
             "all_reduce_share": round(ar / span, 3) if span else None,
-            "all_reduce_calls_per_step": statistics.median(counts)}
+            "all_reduce_calls_per_step": statistics.median(counts),
+            "top_other_kernels_us": [{"name": n, "median_us": round(m, 1)} for n, m in top]}
 
 
 def summarize_events(events: list[dict], top: int = 8) -> dict:
@@ -154,6 +168,8 @@ def print_summary(summary: dict, file=None) -> None:
                       f"calls = {st['all_reduce_share']:.3f} of the step"
                       + (f" ({st['piecewise_graphs_left_out']} piecewise graphs left out)"
                          if st.get("piecewise_graphs_left_out") else ""), file=file)
+                for k in st.get("top_other_kernels_us", []):
+                    print(f"{'':<16}   step {k['median_us'] / 1e3:>7.3f} ms  {k['name']}", file=file)
             for n, k in ar["kernels"].items():
                 print(f"{'':<16}   AR  {k['calls']:>5} x {k['median_us']:>7.2f} us  {n}", file=file)
             for k in s["top_other_kernels"][:4]:

@@ -92,3 +92,14 @@ def test_graph_steps_leave_piecewise_graphs_out():
     st = P.summarize_events(events)["graph_steps"]
     assert st["steps"] == 2 and st["piecewise_graphs_left_out"] == 5
     assert st["all_reduce_calls_per_step"] == 3 and st["median_span_us"] == 90 and st["median_all_reduce_us"] == 15
+    # Per step, the piecewise prefill's GEMMs stay out of the other kernels' times too.
+    assert st["top_other_kernels_us"] == [{"name": "gemv", "median_us": 75.0}]
+
+
+def test_graph_steps_other_kernels_per_step_median():
+    events = [launch(0, 1), k("moe", 1, 40, 1), k("gemv", 41, 10, 1), k("fc_one_shot_bf16", 51, 5, 1),
+              launch(100, 2), k("moe", 101, 60, 2), k("fc_one_shot_bf16", 161, 5, 2), k("moe", 166, 10, 2),
+              launch(200, 3), k("moe", 201, 50, 3), k("gemv", 251, 30, 3), k("fc_one_shot_bf16", 281, 5, 3)]
+    st = P.summarize_events(events)["graph_steps"]
+    # moe per step: 40, 70, 50 -> 50; gemv: 10, 0 (absent), 30 -> 10; all-reduce kernels are not "other".
+    assert st["top_other_kernels_us"] == [{"name": "moe", "median_us": 50.0}, {"name": "gemv", "median_us": 10.0}]
