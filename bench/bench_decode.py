@@ -62,9 +62,19 @@ REFERENCE_ORDER = ("vllm", "nccl", "nccl-nop2p", "fastcomm", "fastcomm-host")
 
 # ---- worker: one backend, inside its own process --------------------------------------------------------
 
+# Runs made before 2026-11-30 session 5 drew each prompt as one token id repeated (a new generator per
+# token); their files carry no "prompts" key. A new run's prompts are distinct random ids.
+PROMPTS = "random ids"
+LEGACY_PROMPTS = "one id repeated"
+
+
 def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    return [[random.Random(seed * 1000 + i).randrange(100, vocab - 100) for _ in range(length)]
-            for i in range(count)]
+    """Request i's prompt: `length` random token ids from its own seeded generator (same on every run)."""
+    prompts = []
+    for i in range(count):
+        rng = random.Random(seed * 1000 + i)
+        prompts.append([rng.randrange(100, vocab - 100) for _ in range(length)])
+    return prompts
 
 
 def run_worker(spec: dict, backend: Backend, save) -> dict:
@@ -245,15 +255,21 @@ def combine_rounds(runs: list[dict]) -> dict:
 
 
 # What makes two runs the same measurement; runs that differ in any of these are never merged as rounds.
-SETUP_KEYS = ("model", "tp", "max_tokens", "capture_sizes", "prompt_len", "max_num_seqs", "fastcomm_env")
+SETUP_KEYS = ("model", "tp", "max_tokens", "capture_sizes", "prompt_len", "prompts", "max_num_seqs",
+              "fastcomm_env")
+
+
+def _setup_value(meta: dict, key: str):
+    return meta.get(key, LEGACY_PROMPTS) if key == "prompts" else meta.get(key)
 
 
 def _setup_text(meta: dict, keys) -> str:
-    return ", ".join(f"{k} {meta.get(k) if meta.get(k) is not None else 'vLLM default'}" for k in keys)
+    return ", ".join(f"{k} {_setup_value(meta, k) if _setup_value(meta, k) is not None else 'vLLM default'}"
+                     for k in keys)
 
 
 def _setup(meta: dict) -> tuple:
-    return tuple(json.dumps(meta.get(k)) for k in SETUP_KEYS)  # lists (capture sizes) as hashable text
+    return tuple(json.dumps(_setup_value(meta, k)) for k in SETUP_KEYS)  # lists (capture sizes) as text
 
 
 def merge_files(files: list[dict]) -> tuple[dict, dict]:
@@ -444,7 +460,7 @@ def main(argv=None) -> int:
     model = resolve_model(args.model)
     sizes = None if args.capture_sizes == "default" else [int(s) for s in args.capture_sizes.split(",")]
     spec = dict(model=str(model), tp=args.tp, max_tokens=args.max_tokens, capture_sizes=sizes,
-                concurrency=conc, max_num_seqs=args.max_num_seqs, prompt_len=args.prompt_len,
+                concurrency=conc, max_num_seqs=args.max_num_seqs, prompt_len=args.prompt_len, prompts=PROMPTS,
                 repeats=args.repeats, max_model_len=args.max_model_len, seed=args.seed,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 profile_dir=str(Path(args.profile_dir).resolve()) if args.profile_dir else None,

@@ -190,3 +190,19 @@ def test_compare_keeps_fastcomm_env_runs_apart(tmp_path):
     results, _ = B.merge_files([json.loads(open(f).read()) for f in files])
     assert set(results) == {"fastcomm-nofuse", "fastcomm-nofuse#2"}
     assert "FASTCOMM_ALGO" in results["fastcomm-nofuse#2"]["setup_note"]
+
+
+def test_prompts_are_random_ids_and_the_same_every_run():
+    a = B._prompts(4, 32, 154880, seed=0)
+    assert a == B._prompts(4, 32, 154880, seed=0) and len(a) == 4 and all(len(p) == 32 for p in a)
+    assert all(len(set(p)) > 16 for p in a)  # not one id repeated (what runs before session 5 sent)
+    assert len({tuple(p) for p in a}) == 4 and all(100 <= t < 154780 for p in a for t in p)
+
+
+def test_compare_keeps_runs_with_the_old_prompts_apart(tmp_path):
+    meta = {"model": "glm5-78L-16E", "tp": 2, "max_tokens": 128, "capture_sizes": None}
+    old = {"meta": meta, "results": {"nccl": result("nccl", list(range(128)))}}
+    new = {"meta": {**meta, "prompts": B.PROMPTS}, "results": {"nccl": result("nccl", list(range(128)))}}
+    results, _ = B.merge_files([new, old])
+    assert set(results) == {"nccl", "nccl#2"}
+    assert results["nccl#2"]["setup_note"] == f"measured with prompts {B.LEGACY_PROMPTS}"
