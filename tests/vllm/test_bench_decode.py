@@ -199,7 +199,7 @@ def test_prompts_are_random_ids_and_the_same_every_run():
     assert len({tuple(p) for p in a}) == 4 and all(100 <= t < 154780 for p in a for t in p)
 
 
-def test_compare_keeps_runs_with_the_old_prompts_apart(tmp_path):
+def test_compare_keeps_runs_with_the_old_prompts_apart():
     meta = {"model": "glm5-78L-16E", "tp": 2, "max_tokens": 128, "capture_sizes": None}
     old = {"meta": meta, "results": {"nccl": result("nccl", list(range(128)))}}
     new = {"meta": {**meta, "prompts": B.PROMPTS}, "results": {"nccl": result("nccl", list(range(128)))}}
