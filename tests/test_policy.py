@@ -66,6 +66,16 @@ def test_default_table_covers_every_transport_and_is_sorted():
             assert [r.max_bytes for r in rules] == sorted(r.max_bytes for r in rules)
 
 
+def test_nvlink_defaults_follow_the_measured_switch_point():
+    # Two H200s: the one-shot is faster through 768 KB (a 64-token decode step), the two-shot from 1 MB.
+    two = P.lookup_rules(P.DEFAULT_TABLE, Transport.P2P, LinkType.NVLINK, 2)
+    pick = lambda n, rules: P.choose_algo(n, rules, one_shot_max_bytes=MB, max_bytes=8 * MB)  # noqa: E731
+    assert pick(768 * KB, two) is Algo.ONE_SHOT and pick(MB, two) is Algo.TWO_SHOT
+    # More ranks multiply the one-shot's bytes per link: its range is smaller there.
+    eight = P.lookup_rules(P.DEFAULT_TABLE, Transport.P2P, LinkType.NVLINK, 8)
+    assert pick(256 * KB, eight) is Algo.ONE_SHOT and pick(512 * KB, eight) is Algo.TWO_SHOT
+
+
 def _check(**kw):
     args = dict(is_cuda=True, device_index=0, ws_device_index=0, dtype="bfloat16", contiguous=True,
                 data_ptr=4096, nbytes=1024, max_bytes=MB)
