@@ -116,15 +116,17 @@ def run_worker(spec: dict, backend: Backend, save) -> dict:
             t = time.perf_counter()
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:batch]], params, use_tqdm=False)
             times.append(time.perf_counter() - t)
-        return statistics.median(times), outs
+        # Every repeat's wall time goes on record beside the median: the spread says what a ratio can bear.
+        return statistics.median(times), outs, [round(x, 4) for x in times]
 
     n = spec["max_tokens"]
     timed(1, 8)  # warm-up: first-request allocations, sampler JIT
-    t1, _ = timed(1, 1)
-    tn, outs = timed(1, n)
+    t1, _, _ = timed(1, 1)
+    tn, outs, runs = timed(1, n)
     tpot = (tn - t1) / (n - 1)
     result["single"] = {"tpot_ms": round(tpot * 1e3, 3), "tok_s": round(1 / tpot, 2),
-                        "ttft_ms": round(t1 * 1e3, 2), "wall_s": round(tn, 3)}
+                        "ttft_ms": round(t1 * 1e3, 2), "wall_s": round(tn, 3),
+                        "runs_s": runs}
     result["greedy_tokens"] = list(outs[0].outputs[0].token_ids)
     save(result)
     if spec.get("profile_dir"):
@@ -145,11 +147,11 @@ def run_worker(spec: dict, backend: Backend, save) -> dict:
         # during inference"), which would otherwise land in the 1-token run and shrink the TPOT difference.
         llm.generate([{"prompt_token_ids": p} for p in prompts[:c]],
                      SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False), use_tqdm=False)
-        c1, _ = timed(c, 1)
-        cn, _ = timed(c, n)
+        c1, _, _ = timed(c, 1)
+        cn, _, runs = timed(c, n)
         tpot_c = (cn - c1) / (n - 1)
         sweep.append({"concurrency": c, "out_tok_s": round(c * n / cn, 1), "tpot_ms": round(tpot_c * 1e3, 3),
-                      "decode_tok_s": round(c / tpot_c, 1)})
+                      "decode_tok_s": round(c / tpot_c, 1), "runs_s": runs})
         save(result)
     return result
 
@@ -328,6 +330,13 @@ def compare_tokens(results: dict) -> dict:
     return out
 
 
+def spread_pct(runs: list[float] | None) -> float | None:
+    """(max - min) / median of one point's timed runs, in percent; None for fewer than two runs."""
+    if not runs or len(runs) < 2:
+        return None
+    return 100.0 * (max(runs) - min(runs)) / statistics.median(runs)
+
+
 def print_report(results: dict, meta: dict) -> None:
     conc = sorted({s["concurrency"] for r in results.values() for s in r.get("sweep", ())})
     print(f"# model {meta.get('model')}  tp {meta.get('tp')}  max_tokens {meta.get('max_tokens')}  "
@@ -344,6 +353,11 @@ def print_report(results: dict, meta: dict) -> None:
         by_c = {s["concurrency"]: s for s in r.get("sweep", ())}
         cols = " ".join(f"{by_c[c]['out_tok_s']:>12.1f}" if c in by_c else f"{'-':>12}" for c in conc)
         print(f"{name:<14} {r['startup_s']:>8.0f} {r['single']['tok_s']:>10.1f} {r['single']['tpot_ms']:>8.2f} {cols}")
+        spreads = [(label, spread_pct(point.get("runs_s")))
+                   for label, point in [("bs1", r["single"])] + [(f"c={c}", by_c[c]) for c in conc if c in by_c]]
+        if any(p is not None for _, p in spreads):
+            print(f"{'':<14} spread of the timed runs, (max - min) / median: "
+                  + ", ".join(f"{label} {p:.1f} %" for label, p in spreads if p is not None))
         if r.get("rounds"):
             print(f"{'':<14} rounds (in run order), TPOT ms: "
                   + ", ".join("-" if x["tpot_ms"] is None else f"{x['tpot_ms']:.2f}" for x in r["rounds"])

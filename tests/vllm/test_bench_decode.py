@@ -206,3 +206,13 @@ def test_compare_keeps_runs_with_the_old_prompts_apart():
     results, _ = B.merge_files([new, old])
     assert set(results) == {"nccl", "nccl#2"}
     assert results["nccl#2"]["setup_note"] == f"measured with prompts {B.LEGACY_PROMPTS}"
+
+
+def test_spread_of_timed_runs_is_reported(capsys):
+    assert B.spread_pct(None) is None and B.spread_pct([3.0]) is None
+    assert B.spread_pct([3.0, 3.3, 2.7]) == pytest.approx(20.0)
+    r = result("nccl", list(range(128)))
+    r["single"]["runs_s"] = [3.0, 3.03, 3.0]
+    r["sweep"][-1]["runs_s"] = [4.0, 4.4, 4.2]
+    B.print_report({"nccl": r}, {"model": "m", "tp": 2, "max_tokens": 128})
+    assert "spread of the timed runs, (max - min) / median: bs1 1.0 %, c=64 9.5 %" in capsys.readouterr().out
