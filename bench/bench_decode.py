@@ -244,7 +244,8 @@ def combine_rounds(runs: list[dict]) -> dict:
         row["error"] = "; ".join(f"round {i + 1}: {r.get('error')}" for i, r in enumerate(runs) if not r.get("ok"))
     if len(done) >= 2:
         tpot = statistics.median(r["single"]["tpot_ms"] for r in done)
-        row["single"] = {"tpot_ms": round(tpot, 3), "tok_s": round(1e3 / tpot, 2)}
+        row["single"] = {"tpot_ms": round(tpot, 3), "tok_s": round(1e3 / tpot, 2),
+                         **_pooled_runs(r["single"] for r in done)}
         ttft = [r["single"]["ttft_ms"] for r in done if "ttft_ms" in r["single"]]
         if ttft:
             row["single"]["ttft_ms"] = round(statistics.median(ttft), 2)
@@ -252,8 +253,17 @@ def combine_rounds(runs: list[dict]) -> dict:
         row["sweep"] = []
         for c in sorted(set.intersection(*(set(sw) for sw in sweeps))):
             row["sweep"].append({"concurrency": c, **{k: round(statistics.median(sw[c][k] for sw in sweeps), 3)
-                                                      for k in ("out_tok_s", "tpot_ms", "decode_tok_s")}})
+                                                      for k in ("out_tok_s", "tpot_ms", "decode_tok_s")},
+                                 **_pooled_runs(sw[c] for sw in sweeps)})
     return row
+
+
+def _pooled_runs(points) -> dict:
+    """Every round's timed runs of one point together (the spread over all rounds), where all rounds kept them."""
+    points = list(points)
+    if not all(p.get("runs_s") for p in points):
+        return {}
+    return {"runs_s": [x for p in points for x in p["runs_s"]]}
 
 
 # What makes two runs the same measurement; runs that differ in any of these are never merged as rounds.
@@ -266,8 +276,8 @@ def _setup_value(meta: dict, key: str):
 
 
 def _setup_text(meta: dict, keys) -> str:
-    return ", ".join(f"{k} {_setup_value(meta, k) if _setup_value(meta, k) is not None else 'vLLM default'}"
-                     for k in keys)
+    values = {k: _setup_value(meta, k) for k in keys}
+    return ", ".join(f"{k} {'vLLM default' if v is None else v}" for k, v in values.items())
 
 
 def _setup(meta: dict) -> tuple:

@@ -26,7 +26,7 @@ def parse(text: str) -> dict[int, list[tuple[float, float, float, float]]]:
     per_gpu: dict[int, list[tuple[float, float, float, float]]] = {}
     for line in text.splitlines():
         parts = [p.strip() for p in line.split(",")]
-        if len(parts) != 5:
+        if len(parts) != len(QUERY.split(",")):
             continue
         try:
             idx = int(parts[0])

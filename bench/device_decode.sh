@@ -15,14 +15,14 @@ export FASTCOMM_CACHE_DIR=/tmp/fastcomm-cache
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/install-$tag.log 2>&1 \
   || { cat /tmp/install-$tag.log; exit 1; }
 fastcomm compile --arch sm_90 >/dev/null 2>&1  # kernels into the disk cache: start-up times exclude NVRTC
+query=$(python3 -c 'from fastcomm_bench.clocks import QUERY; print(QUERY)')  # the format clocks.py parses
 prof=$(python3 -c 'import sys; a=sys.argv[1:]; print(a[a.index("--profile-dir")+1] if "--profile-dir" in a else "")' "$@")
 work=/tmp/decode-$tag
 mkdir -p "$work"
 rc=0
 for cfg in ${configs//,/ }; do
   # Clocks beside each backend (observed only): tells a clock or power state from a communicator effect.
-  nvidia-smi --query-gpu=index,clocks.sm,clocks.mem,power.draw,utilization.gpu --format=csv,noheader,nounits \
-    -lms 500 >"$work/clocks-$cfg.csv" 2>/dev/null &
+  nvidia-smi --query-gpu="$query" --format=csv,noheader,nounits -lms 500 >"$work/clocks-$cfg.csv" 2>/dev/null &
   sampler=$!
   fastcomm bench-decode --model "$model" --configs "$cfg" --out "$work/$cfg.json" "$@" 2>&1 | tail -n 12
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1

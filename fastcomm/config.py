@@ -37,7 +37,7 @@ VARIABLES: tuple[Var, ...] = (
         "or present at the default path under FASTCOMM_CACHE_DIR."),
     Var("FASTCOMM_VLLM", "1", "0 turns the vLLM plugin off (vLLM then runs unchanged)."),
     Var("FASTCOMM_VLLM_FUSION", "0", "1 also fuses all-reduce + RMSNorm in vLLM (compile pass and GLM-5 helper "
-        "routing). Opt-in: end to end it measured slower than the all-reduce alone (bench/RESULTS.md)."),
+        "routing). Opt-in until an end-to-end run shows it faster than the all-reduce alone (bench/RESULTS.md)."),
     Var("FASTCOMM_LOG", "info", "Log level of the 'fastcomm' logger."),
 )
 _BY_NAME = {v.name: v for v in VARIABLES}

@@ -216,3 +216,16 @@ def test_spread_of_timed_runs_is_reported(capsys):
     r["sweep"][-1]["runs_s"] = [4.0, 4.4, 4.2]
     B.print_report({"nccl": r}, {"model": "m", "tp": 2, "max_tokens": 128})
     assert "spread of the timed runs, (max - min) / median: bs1 1.0 %, c=64 9.5 %" in capsys.readouterr().out
+
+
+def test_rounds_pool_their_timed_runs():
+    rounds = []
+    for runs in ([3.0, 3.1], [3.2, 3.3]):
+        r = result("nccl", list(range(128)))
+        r["single"]["runs_s"] = runs
+        r["sweep"][0]["runs_s"] = [x + 1 for x in runs]
+        rounds.append(r)
+    row = B.combine_rounds(rounds)
+    assert row["single"]["runs_s"] == [3.0, 3.1, 3.2, 3.3]
+    assert row["sweep"][0]["runs_s"] == [4.0, 4.1, 4.2, 4.3]
+    assert "runs_s" not in row["sweep"][1]  # rounds that kept no runs pool nothing

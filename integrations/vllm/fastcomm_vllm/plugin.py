@@ -6,8 +6,8 @@ Hooks, identical in vLLM 0.25.0 and the newest release (0.33.0):
 - ``...get_pass_manager_cls``: vLLM's compile backend builds its post-grad pass manager from it; ours adds
   the all-reduce + RMSNorm fusion pass.
 - the fused all-reduce + RMSNorm helper of the DSA (GLM-5 / DeepSeek-V3.2) model: see ``fusion``.
-The last two only with FASTCOMM_VLLM_FUSION=1: end to end the fused kernel measured slower than fastcomm's
-all-reduce followed by vLLM's own norm (bench/RESULTS.md), so the default is the communicator alone.
+The last two only with FASTCOMM_VLLM_FUSION=1: no end-to-end run has yet shown the fused kernel faster than
+fastcomm's all-reduce followed by vLLM's own norm (bench/RESULTS.md), so the default is the communicator alone.
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ fastcomm-serve options:
                         FASTCOMM_TRANSPORT: peer GPU memory (p2p), pinned host memory (host, for GPUs
                         without P2P), or the probe's choice (auto)
   --fastcomm-fusion     FASTCOMM_VLLM_FUSION=1: also fuse all-reduce + RMSNorm into one fastcomm kernel.
-                        Off by default: end to end it measured slower than the all-reduce alone
+                        Off by default until an end-to-end run shows it faster than the all-reduce alone
   --no-fastcomm         run the same command with FASTCOMM_VLLM=0 (vLLM's own all-reduce; a baseline)
   --no-nccl-env         do not set the NCCL variables described below
 
