@@ -10,67 +10,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
-KB, MB = 1 << 10, 1 << 20
-
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper()
-    for suffix, mult in (("G", 1 << 30), ("M", MB), ("K", KB)):
-        if text.endswith(suffix):
-            return int(float(text[:-1]) * mult)
-    return int(text)
-
-
-def sizes(lo: int, hi: int, factor: float) -> list[int]:
-    out, s = [], lo
-    while s <= hi:
-        out.append(int(s))
-        s = s * factor if factor > 1 else s + lo
-    return out
+from fastcomm.commands.args import parse_size_arg
+from fastcomm.measure import check_exact, sizes, timers
+from fastcomm.units import KiB as KB
+from fastcomm.units import MiB as MB
+from fastcomm.units import format_size, parse_size
 
 
 # ---- per-rank body -------------------------------------------------------------------------------------
-
-def _timers(torch, fn, calls: int, iters: int, warmup: int, graph: bool, capture_ctx=None) -> float:
-    """Median microseconds per call: graph replays of `calls` calls, or eager loops of `calls` calls.
-
-    ``capture_ctx`` wraps the graph capture (vLLM's custom all-reduce registers captured buffers on exit).
-    """
-    import contextlib
-
-    import torch.distributed as dist
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-        if graph:
-            g = torch.cuda.CUDAGraph()
-            with (capture_ctx() if capture_ctx else contextlib.nullcontext()):
-                with torch.cuda.graph(g, stream=s):
-                    for _ in range(calls):
-                        fn()
-        run = g.replay if graph else (lambda: [fn() for _ in range(calls)])
-        for _ in range(warmup):
-            run()
-        torch.cuda.synchronize()
-        dist.barrier()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(iters):
-            e0.record(s)
-            run()
-            e1.record(s)
-            e1.synchronize()
-            times.append(e0.elapsed_time(e1) * 1000.0 / calls)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    return statistics.median(times)
-
 
 def _impls(torch, rank, world, gloo, opts):
     """name -> (setup(n, dtype) -> (fn, out, in) or None when the impl cannot serve that size)."""
@@ -174,21 +123,6 @@ def _setup_on_all(torch, setup, gloo, name, n, dtype):
     return got if ok.item() else None
 
 
-def _check(torch, fn, out, inp, rank) -> int:
-    """#wrong: elements differing from the exact sum of small integers (the in-place baselines too)."""
-    import torch.distributed as dist
-
-    n = inp.numel()
-    base = (torch.arange(n, device=inp.device) % 7 - 3).to(inp.dtype)
-    inp.copy_(base * (rank + 1))
-    res = fn()
-    got = out if out is not None else res
-    torch.cuda.synchronize()
-    world = dist.get_world_size()
-    want = (base.float() * (world * (world + 1) // 2)).to(inp.dtype)
-    return int((got != want).sum().item())
-
-
 def bench_rank(rank, world, gloo, opts):
     import torch
 
@@ -205,10 +139,10 @@ def bench_rank(rank, world, gloo, opts):
             if got is None:
                 continue
             fn, out, inp = got
-            wrong = _check(torch, fn, out, inp, rank)
-            t_graph = _timers(torch, fn, opts.graph_calls, opts.iters, opts.warmup, graph=True,
+            wrong = check_exact(torch, fn, out, inp, rank)
+            t_graph = timers(torch, fn, opts.graph_calls, opts.iters, opts.warmup, graph=True,
                               capture_ctx=capture.get(name))
-            t_eager = _timers(torch, fn, opts.graph_calls, max(3, opts.iters // 4), 2, graph=False)
+            t_eager = timers(torch, fn, opts.graph_calls, max(3, opts.iters // 4), 2, graph=False)
             rows.append(dict(size=n * elem, count=n, type=opts.dtype, redop="sum", impl=name,
                              graph_us=t_graph, eager_us=t_eager, wrong=wrong))
     if opts.interleave:
@@ -239,7 +173,7 @@ def _bench_interleaved(torch, rank, gloo, names, setup, capture, opts):
         a = torch.randn(tokens, hidden, generator=g).to(dtype=dtype, device=dev)
         scratch = torch.empty(tokens, hidden, dtype=dtype, device=dev)
         dist.barrier()
-        t_gemm = _timers(torch, lambda: torch.matmul(a, weight, out=scratch), opts.graph_calls, opts.iters,
+        t_gemm = timers(torch, lambda: torch.matmul(a, weight, out=scratch), opts.graph_calls, opts.iters,
                          opts.warmup, graph=True)
         for name in names:
             got = _setup_on_all(torch, setup, gloo, name, tokens * hidden, dtype)
@@ -252,7 +186,7 @@ def _bench_interleaved(torch, rank, gloo, names, setup, capture, opts):
                 torch.matmul(a, weight, out=target)
                 return fn()
 
-            t_both = _timers(torch, step, opts.graph_calls, opts.iters, opts.warmup, graph=True,
+            t_both = timers(torch, step, opts.graph_calls, opts.iters, opts.warmup, graph=True,
                              capture_ctx=capture.get(name))
             rows.append(dict(size=tokens * hidden * a.element_size(), count=tokens * hidden, type=opts.dtype,
                              redop="gemm+", impl=f"{name} {tokens}x{hidden}", graph_us=t_both - t_gemm,
@@ -291,8 +225,8 @@ def _bench_fused(torch, rank, world, gloo, workspaces, opts):
                 if name == "nccl+norm" and tag:
                     continue
                 dist.barrier()
-                t_graph = _timers(torch, fn, opts.graph_calls, opts.iters, opts.warmup, graph=True)
-                t_eager = _timers(torch, fn, opts.graph_calls, max(3, opts.iters // 4), 2, graph=False)
+                t_graph = timers(torch, fn, opts.graph_calls, opts.iters, opts.warmup, graph=True)
+                t_eager = timers(torch, fn, opts.graph_calls, max(3, opts.iters // 4), 2, graph=False)
                 rows.append(dict(size=tokens * hidden * x.element_size(), count=tokens * hidden, type=opts.dtype,
                                  redop="fused", impl=f"{name} {tokens}x{hidden}", graph_us=t_graph, eager_us=t_eager,
                                  wrong=-1))
@@ -324,7 +258,7 @@ def ratios(rows: list[dict]) -> str:
         for base in ("nccl", "symm-one_shot", "vllm-custom-ar"):
             pairs = [(s, by[(impl, s)] / by[(base, s)]) for (i, s) in by if i == impl and (base, s) in by]
             if pairs:
-                out.append(f"{impl} / {base}: " + ", ".join(f"{_fmt(s)} {q:.2f}" for s, q in sorted(pairs)))
+                out.append(f"{impl} / {base}: " + ", ".join(f"{format_size(s, compact=True)} {q:.2f}" for s, q in sorted(pairs)))
     inter = {r["impl"]: r["graph_us"] for r in rows if r["redop"] == "gemm+"}
     for key, t in sorted(inter.items()):
         name, shape = key.rsplit(" ", 1)
@@ -334,13 +268,9 @@ def ratios(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def _fmt(n):
-    return f"{n // MB}M" if n >= MB else f"{n // KB}K" if n >= KB else f"{n}B"
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-b", "--minbytes", dest="min_bytes", type=parse_size, default=KB)
-    p.add_argument("-e", "--maxbytes", dest="max_size", type=parse_size, default=64 * MB)
+    p.add_argument("-b", "--minbytes", dest="min_bytes", type=parse_size_arg, default=KB)
+    p.add_argument("-e", "--maxbytes", dest="max_size", type=parse_size_arg, default=64 * MB)
     p.add_argument("-f", "--stepfactor", dest="factor", type=float, default=2.0)
     p.add_argument("-n", "--iters", type=int, default=50, help="timed graph replays (eager: a quarter)")
     p.add_argument("-w", "--warmup_iters", dest="warmup", type=int, default=5)
@@ -350,8 +280,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-d", "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--world", type=int, default=0, help="ranks (default: all visible GPUs)")
     p.add_argument("--transports", default="p2p", help="comma list of p2p,host")
-    p.add_argument("--max-bytes", dest="max_bytes", type=parse_size, default=64 * MB, help="workspace size")
-    p.add_argument("--host-max-bytes", dest="host_max_bytes", type=parse_size, default=4 * MB)
+    p.add_argument("--max-bytes", dest="max_bytes", type=parse_size_arg, default=64 * MB, help="workspace size")
+    p.add_argument("--host-max-bytes", dest="host_max_bytes", type=parse_size_arg, default=4 * MB)
     p.add_argument("--no-symm", dest="symm", action="store_false", help="skip torch symmetric memory rows")
     p.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip vLLM's custom all-reduce row")
     p.add_argument("--islands", action="store_true", help="add forced-island (hierarchical) one-shot rows")

@@ -1,7 +1,8 @@
 // Device primitives shared by every fastcomm kernel: sizes, the peer table, flag loads/stores at system
 // scope, flag-in-data packets, dtype conversions, bounded waits and the per-launch epoch.
 //
-// No CUDA headers are included, so the same text compiles under NVRTC (at first use) and nvcc (in CI).
+// No CUDA headers are included, so the same text compiles under NVRTC (at first use, and in CI for
+// sm_80/90/120) and under nvcc.
 // No peer atomics anywhere: many PCIe topologies do not carry them. Peers only ever receive plain stores.
 #pragma once
 
@@ -9,7 +10,8 @@ typedef unsigned long long u64;
 typedef unsigned int u32;
 typedef unsigned short u16;
 
-// Mirrored in fastcomm/policy.py (PACKET_BYTES, PACKET_PAYLOAD, MAX_WORLD, MAX_BLOCKS).
+// Everything the host shares with these kernels is mirrored in fastcomm/abi.py (constants, structs, step and
+// group ids, kernel signatures); tests/test_abi.py checks the two against each other.
 #define FC_MAX_WORLD 8
 #define FC_MAX_BLOCKS 128
 #define FC_PACKET_BYTES 16
@@ -17,7 +19,7 @@ typedef unsigned short u16;
 
 static_assert(FC_PACKET_BYTES == 2 * FC_PACKET_PAYLOAD, "a packet is (4B data, 4B flag) x 2");
 
-// Steps named in timeout errors; mirrored in fastcomm/errors.py.
+// Steps named in timeout errors.
 #define FC_STEP_ONE_SHOT 1
 #define FC_STEP_RS 2
 #define FC_STEP_AG 3
@@ -305,5 +307,5 @@ __device__ __forceinline__ void fc_gather_sum(const FcTable* t, u32 h, const u64
   }
 }
 
-static_assert(sizeof(FcTable) == 1368, "FcTable layout must match fastcomm/layout.py (TABLE_BYTES)");
-static_assert(sizeof(FcError) == 32, "FcError layout must match fastcomm/errors.py");
+static_assert(sizeof(FcTable) == 1368, "FcTable layout must match fastcomm/abi.py (TABLE_BYTES)");
+static_assert(sizeof(FcError) == 32, "FcError layout must match fastcomm/abi.py (ERROR_BYTES)");

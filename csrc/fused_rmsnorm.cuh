@@ -45,7 +45,7 @@ __device__ __forceinline__ void fc_fused_rmsnorm(const FcTable* __restrict__ t, 
   typedef FcPayload<D> P;
   __shared__ float smem32[32];
   __shared__ float total_ss;
-  __shared__ float partial[32];  // splits <= 32 (fastcomm/policy.py FUSED_MAX_SPLITS)
+  __shared__ float partial[32];  // splits <= 32 (fastcomm/abi.py FUSED_MAX_SPLITS)
 
   const u32 epoch = fc_begin(t);
   const u32 h = epoch & 1u;

@@ -92,6 +92,10 @@ class Config:
         if self.max_blocks < 0:
             raise ValueError("max_blocks must be >= 0")
 
+    def agreed(self) -> tuple:
+        """The settings every rank of a workspace must share (compared at build)."""
+        return (self.max_bytes, self.one_shot_max_bytes, self.transport, self.algo, self.islands, self.timeout_s)
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> "Config":
         """Resolve the environment, then apply explicit ``overrides`` (constructor arguments win)."""

@@ -1,12 +1,7 @@
-"""Errors, and the device-side error record that turns a stalled peer into a message naming it."""
+"""Errors, and the text that turns the device-side error record into a message naming the stalled peer."""
 from __future__ import annotations
 
-import ctypes
-
-# Mirrors FC_STEP_* in csrc/common.cuh.
-STEPS = {1: "one-shot exchange", 2: "two-shot reduce-scatter", 3: "two-shot all-gather",
-         4: "fused all-reduce + RMSNorm exchange"}
-GROUPS = {0: "all ranks", 1: "island", 2: "cross-island partners"}
+from .abi import GROUPS, STEPS, ErrorRecord
 
 
 class FastcommError(RuntimeError):
@@ -15,15 +10,6 @@ class FastcommError(RuntimeError):
 
 class FastcommTimeoutError(FastcommError):
     """A peer did not arrive within the timeout; the CUDA context is no longer usable."""
-
-
-class ErrorRecord(ctypes.Structure):
-    """Mirrors ``struct FcError`` (pinned, mapped host memory, so it survives the kernel's trap)."""
-
-    _fields_ = [(n, ctypes.c_uint32) for n in ("code", "rank", "peer", "step", "epoch", "block", "group", "pad")]
-
-
-assert ctypes.sizeof(ErrorRecord) == 32
 
 
 def describe(rec: ErrorRecord, timeout_s: float) -> str | None:

@@ -15,7 +15,6 @@ from pathlib import Path
 SOURCES = ("common.cuh", "one_shot.cuh", "two_shot.cuh", "fused_rmsnorm.cuh", "kernels.cu")
 ENTRY = "kernels.cu"
 OPTIONS = ("-std=c++17", "-default-device")
-DTYPE_SUFFIX = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 
 
 class CompileError(RuntimeError):
@@ -102,11 +101,11 @@ def _module(device_index: int, cache_dir: str) -> int:
         return driver.moduleLoadData(path.read_bytes())
 
 
-def kernel(device_index: int, cache_dir: Path, family: str, dtype: str) -> int:
-    """The CUfunction of ``fc_<family>_<dtype>`` for this device (the module is loaded once per process and
-    device; callers keep the handle, as each workspace does)."""
+def function(device_index: int, cache_dir: Path, symbol: str) -> int:
+    """The CUfunction ``symbol`` (an ``abi.Kernel.symbol``) for this device. The module is loaded once per
+    process and device; callers keep the handle, as each workspace does."""
     import cupy
     from cupy_backends.cuda.api import driver
 
     with cupy.cuda.Device(device_index):
-        return driver.moduleGetFunction(_module(device_index, str(cache_dir)), f"fc_{family}_{DTYPE_SUFFIX[dtype]}")
+        return driver.moduleGetFunction(_module(device_index, str(cache_dir)), symbol)

@@ -1,40 +1,16 @@
 """Where everything lives in the shared buffers, and the peer tables the kernels read.
 
 Pure bookkeeping over integers (addresses are plain ints), so all of it is tested without a GPU.
-``FcTable`` mirrors ``struct FcTable`` in csrc/common.cuh field for field; the size is checked on both sides.
+The tables are ``fastcomm.abi.FcTable`` (the mirror of ``struct FcTable``).
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 from typing import Sequence
 
-from .policy import ALIGN, MAX_BLOCKS, MAX_WORLD, cdiv, ll_bytes, round_up
-
-FLAT, ISLAND, PARTNER = 0, 1, 2  # group ids, as printed in timeout errors
-
-
-_P16 = ctypes.c_uint64 * MAX_WORLD
-_H2 = _P16 * 2
-
-
-class FcTable(ctypes.Structure):
-    _fields_ = [
-        ("rank", ctypes.c_uint32), ("world", ctypes.c_uint32), ("group_id", ctypes.c_uint32),
-        ("global_rank", ctypes.c_uint32), ("global_of", ctypes.c_uint32 * MAX_WORLD),
-        ("timeout_ns", ctypes.c_uint64), ("err", ctypes.c_uint64), ("state", ctypes.c_uint64),
-        ("scratch", ctypes.c_uint64),
-        ("n_ll_push", ctypes.c_uint32), ("n_ag_push", ctypes.c_uint32),
-        ("ll_push", _H2), ("ll_pull", _H2),
-        ("rs_push", _H2), ("rs_pull", _H2), ("rs_flag_push", _H2), ("rs_flag_pull", _H2),
-        ("ag_push", _H2), ("ag_flag_push", _H2), ("ag_pull", _H2), ("ag_flag_pull", _H2),
-    ]
-
-
-TABLE_BYTES = 1368
-assert ctypes.sizeof(FcTable) == TABLE_BYTES, ctypes.sizeof(FcTable)  # == sizeof(FcTable) in common.cuh
-FLAG_ARRAY_BYTES = MAX_BLOCKS * 4
-SCRATCH_BYTES = MAX_BLOCKS * 2 * 16  # per group: two 16-byte packets per block (fused kernel partial sums)
+from .abi import ALIGN, FLAG_ARRAY_BYTES, FLAT, ISLAND, MAX_WORLD, PARTNER, SCRATCH_BYTES, STATE_BYTES, TABLE_BYTES, \
+    FcTable
+from .policy.launch import cdiv, ll_bytes, round_up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +78,7 @@ def plan_layout(transport: str, world_size: int, max_bytes: int, one_shot_max_by
             groups.append(_group_regions(tuple(isl[i] for isl in islands), PARTNER, ll_slot, 0, groups[-1].end, host))
     shared = round_up(groups[-1].end, 4096)
     state_off = 0
-    scratch_off = round_up(16 * len(groups), 256)
+    scratch_off = round_up(STATE_BYTES * len(groups), 256)
     table_off = scratch_off + SCRATCH_BYTES * len(groups)
     local = table_off + TABLE_BYTES * len(groups)
     return Layout(transport, world_size, max_bytes, one_shot_max_bytes, tuple(groups), shared, local, state_off,

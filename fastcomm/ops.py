@@ -1,22 +1,20 @@
 """The collective ops: free functions over a Workspace, plus their torch custom-op registrations.
 
 Hot path rules: no host sync, no allocation except the output (through torch's caching allocator, which
-is graph-safe), no environment reads. Launch shapes come from the pure functions in ``policy``.
+is graph-safe), no environment reads. The algorithm comes from the workspace's plan, launch shapes from the
+pure functions in ``policy``, kernel parameters are packed from ``abi``'s kernel table.
 """
 from __future__ import annotations
 
 import contextlib
-import ctypes
 
 import torch
 
-from . import jit, policy
+from . import abi, policy
+from .abi import FLAT, ISLAND, PARTNER
 from .errors import FastcommError
-from .layout import FLAT, ISLAND, PARTNER
 from .policy import Algo
-from .workspace import _DTYPE_NAME, Workspace, get
-
-_u32, _u64, _f32 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_float
+from .workspace import Workspace, dtype_name, get
 
 
 def _driver():
@@ -25,44 +23,40 @@ def _driver():
     return driver
 
 
-def _launch(ws: Workspace, family: str, dtype: torch.dtype, grid: int, block: int, args: list) -> None:
-    key = (family, dtype)
-    fn = ws._functions.get(key)
-    if fn is None:  # first use: compile (or load from the disk cache) and look the kernel up once
-        fn = ws._functions[key] = jit.kernel(ws.device_index, ws.config.cache_dir, family, _DTYPE_NAME[dtype])
-    params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-    _driver().launchKernel(fn, grid, 1, 1, block, 1, 1, 0, ws.stream(), ctypes.addressof(params), 0)
+def _launch(ws: Workspace, kernel: abi.Kernel, dtype: torch.dtype, grid: int, block: int, *args,
+            variant: str = "") -> None:
+    fn = ws.function(kernel, dtype_name(dtype), variant)
+    packed = kernel.pack(*args)
+    _driver().launchKernel(fn, grid, 1, 1, block, 1, 1, 0, ws.stream(), packed.address, 0)
 
 
 def _one_shot(ws: Workspace, table: int, src: torch.Tensor, dst: torch.Tensor) -> None:
     nbytes = src.numel() * src.element_size()
-    lc = policy.one_shot_launch(nbytes, ws.max_blocks)
-    _launch(ws, "one_shot", src.dtype, lc.grid, lc.block,
-            [_u64(table), _u64(src.data_ptr()), _u64(dst.data_ptr()), _u64(nbytes)])
+    lc = policy.one_shot_launch(nbytes, ws.plan.max_blocks)
+    _launch(ws, abi.ONE_SHOT, src.dtype, lc.grid, lc.block, table, src.data_ptr(), dst.data_ptr(), nbytes)
 
 
 def _two_shot(ws: Workspace, src: torch.Tensor, dst: torch.Tensor) -> None:
-    lc = policy.two_shot_launch(src.numel(), src.element_size(), ws.world_size, ws.max_blocks)
-    _launch(ws, "two_shot", src.dtype, lc.grid, lc.block,
-            [_u64(ws._tables[FLAT]), _u64(src.data_ptr()), _u64(dst.data_ptr()), _u64(src.numel()),
-             _u64(lc.seg), _u64(lc.chunk)])
+    lc = policy.two_shot_launch(src.numel(), src.element_size(), ws.world_size, ws.plan.max_blocks)
+    _launch(ws, abi.TWO_SHOT, src.dtype, lc.grid, lc.block, ws.tables[FLAT], src.data_ptr(), dst.data_ptr(),
+            src.numel(), lc.seg, lc.chunk)
 
 
 def _fused(ws: Workspace, table: int, x: torch.Tensor, residual, weight, out, residual_out, eps: float) -> None:
     hidden = x.shape[-1]
     tokens = x.numel() // hidden
-    lc = policy.fused_launch(tokens, hidden, x.element_size(), ws.max_blocks)
-    _launch(ws, f"fused_rmsnorm{lc.k}", x.dtype, lc.grid, lc.block,
-            [_u64(table), _u64(x.data_ptr()), _u64(residual.data_ptr() if residual is not None else 0),
-             _u64(weight.data_ptr()), _u64(out.data_ptr()), _u64(residual_out.data_ptr() if residual_out is not None else 0),
-             _u32(tokens), _u32(hidden), _u32(lc.splits), _f32(eps)])
+    lc = policy.fused_launch(tokens, hidden, x.element_size(), ws.plan.max_blocks)
+    _launch(ws, abi.FUSED_RMSNORM, x.dtype, lc.grid, lc.block, table, x.data_ptr(),
+            residual.data_ptr() if residual is not None else 0, weight.data_ptr(), out.data_ptr(),
+            residual_out.data_ptr() if residual_out is not None else 0, tokens, hidden, lc.splits, eps,
+            variant=str(lc.k))
 
 
 def _check_out(name: str, out: torch.Tensor, like: torch.Tensor) -> None:
     if out.shape != like.shape or out.dtype != like.dtype or out.device != like.device or not out.is_contiguous():
         raise FastcommError(f"{name} must be a contiguous {like.dtype} tensor of shape {tuple(like.shape)} on {like.device}")
-    if out.data_ptr() % policy.ALIGN:
-        raise FastcommError(f"{name} data is not {policy.ALIGN}-byte aligned")
+    if out.data_ptr() % abi.ALIGN:
+        raise FastcommError(f"{name} data is not {abi.ALIGN}-byte aligned")
 
 
 def all_reduce(x: torch.Tensor, ws: Workspace, *, algo: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
@@ -107,13 +101,13 @@ def try_all_reduce(x: torch.Tensor, ws: Workspace) -> torch.Tensor | None:
 def _run(ws: Workspace, chosen: Algo, x: torch.Tensor, out: torch.Tensor) -> None:
     with _on_device(ws):
         if chosen is Algo.ONE_SHOT:
-            if ws.islands is not None:
+            if ws.plan.islands is not None:
                 # Hierarchical: sum inside the island, then across partners. Both rounds sum in a fixed
                 # order (island members, then islands), so every rank gets the same bits.
-                _one_shot(ws, ws._tables[ISLAND], x, out)
-                _one_shot(ws, ws._tables[PARTNER], out, out)
+                _one_shot(ws, ws.tables[ISLAND], x, out)
+                _one_shot(ws, ws.tables[PARTNER], out, out)
             else:
-                _one_shot(ws, ws._tables[FLAT], x, out)
+                _one_shot(ws, ws.tables[FLAT], x, out)
         else:
             _two_shot(ws, x, out)
 
@@ -136,12 +130,9 @@ def fused_all_reduce_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, 
     in-place use. Collective.
     """
     ws.raise_if_failed()
-    reason = ws.why_not_fused(x, residual)
+    reason = ws.why_not_fused(x, residual, weight)
     if reason is not None:
         raise FastcommError(f"fastcomm.fused_all_reduce_rmsnorm: {reason}")
-    hidden = x.shape[-1]
-    if weight.shape != (hidden,) or weight.dtype != x.dtype or weight.device != x.device or not weight.is_contiguous():
-        raise FastcommError(f"weight must be a contiguous {x.dtype} vector of {hidden} elements on {x.device}")
     out = torch.empty_like(x) if out is None else out
     residual_out = torch.empty_like(x) if residual_out is None else residual_out
     _check_out("out", out, x)
@@ -149,12 +140,12 @@ def fused_all_reduce_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, 
     if x.numel() == 0:
         return out, residual_out
     with _on_device(ws):
-        if ws.islands is not None:
+        if ws.plan.islands is not None:
             # The island sum goes through `out` (never residual_out, which may be the residual itself).
-            _one_shot(ws, ws._tables[ISLAND], x, out)
-            _fused(ws, ws._tables[PARTNER], out, residual, weight, out, residual_out, float(eps))
+            _one_shot(ws, ws.tables[ISLAND], x, out)
+            _fused(ws, ws.tables[PARTNER], out, residual, weight, out, residual_out, float(eps))
         else:
-            _fused(ws, ws._tables[FLAT], x, residual, weight, out, residual_out, float(eps))
+            _fused(ws, ws.tables[FLAT], x, residual, weight, out, residual_out, float(eps))
     return out, residual_out
 
 

@@ -1,8 +1,10 @@
 """GPU topology: which pairs can reach each other and over what link.
 
-Three layers, so that everything but the last can be tested from recorded outputs on a machine without GPUs:
+The probe, and nothing else: it records facts and decides nothing (link classes are the policy layer's
+vocabulary, ``fastcomm.policy.links``, and so are islands, the worst link and the P2P summary). Three parts,
+so that everything but the last can be tested from recorded outputs on a machine without GPUs:
 - plain data: ``GpuInfo`` and ``Topology`` (frozen, JSON round-trip);
-- pure functions: parsers of ``nvidia-smi`` text, ``islands``, ``summary_for_policy``;
+- parsers of ``nvidia-smi`` text;
 - ``probe``: the only code that touches the machine (NVML, else nvidia-smi), with every reader injectable.
 
 Positions are ranks: ``topo.gpus[i]`` is CUDA device ``i`` of this process (after CUDA_VISIBLE_DEVICES), while
@@ -12,7 +14,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import enum
 import importlib
 import itertools
 import os
@@ -21,19 +22,7 @@ import subprocess
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
-
-class LinkType(str, enum.Enum):
-    """How two GPUs reach each other, fastest first. Values match `nvidia-smi topo -m` families."""
-
-    NVLINK = "nvlink"              # NV#
-    PCIE_SWITCH = "pcie_switch"    # PIX / PXB: through PCIe switches, no host bridge
-    HOST_BRIDGE = "host_bridge"    # PHB / NODE: through the CPU's root complex, same socket
-    CROSS_SOCKET = "cross_socket"  # SYS: across the inter-socket link (UPI / xGMI)
-    UNKNOWN = "unknown"
-
-
-# Declaration order is speed order; UNKNOWN sorts last so that a pair we could not read is never trusted.
-_SLOWNESS = {lt: i for i, lt in enumerate(LinkType)}
+from .policy.links import LinkType
 
 SOURCES = ("nvml", "nvidia-smi", "none", "recorded")
 
@@ -74,12 +63,6 @@ class Topology:
             m = getattr(self, name)
             if len(m) != n or any(len(row) != n for row in m):
                 raise ValueError(f"{name} must be a {n}x{n} matrix")
-
-    def worst_link(self, ranks: Iterable[int] | None = None) -> LinkType:
-        """The slowest link between any two of ``ranks`` (default all); UNKNOWN when there is no pair."""
-        ranks = range(len(self.gpus)) if ranks is None else tuple(ranks)
-        pairs = [self.link[i][j] for i, j in itertools.combinations(ranks, 2)]
-        return max(pairs, key=_SLOWNESS.__getitem__, default=LinkType.UNKNOWN)
 
     def to_json(self) -> dict:
         return {
@@ -279,46 +262,6 @@ def _unknown_p2p(n: int) -> BoolMatrix:
 
 def _off_diagonal(matrix):
     return [((i, j), v) for i, row in enumerate(matrix) for j, v in enumerate(row) if i != j]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Decisions over a Topology
-# ---------------------------------------------------------------------------------------------------------
-
-def islands(topo: Topology, ranks: Sequence[int] | None = None) -> tuple[tuple[int, ...], ...]:
-    """Groups for the hierarchical mode (reduce inside an island, exchange once across, broadcast back).
-
-    Rule, kept deliberately simple: cut every link of the slowest class present among ``ranks``. The cut is
-    used only if it leaves at least two groups, all of one size (rank i of each island partners rank i of the
-    others) and at least two GPUs each, and every pair inside a group is faster than the cut class. Otherwise
-    there is one island. So 2 sockets x 4 GPUs -> two islands of 4; NVLink everywhere or one socket of
-    PHB/NODE -> one island; 4 GPUs as two PIX pairs joined by the host bridge -> two islands of 2.
-    Values are the given ranks (positions in ``topo.gpus``); map them through ``ranks`` for group-local ids.
-    """
-    ranks = tuple(range(len(topo.gpus)) if ranks is None else ranks)
-    whole = (tuple(sorted(ranks)),)
-    worst = topo.worst_link(ranks)
-    if len(ranks) < 4 or worst is LinkType.UNKNOWN:
-        return whole
-    groups: list[list[int]] = []
-    for r in ranks:  # connected components over the faster links
-        joined = [g for g in groups if any(topo.link[r][q] is not worst for q in g)]
-        merged = sorted([r] + [q for g in joined for q in g])
-        groups = [g for g in groups if g not in joined] + [merged]
-    sizes = {len(g) for g in groups}
-    if len(groups) < 2 or len(sizes) != 1 or sizes.pop() < 2:
-        return whole
-    if any(topo.link[a][b] is worst for g in groups for a, b in itertools.combinations(g, 2)):
-        return whole  # a chain of fast links, not a clique: the group is not internally faster
-    return tuple(sorted(tuple(g) for g in groups))
-
-
-def summary_for_policy(topo: Topology) -> tuple[LinkType, bool | None]:
-    """(worst link among all GPUs, whether every pair can P2P-write: None if any pair could not be read)."""
-    values = [v for _, v in _off_diagonal(topo.p2p)]
-    if len(topo.gpus) < 2 or any(v is None for v in values):
-        return topo.worst_link(), None
-    return topo.worst_link(), all(values)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -4,7 +4,10 @@ Collective contract: every rank of the group constructs the workspace together, 
 with the same shapes, dtypes and algorithms in the same order (as with NCCL), and finally closes it.
 Ranks that break the contract time out with an error naming the stalled peer; they never hang forever.
 
-Ops are free functions in ``fastcomm.ops`` that take a workspace; this module only owns memory.
+Construction, in three steps: the ranks agree on what they found (``handshake.gather_facts``), one pure
+step turns facts and settings into a frozen plan (``policy.make_plan``: transport, link, islands, size
+rules), and this module allocates and maps the memory of that plan and releases it. Ops are free functions
+in ``fastcomm.ops`` that take a workspace and ask ``ws.plan``.
 """
 from __future__ import annotations
 
@@ -13,20 +16,22 @@ import itertools
 import logging
 import os
 import secrets
-import socket
+import types
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 
+from . import abi, jit
 from . import layout as L
 from . import policy
+from .abi import ErrorRecord
 from .config import Config
-from .errors import ErrorRecord, FastcommError, FastcommTimeoutError, describe
-from .policy import Algo, Transport
-from .topology import LinkType
+from .errors import FastcommError, FastcommTimeoutError, describe
+from .handshake import Handshake, gather_facts
+from .policy import Algo, Plan, Transport
 
 log = logging.getLogger("fastcomm")
 
@@ -57,7 +62,6 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 PROT_RW, MAP_SHARED = 0x1 | 0x2, 0x01
 _HOST_REGISTER_PORTABLE, _HOST_REGISTER_MAPPED = 0x01, 0x02  # cudaHostRegister flags
 _H2D = 1  # cudaMemcpyHostToDevice
-_DTYPE_NAME = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 def _pid_alive(pid: int) -> bool:
@@ -144,10 +148,10 @@ class Workspace:
                  config: Config | None = None, **overrides):
         self.config = config if config is not None else Config.from_env(**overrides)
         self.group = group if group is not None else dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
-        if not 2 <= self.world_size <= policy.MAX_WORLD:
-            raise FastcommError(f"fastcomm needs 2..{policy.MAX_WORLD} ranks, group has {self.world_size}")
+        self._hs = Handshake(self.group)
+        self.rank, self.world_size = self._hs.rank, self._hs.world_size
+        if not 2 <= self.world_size <= abi.MAX_WORLD:
+            raise FastcommError(f"fastcomm needs 2..{abi.MAX_WORLD} ranks, group has {self.world_size}")
         if device is None:
             device = torch.cuda.current_device()
         self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
@@ -157,7 +161,9 @@ class Workspace:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.device_index = self.device.index
         self.id = next(_ids)
-        self._functions: dict = {}  # (kernel family, dtype) -> CUfunction, filled at first use
+        self._functions: dict[str, int] = {}  # kernel symbol -> CUfunction, all loaded at build
+        self._tables: dict[int, int] = {}     # group id -> device address of this rank's FcTable
+        self._tables_view = types.MappingProxyType(self._tables)  # read-only, live: no copy per call
         self._res = _Resources(self.device_index)
         self._finalizer = weakref.finalize(self, self._res.release)
         self.closed = False
@@ -171,140 +177,37 @@ class Workspace:
 
     # ---- construction -----------------------------------------------------------------------------
 
-    def _gather(self, obj):
-        out = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
-
-    def _decided_by_rank0(self, decide, default):
-        """Run ``decide()`` on rank 0 only and give every rank its answer, so all ranks act alike.
-
-        Returns (value, error): value is ``default`` where rank 0 raised, and error its message; each caller
-        chooses whether that error is advisory or fatal (it is then fatal on every rank at once).
-        """
-        verdict = [(default, None)]
-        if self.rank == 0:
-            try:
-                verdict = [(decide(), None)]
-            except Exception as e:
-                verdict = [(default, f"{type(e).__name__}: {e}")]
-        dist.broadcast_object_list(verdict, src=dist.get_global_rank(self.group, 0), group=self.group)
-        return verdict[0]
-
-    def _all_ok(self, step: str, fn) -> list:
-        """Run a local step on every rank and share the outcome: every rank's result, or, if any rank
-        failed, the same error on all of them (naming who failed). A rank that fails alone must not leave
-        the others waiting in the next collective."""
-        err, value = None, None
-        try:
-            value = fn()
-        except Exception as e:
-            err = f"{type(e).__name__}: {e}"
-        outcomes = self._gather((err, value))
-        bad = [(r, e) for r, (e, _) in enumerate(outcomes) if e]
-        if bad:
-            raise FastcommError(f"fastcomm workspace: {step} failed on " + "; ".join(f"rank {r}: {e}" for r, e in bad))
-        return [v for _, v in outcomes]
-
     def _build(self) -> None:
         import cupy
 
-        cfg = self.config
         rt = _rt()
-        props = torch.cuda.get_device_properties(self.device_index)
-        me = dict(host=socket.gethostname(), pid=os.getpid(), uuid=str(props.uuid),
-                  settings=(cfg.max_bytes, cfg.one_shot_max_bytes, cfg.transport, cfg.algo, cfg.islands,
-                            cfg.timeout_s),
-                  visible=[str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())])
-        infos = self._gather(me)
-        if len({i["host"] for i in infos}) != 1:
-            raise FastcommError("fastcomm workspaces span one node only; ranks are on "
-                                f"{sorted({i['host'] for i in infos})}")
-        if len({repr(i["settings"]) for i in infos}) != 1:
-            raise FastcommError("fastcomm settings differ across ranks (FASTCOMM_* environment or arguments): "
-                                + "; ".join(f"rank {r}: {i['settings']}" for r, i in enumerate(infos)))
-        if len({i["uuid"] for i in infos}) != self.world_size:
-            raise FastcommError("two ranks use the same GPU; fastcomm needs one GPU per rank")
-
-        # P2P as seen from this process; the transport decision uses every rank's row, so all agree.
-        row = []
-        for r, info in enumerate(infos):
-            if r == self.rank:
-                row.append(True)
-            elif info["uuid"] in me["visible"]:
-                row.append(bool(torch.cuda.can_device_access_peer(self.device_index, me["visible"].index(info["uuid"]))))
-            else:
-                row.append(False)  # not visible here: CUDA IPC across isolated devices is not attempted
-        p2p_rows = self._gather(row)
-        all_p2p = all(all(r) for r in p2p_rows)
-        if cfg.transport == "p2p" and not all_p2p:
-            raise FastcommError(f"FASTCOMM_TRANSPORT=p2p but some GPU pairs cannot reach each other: {p2p_rows}")
-        self.transport = Transport.P2P if (all_p2p and cfg.transport != "host") else Transport.HOST
-        self.link, probed_islands = self._decide_topology([i["uuid"] for i in infos])
-        islands = cfg.islands if cfg.islands else (probed_islands if self.transport is Transport.P2P else None)
-        self.islands = policy.validate_islands(islands, self.world_size) if islands else None
-        if self.islands is not None and self.transport is Transport.HOST:
-            raise FastcommError("island (hierarchical) mode needs P2P; the host transport is flat by nature")
-        self.rules, self.rules_source = self._decide_rules()
-        self.layout = L.plan_layout(self.transport.value, self.world_size, cfg.max_bytes,
-                                    min(cfg.one_shot_max_bytes, cfg.max_bytes), self.islands)
-        self.num_sms = props.multi_processor_count
-        self.max_blocks = min(policy.MAX_BLOCKS, cfg.max_blocks or self.num_sms)
-
+        self.plan: Plan = policy.make_plan(gather_facts(self._hs, self.device_index, self.config), self.config)
+        self.layout = L.plan_layout(self.plan.transport.value, self.world_size, self.plan.max_bytes,
+                                    self.plan.one_shot_max_bytes, self.plan.islands)
+        all_ok = self._hs.all_ok
         with cupy.cuda.Device(self.device_index):
-            handles = self._all_ok("allocating device memory", lambda: self._allocate(rt))
-            if self.transport is Transport.P2P:
-                opened = self._all_ok("opening peer buffers (CUDA IPC)", lambda: self._open_peers(rt, handles))
+            # Every kernel is loaded (compiled on a cache miss) before the ranks agree the workspace is
+            # built, so no first call waits on NVRTC while its peers' kernels spin against the deadline.
+            all_ok("loading the kernels", self._load_kernels)
+            handles = all_ok("allocating device memory", lambda: self._allocate(rt))
+            if self.plan.transport is Transport.P2P:
+                opened = all_ok("opening peer buffers (CUDA IPC)", lambda: self._open_peers(rt, handles))
                 peer_bases, host_base = opened[self.rank], None
             else:
                 peer_bases = None
                 host_base = self._map_host_segment(rt)
             # The last agreement doubles as the barrier: everyone has mapped everything before any rank
             # returns and may write into a peer.
-            self._all_ok("writing the peer tables", lambda: self._write_tables(rt, peer_bases, host_base))
+            all_ok("writing the peer tables", lambda: self._write_tables(rt, peer_bases, host_base))
         if self.rank == 0:
             log.info("%s", self.describe())
 
-    def _decide_topology(self, uuids: list[str]) -> tuple[LinkType, tuple[tuple[int, ...], ...] | None]:
-        """The worst link among this group's GPUs and, where the probe finds them, islands (only when the
-        group spans CPU sockets: cross-socket P2P writes are the slow ones hierarchical mode avoids).
-        Rank 0 probes; every rank uses its verdict, so all pick the same policy row."""
-
-        def probe():
-            from . import topology
-
-            topo = topology.probe()
-            pos = {_norm_uuid(g.uuid): i for i, g in enumerate(topo.gpus) if g.uuid}
-            if not all(_norm_uuid(u) in pos for u in uuids):
-                log.info("fastcomm: topology probe did not see every rank's GPU (%s); conservative policy",
-                         "; ".join(topo.notes) or "UUIDs not matched")
-                return LinkType.UNKNOWN.value, None
-            ranks = [pos[_norm_uuid(u)] for u in uuids]
-            link = topo.worst_link(ranks)
-            groups = topology.islands(topo, ranks) if link is LinkType.CROSS_SOCKET else ()
-            isl = tuple(tuple(ranks.index(p) for p in g) for g in groups) if len(groups) > 1 else None
-            return link.value, isl
-
-        (link, isl), err = self._decided_by_rank0(probe, (LinkType.UNKNOWN.value, None))
-        if err and self.rank == 0:  # topology is advisory; the UNKNOWN row is conservative
-            log.warning("fastcomm: topology probe failed (%s); using conservative defaults", err)
-        return LinkType(link), isl
-
-    def _decide_rules(self) -> tuple[tuple[policy.Rule, ...], str]:
-        """Rank 0 reads the tune cache (if any); every rank runs the rules it chose."""
-        from . import tuning
-
-        def read():
-            fp = tuning.fingerprint_here(self.transport, self.link, self.world_size, self.device_index)
-            return tuning.rules_from_file(self.config, fp)
-
-        (rules, why), err = self._decided_by_rank0(read, (None, ""))
-        if err is not None:  # an explicit but unusable FASTCOMM_TUNE_FILE: fail on every rank alike
-            raise tuning.TuneCacheError(err)
-        if rules is None:
-            return (policy.lookup_rules(policy.DEFAULT_TABLE, self.transport, self.link, self.world_size),
-                    why or "defaults")
-        return rules, why
+    def _load_kernels(self) -> None:
+        for kernel in abi.KERNELS:
+            for variant in kernel.variants:
+                for dtype in abi.DTYPE_SUFFIX:
+                    sym = kernel.symbol(dtype, variant)
+                    self._functions[sym] = jit.function(self.device_index, self.config.cache_dir, sym)
 
     def _allocate(self, rt) -> bytes | None:
         """Error record, local state and (P2P) the shared buffer; returns the buffer's IPC handle."""
@@ -314,7 +217,7 @@ class Workspace:
         self._err = ErrorRecord.from_address(res.err_ptr)
         res.local_buffer = rt.malloc(self.layout.local_bytes)
         rt.memset(res.local_buffer, 0, self.layout.local_bytes)
-        if self.transport is not Transport.P2P:
+        if self.plan.transport is not Transport.P2P:
             return None
         res.own_buffer = rt.malloc(self.layout.shared_bytes)
         rt.memset(res.own_buffer, 0, self.layout.shared_bytes)
@@ -336,16 +239,15 @@ class Workspace:
         """One FcTable per group this rank belongs to, copied to its local device memory."""
         res, lay = self._res, self.layout
         own = peer_bases[self.rank] if peer_bases else 0
-        self._tables = {}  # group id (FLAT / ISLAND / PARTNER) -> device table address
         blob = bytearray(lay.local_bytes - lay.table_off)
         for k, g in enumerate(L.groups_of(lay, self.rank)):
             gi = lay.groups.index(g)
             t = L.build_table(lay, g, self.rank, own_base=own, peer_bases=peer_bases, host_base=host_base,
-                              state_ptr=res.local_buffer + lay.state_off + 16 * gi, err_ptr=res.err_ptr,
+                              state_ptr=res.local_buffer + lay.state_off + abi.STATE_BYTES * gi, err_ptr=res.err_ptr,
                               timeout_ns=int(self.config.timeout_s * 1e9),
-                              scratch_ptr=res.local_buffer + lay.scratch_off + L.SCRATCH_BYTES * gi)
-            off = L.TABLE_BYTES * k
-            blob[off:off + L.TABLE_BYTES] = bytes(t)
+                              scratch_ptr=res.local_buffer + lay.scratch_off + abi.SCRATCH_BYTES * gi)
+            off = abi.TABLE_BYTES * k
+            blob[off:off + abi.TABLE_BYTES] = bytes(t)
             self._tables[g.group_id] = res.local_buffer + lay.table_off + off
         host_blob = (ctypes.c_char * len(blob)).from_buffer(blob)
         rt.memcpy(res.local_buffer + lay.table_off, ctypes.addressof(host_blob), len(blob), _H2D)
@@ -396,16 +298,31 @@ class Workspace:
 
     # ---- queries ----------------------------------------------------------------------------------
 
+    @property
+    def transport(self) -> Transport:
+        return self.plan.transport
+
+    @property
+    def islands(self) -> tuple[tuple[int, ...], ...] | None:
+        return self.plan.islands
+
+    @property
+    def tables(self) -> Mapping[int, int]:
+        """Group id (abi.FLAT / ISLAND / PARTNER) -> device address of this rank's table for that group."""
+        return self._tables_view
+
+    def function(self, kernel: abi.Kernel, dtype: str, variant: str = "") -> int:
+        """The loaded CUfunction of ``kernel`` for ``dtype`` (a name in abi.DTYPE_SUFFIX)."""
+        return self._functions[kernel.symbol(dtype, variant)]
+
     def algo_for(self, nbytes: int, forced: str | None = None) -> Algo:
-        return policy.choose_algo(nbytes, self.rules, one_shot_max_bytes=self.layout.one_shot_max_bytes,
-                                  max_bytes=self.config.max_bytes, forced=forced or self.config.algo)
+        return self.plan.algo_for(nbytes, forced)
 
     def tensor_reason(self, x: torch.Tensor) -> str | None:
         """Why ``x`` is not a valid fastcomm input at all (device, dtype, layout, size), or None."""
         return policy.check_tensor(is_cuda=x.is_cuda, device_index=x.device.index, ws_device_index=self.device_index,
-                                   dtype=_DTYPE_NAME.get(x.dtype, str(x.dtype)), contiguous=x.is_contiguous(),
-                                   data_ptr=x.data_ptr(), nbytes=x.numel() * x.element_size(),
-                                   max_bytes=self.config.max_bytes)
+                                   dtype=dtype_name(x.dtype), contiguous=x.is_contiguous(), data_ptr=x.data_ptr(),
+                                   nbytes=x.numel() * x.element_size(), max_bytes=self.plan.max_bytes)
 
     def route(self, x: torch.Tensor) -> tuple[Algo | None, str | None]:
         """(algorithm, None) when fastcomm all-reduces ``x``, else (None, why not). The one routing decision,
@@ -425,7 +342,10 @@ class Workspace:
     def can_all_reduce(self, x: torch.Tensor) -> bool:
         return self.why_not(x) is None
 
-    def why_not_fused(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> str | None:
+    def why_not_fused(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                      weight: torch.Tensor | None = None) -> str | None:
+        """Why the fused all-reduce + RMSNorm cannot take these inputs (None: it can). The one input check
+        of the fused op: ``fused_all_reduce_rmsnorm`` and the vLLM routing both ask it."""
         if self.closed:
             return "workspace is closed"
         reason = self.tensor_reason(x)
@@ -433,14 +353,18 @@ class Workspace:
             return reason or "input must have a hidden dimension"
         if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
                                      or not residual.is_contiguous() or residual.device != x.device
-                                     or residual.data_ptr() % policy.ALIGN):
+                                     or residual.data_ptr() % abi.ALIGN):
             return "residual must match the input's shape, dtype and device, be contiguous and 16-byte aligned"
         hidden = x.shape[-1]
+        if weight is not None and (weight.shape != (hidden,) or weight.dtype != x.dtype or weight.device != x.device
+                                   or not weight.is_contiguous()):
+            return f"weight must be a contiguous {x.dtype} vector of {hidden} elements on {x.device}"
         return policy.check_fused(tokens=x.numel() // max(hidden, 1), hidden=hidden, elem_size=x.element_size(),
-                                  one_shot_max_bytes=self.layout.one_shot_max_bytes)
+                                  one_shot_max_bytes=self.plan.one_shot_max_bytes)
 
-    def can_fuse(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
-        return self.why_not_fused(x, residual) is None
+    def can_fuse(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                 weight: torch.Tensor | None = None) -> bool:
+        return self.why_not_fused(x, residual, weight) is None
 
     def raise_if_failed(self) -> None:
         """Raise the device-side timeout, if one happened (cheap: one read of pinned host memory)."""
@@ -451,19 +375,7 @@ class Workspace:
         return None if self.closed else describe(self._err, self.config.timeout_s)
 
     def describe(self) -> str:
-        ranges, lo = [], 0
-        for rule in self.rules:
-            hi = min(rule.max_bytes, self.config.max_bytes)
-            if hi > lo:
-                algo = rule.algo
-                if algo is Algo.ONE_SHOT and hi > self.layout.one_shot_max_bytes:
-                    algo = Algo.TWO_SHOT
-                ranges.append(f"{_fmt(lo)}-{_fmt(hi)}: {algo.value}")
-                lo = hi
-        ranges.append(f">{_fmt(lo)}: nccl")
-        isl = f", islands {self.islands}" if self.islands else ""
-        return (f"fastcomm: {self.world_size} ranks, transport {self.transport.value}, link {self.link.value}"
-                f"{isl}; {'; '.join(ranges)} (policy: {self.rules_source})")
+        return self.plan.describe()
 
     def stream(self) -> int:
         """The caller's current stream on our device (raw handle; the fast accessor when torch has it)."""
@@ -487,14 +399,6 @@ class Workspace:
         self.close()
 
 
-def _norm_uuid(u: str) -> str:
-    """torch prints GPU UUIDs bare, NVML and nvidia-smi with a 'GPU-' prefix."""
-    u = u.strip().lower()
-    return u[4:] if u.startswith("gpu-") else u
-
-
-def _fmt(n: int) -> str:
-    for unit, size in (("MB", 1 << 20), ("KB", 1 << 10)):
-        if n >= size and n % size == 0:
-            return f"{n // size}{unit}"
-    return f"{n}B"
+def dtype_name(dtype: torch.dtype) -> str:
+    """'bfloat16' for torch.bfloat16: the names abi.DTYPE_SUFFIX and the policy use."""
+    return str(dtype).removeprefix("torch.")

@@ -16,3 +16,26 @@ def raise_on_rank_0(rank, world, group):
     if rank == 0:
         raise ValueError("boom")
     return "fine"
+
+
+def handshake_steps(rank, world, group):
+    """The workspace's agreement steps on a gloo group: rank 0 decides, and a lone failure is shared."""
+    from fastcomm.errors import FastcommError
+    from fastcomm.handshake import Handshake
+
+    hs = Handshake(group)
+    decided = hs.decided_by_rank0(lambda: f"chosen by rank {rank}", "default")
+    failed = hs.decided_by_rank0(lambda: 1 / 0, "default")
+    ok = hs.all_ok("step one", lambda: rank * 10)
+
+    def fail_on_rank_1():
+        if rank == 1:
+            raise MemoryError("out of device memory")
+        return "fine"
+
+    try:
+        hs.all_ok("allocating device memory", fail_on_rank_1)
+        err = None
+    except FastcommError as e:
+        err = str(e)
+    return ok, err, decided, failed

@@ -3,9 +3,7 @@ import pytest
 
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="CuPy (NVRTC) not installed")
 
-from fastcomm import jit  # noqa: E402
-
-FAMILIES = ["one_shot", "two_shot"] + [f"fused_rmsnorm{k}" for k in (1, 2, 4, 8)]
+from fastcomm import abi, jit  # noqa: E402
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_120"])
@@ -13,9 +11,9 @@ def test_kernels_compile(arch, tmp_path):
     path = jit.cached_cubin(arch, tmp_path)
     data = path.read_bytes()
     assert data[:4] == b"\x7fELF"
-    for fam in FAMILIES:
-        for suffix in jit.DTYPE_SUFFIX.values():
-            assert f"fc_{fam}_{suffix}".encode() in data, f"missing kernel fc_{fam}_{suffix}"
+    for kernel in abi.KERNELS:  # every symbol the workspace loads at build
+        for sym in kernel.symbols():
+            assert sym.encode() in data, f"missing kernel {sym}"
     # second call hits the cache (same file, not recompiled)
     assert jit.cached_cubin(arch, tmp_path) == path
 

@@ -3,8 +3,9 @@ import ctypes
 
 import pytest
 
+from fastcomm import abi
 from fastcomm import layout as L
-from fastcomm.policy import MAX_BLOCKS
+from fastcomm.abi import MAX_BLOCKS
 
 MB = 1 << 20
 
@@ -24,14 +25,14 @@ def test_regions_are_disjoint_aligned_and_inside(transport, world):
         assert a1 <= b0
     assert all(a % 16 == 0 for a, _ in spans)
     assert lay.groups[-1].end <= lay.shared_bytes
-    assert lay.local_bytes >= lay.table_off + L.TABLE_BYTES * len(lay.groups)
+    assert lay.local_bytes >= lay.table_off + abi.TABLE_BYTES * len(lay.groups)
 
 
 def test_table_struct_matches_the_kernel_header():
-    assert ctypes.sizeof(L.FcTable) == L.TABLE_BYTES
+    assert ctypes.sizeof(abi.FcTable) == abi.TABLE_BYTES
     from fastcomm.jit import source_dir
 
-    assert f"sizeof(FcTable) == {L.TABLE_BYTES}" in (source_dir() / "common.cuh").read_text()
+    assert f"sizeof(FcTable) == {abi.TABLE_BYTES}" in (source_dir() / "common.cuh").read_text()
 
 
 def _bases(world):
@@ -83,10 +84,10 @@ def test_host_tables_agree_and_slots_do_not_collide(world):
 def test_islands_add_groups_with_their_own_tables():
     lay = L.plan_layout("p2p", 4, 8 * MB, 1 * MB, ((0, 1), (2, 3)))
     ids = [(g.group_id, g.members) for g in lay.groups]
-    assert ids == [(L.FLAT, (0, 1, 2, 3)), (L.ISLAND, (0, 1)), (L.ISLAND, (2, 3)), (L.PARTNER, (0, 2)),
-                   (L.PARTNER, (1, 3))]
+    assert ids == [(abi.FLAT, (0, 1, 2, 3)), (abi.ISLAND, (0, 1)), (abi.ISLAND, (2, 3)), (abi.PARTNER, (0, 2)),
+                   (abi.PARTNER, (1, 3))]
     mine = L.groups_of(lay, 3)
-    assert [g.group_id for g in mine] == [L.FLAT, L.ISLAND, L.PARTNER]
+    assert [g.group_id for g in mine] == [abi.FLAT, abi.ISLAND, abi.PARTNER]
     bases = _bases(4)
     t = L.build_table(lay, mine[2], 3, own_base=bases[3], peer_bases=bases, host_base=None, state_ptr=0,
                       err_ptr=0, timeout_ns=1)

@@ -2,9 +2,10 @@ import re
 
 import pytest
 
+from fastcomm import abi
 from fastcomm import policy as P
 from fastcomm.policy import Algo, Rule, Transport
-from fastcomm.topology import LinkType
+from fastcomm.policy import LinkType
 
 KB, MB = 1 << 10, 1 << 20
 
@@ -13,19 +14,19 @@ def test_packet_arithmetic():
     assert P.packets_for(0) == 0
     assert P.packets_for(1) == 1 and P.packets_for(8) == 1 and P.packets_for(9) == 2
     assert P.ll_bytes(12 * KB) == 2 * 12 * KB  # flag-in-data doubles the bytes on the wire
-    assert P.PACKET_BYTES == 2 * P.PACKET_PAYLOAD
+    assert abi.PACKET_BYTES == 2 * abi.PACKET_PAYLOAD
 
 
 def test_constants_mirror_the_kernel_header():
     from fastcomm.jit import source_dir
 
     text = (source_dir() / "common.cuh").read_text()
-    for name, value in (("FC_MAX_WORLD", P.MAX_WORLD), ("FC_MAX_BLOCKS", P.MAX_BLOCKS),
-                        ("FC_PACKET_BYTES", P.PACKET_BYTES), ("FC_PACKET_PAYLOAD", P.PACKET_PAYLOAD)):
+    for name, value in (("FC_MAX_WORLD", abi.MAX_WORLD), ("FC_MAX_BLOCKS", abi.MAX_BLOCKS),
+                        ("FC_PACKET_BYTES", abi.PACKET_BYTES), ("FC_PACKET_PAYLOAD", abi.PACKET_PAYLOAD)):
         assert f"#define {name} {value}\n" in text, name
     kernels = (source_dir() / "kernels.cu").read_text()
     compiled = sorted(int(k) for k in re.findall(r"FC_DEFINE_FUSED\(NAME, D, (\d+)\)", kernels))
-    assert tuple(compiled) == P.FUSED_VARIANTS
+    assert tuple(compiled) == abi.FUSED_VARIANTS
 
 
 RULES = (Rule(256 * KB, Algo.ONE_SHOT), Rule(64 * MB, Algo.TWO_SHOT))
@@ -104,7 +105,7 @@ def test_check_fused_limits():
 @pytest.mark.parametrize("numel,elem,world", [(1, 2, 2), (6144, 2, 2), (100003, 2, 8), (8 << 20, 4, 3), (5, 4, 8)])
 def test_two_shot_launch_covers_everything_aligned(numel, elem, world):
     lc = P.two_shot_launch(numel, elem, world, 128)
-    assert 1 <= lc.grid <= P.MAX_BLOCKS
+    assert 1 <= lc.grid <= abi.MAX_BLOCKS
     assert (lc.seg * elem) % 16 == 0 and (lc.chunk * elem) % 16 == 0
     assert lc.seg * world >= numel and lc.chunk * lc.grid >= lc.seg
 
@@ -114,7 +115,7 @@ def test_one_shot_and_fused_launch_shapes():
     assert lc.grid * lc.block >= P.packets_for(12 * KB) and lc.block % 32 == 0
     assert P.one_shot_launch(1, 128).grid == 1
     f = P.fused_launch(64, 6144, 2, 32)
-    assert f.grid == 32 and f.block * P.FUSED_PACKETS_PER_THREAD >= P.packets_for(6144 * 2)
+    assert f.grid == 32 and f.block * max(abi.FUSED_VARIANTS) >= P.packets_for(6144 * 2)
 
 
 def test_islands_validation():
@@ -138,5 +139,5 @@ def test_one_shot_block_fits_the_kernels_launch_bounds():
 
     text = (source_dir() / "kernels.cu").read_text()
     bound = int(text.split(") fc_one_shot_")[0].rsplit("__launch_bounds__(", 1)[1])
-    assert P.ONE_SHOT_THREADS <= bound
-    assert P.one_shot_launch(64 << 20, 128).block <= P.ONE_SHOT_THREADS
+    assert abi.ONE_SHOT_THREADS <= bound
+    assert P.one_shot_launch(64 << 20, 128).block <= abi.ONE_SHOT_THREADS

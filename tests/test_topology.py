@@ -13,9 +13,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from fastcomm import policy, topo_cli, topology
+from fastcomm import policy, topology
+from fastcomm.commands import topo as topo_cli
 from fastcomm.config import VARIABLES, Config
-from fastcomm.topology import GpuInfo, LinkType, Topology
+from fastcomm.policy import LinkType
+from fastcomm.topology import GpuInfo, Topology
 
 DATA = Path(__file__).parent / "data" / "topo"
 PRO, RTX4090, H100 = "rtxpro6000_8gpu_2sock", "rtx4090_4gpu_nop2p", "h100_8gpu_nvlink"
@@ -158,20 +160,20 @@ def test_recorded_box_details():
 
 def test_worst_link():
     topo = recorded(PRO)
-    assert topo.worst_link() is XS
-    assert topo.worst_link((0, 1)) is SW
-    assert topo.worst_link((0, 1, 2, 3)) is HB
-    assert topo.worst_link((5,)) is UNK and Topology().worst_link() is UNK
-    assert recorded(H100).worst_link() is NV
+    assert policy.worst_link(topo.link) is XS
+    assert policy.worst_link(topo.link, (0, 1)) is SW
+    assert policy.worst_link(topo.link, (0, 1, 2, 3)) is HB
+    assert policy.worst_link(topo.link, (5,)) is UNK and policy.worst_link(Topology().link) is UNK
+    assert policy.worst_link(recorded(H100).link) is NV
 
 
 def test_summary_for_policy():
-    assert topology.summary_for_policy(recorded(PRO)) == (XS, True)
-    assert topology.summary_for_policy(recorded(RTX4090)) == (HB, False)
-    assert topology.summary_for_policy(recorded(H100)) == (NV, True)
+    assert policy.summarize(recorded(PRO).link, recorded(PRO).p2p) == (XS, True)
+    assert policy.summarize(recorded(RTX4090).link, recorded(RTX4090).p2p) == (HB, False)
+    assert policy.summarize(recorded(H100).link, recorded(H100).p2p) == (NV, True)
     no_p2p = topology.topology_from_nvidia_smi(text(f"{H100}.topo.txt"))
-    assert topology.summary_for_policy(no_p2p) == (NV, None)
-    assert topology.summary_for_policy(Topology()) == (UNK, None)
+    assert policy.summarize(no_p2p.link, no_p2p.p2p) == (NV, None)
+    assert policy.summarize((), ()) == (UNK, None)
 
 
 # --------------------------------------------------------------------------------------------- islands
@@ -185,33 +187,33 @@ def matrix_topology(codes: list[str]) -> Topology:
 
 
 def test_islands_recorded_boxes():
-    assert topology.islands(recorded(PRO)) == ((0, 1, 2, 3), (4, 5, 6, 7))
-    assert topology.islands(recorded(H100)) == (tuple(range(8)),)
-    assert topology.islands(recorded(RTX4090)) == ((0, 1, 2, 3),)
+    assert policy.islands(recorded(PRO).link) == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert policy.islands(recorded(H100).link) == (tuple(range(8)),)
+    assert policy.islands(recorded(RTX4090).link) == ((0, 1, 2, 3),)
 
 
 def test_islands_of_subsets():
     topo = recorded(PRO)
-    assert topology.islands(topo, (0, 1, 2, 3)) == ((0, 1), (2, 3))  # PIX pairs joined by the host bridge
-    assert topology.islands(topo, (6, 4, 7, 5)) == ((4, 5), (6, 7))
-    assert topology.islands(topo, (0, 1, 2, 4, 5, 6)) == ((0, 1, 2), (4, 5, 6))
-    assert topology.islands(topo, (0, 1, 2, 3, 4, 5)) == ((0, 1, 2, 3, 4, 5),)  # 4 + 2: unequal
-    assert topology.islands(topo, (0, 4)) == ((0, 4),)  # islands of one are pointless
+    assert policy.islands(topo.link, (0, 1, 2, 3)) == ((0, 1), (2, 3))  # PIX pairs joined by the host bridge
+    assert policy.islands(topo.link, (6, 4, 7, 5)) == ((4, 5), (6, 7))
+    assert policy.islands(topo.link, (0, 1, 2, 4, 5, 6)) == ((0, 1, 2), (4, 5, 6))
+    assert policy.islands(topo.link, (0, 1, 2, 3, 4, 5)) == ((0, 1, 2, 3, 4, 5),)  # 4 + 2: unequal
+    assert policy.islands(topo.link, (0, 4)) == ((0, 4),)  # islands of one are pointless
 
 
 def test_islands_are_valid_for_policy():
-    isl = topology.islands(recorded(PRO))
+    isl = policy.islands(recorded(PRO).link)
     assert policy.validate_islands(isl, 8) == isl
 
 
 def test_islands_need_fast_cliques():
     # 0-1 and 1-2 are fast but 0-2 is not: a chain, not an island.
     chain = matrix_topology(["X PIX SYS SYS", "PIX X PIX SYS", "SYS PIX X PIX", "SYS SYS PIX X"])
-    assert topology.islands(chain) == ((0, 1, 2, 3),)
+    assert policy.islands(chain.link) == ((0, 1, 2, 3),)
     unknown = matrix_topology(["X PIX ? ?", "PIX X ? ?", "? ? X PIX", "? ? PIX X"])
-    assert topology.islands(unknown) == ((0, 1, 2, 3),)
+    assert policy.islands(unknown.link) == ((0, 1, 2, 3),)
     quads = matrix_topology(["X NV18 SYS SYS", "NV18 X SYS SYS", "SYS SYS X NV18", "SYS SYS NV18 X"])
-    assert topology.islands(quads) == ((0, 1), (2, 3))
+    assert policy.islands(quads.link) == ((0, 1), (2, 3))
 
 
 # --------------------------------------------------------------------------------------------- probe
@@ -255,22 +257,22 @@ def test_probe_nvidia_smi_fallback():
     topo = topology.probe(run, env={}, nvml_loader=no_nvml, sysfs_pci="/nonexistent")
     assert topo.source == "nvidia-smi"
     assert len(topo.gpus) == 8 and topo.gpus[0].name.startswith("NVIDIA RTX PRO 6000")
-    assert topology.islands(topo) == ((0, 1, 2, 3), (4, 5, 6, 7))
-    assert topology.summary_for_policy(topo) == (XS, True)
+    assert policy.islands(topo.link) == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert policy.summarize(topo.link, topo.p2p) == (XS, True)
     assert any("pynvml" in n for n in topo.notes)
     assert all(kw_argv[0] == "nvidia-smi" for kw_argv in run.calls)
 
 
 def test_probe_4090_box_without_p2p():
     topo = topology.probe(box_runner(RTX4090), env={}, nvml_loader=no_nvml)
-    assert topology.summary_for_policy(topo) == (HB, False)
+    assert policy.summarize(topo.link, topo.p2p) == (HB, False)
     assert [g.pcie_gen for g in topo.gpus] == [1, 1, 1, 1] and [g.pcie_gen_max for g in topo.gpus] == [4] * 4
 
 
 def test_probe_nvlink_box():
     topo = topology.probe(box_runner(H100), env={}, nvml_loader=no_nvml)
-    assert topology.summary_for_policy(topo) == (NV, True)
-    assert topology.islands(topo) == (tuple(range(8)),)
+    assert policy.summarize(topo.link, topo.p2p) == (NV, True)
+    assert policy.islands(topo.link) == (tuple(range(8)),)
     assert topo.gpus[3].compute_capability == (9, 0)
 
 
@@ -310,17 +312,17 @@ def test_probe_old_driver_without_compute_cap_or_p2p():
     topo = topology.probe(run, env={}, nvml_loader=no_nvml)
     assert len(topo.gpus) == 8 and topo.gpus[0].compute_capability is None and topo.gpus[0].pcie_gen_max == 5
     assert set(off_diagonal(topo.p2p)) == {None}
-    assert topology.summary_for_policy(topo) == (XS, None)
+    assert policy.summarize(topo.link, topo.p2p) == (XS, None)
     assert any("-p2p" in n for n in topo.notes) and any("compute capability" in n for n in topo.notes)
 
 
 def test_probe_keeps_links_when_details_are_garbled():
     topo = topology.probe(box_runner(PRO, {query_argv(): done("0, half a line\n")}), env={}, nvml_loader=no_nvml)
-    assert len(topo.gpus) == 8 and topo.gpus[0].name == "" and topology.islands(topo) == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert len(topo.gpus) == 8 and topo.gpus[0].name == "" and policy.islands(topo.link) == ((0, 1, 2, 3), (4, 5, 6, 7))
     assert any("--query-gpu output not understood" in n for n in topo.notes)
     topo = topology.probe(box_runner(PRO, {("nvidia-smi", "topo", "-p2p", "w"): done("GPU0 GPU1\n")}), env={},
                           nvml_loader=no_nvml)
-    assert len(topo.gpus) == 8 and topology.summary_for_policy(topo) == (XS, None)
+    assert len(topo.gpus) == 8 and policy.summarize(topo.link, topo.p2p) == (XS, None)
     assert any("-p2p w output not understood" in n for n in topo.notes)
     four = text(f"{RTX4090}.p2p.txt")
     topo = topology.probe(box_runner(PRO, {("nvidia-smi", "topo", "-p2p", "w"): done(four)}), env={},
@@ -349,7 +351,7 @@ def probe_visible(value: str, box: str = PRO, **env) -> Topology:
 def test_visible_devices_subset_in_order():
     topo = probe_visible("4,5,6,7")
     assert [g.index for g in topo.gpus] == [4, 5, 6, 7]
-    assert topo.worst_link() is HB and topology.islands(topo) == ((0, 1), (2, 3))
+    assert policy.worst_link(topo.link) is HB and policy.islands(topo.link) == ((0, 1), (2, 3))
     assert any("ranks are GPU 4, 5, 6, 7" in n for n in topo.notes)
     topo = probe_visible("6,1")
     assert [g.index for g in topo.gpus] == [6, 1] and topo.link[0][1] is XS
@@ -520,7 +522,7 @@ def test_probe_nvml_numa_when_sysfs_has_none(tmp_path):
 def test_probe_nvml_consumer_gpus_without_p2p(tmp_path):
     nvml = FakeNvml([[0, 30], [30, 0]], bus_ids=BUS[:2], p2p_write=3)  # 3: NVML_P2P_STATUS_CHIPSET_NOT_SUPPORTED
     topo = topology.probe(Runner({}), env={}, nvml_loader=lambda: nvml, sysfs_pci=str(tmp_path))
-    assert topology.summary_for_policy(topo) == (HB, False)
+    assert policy.summarize(topo.link, topo.p2p) == (HB, False)
 
 
 def test_probe_nvml_unusable_falls_back_to_nvidia_smi():
@@ -587,7 +589,7 @@ def test_cli_json(cli):
     assert Topology.from_json(data["topology"]).link == recorded(RTX4090).link
     assert data["worst_link"] == "host_bridge" and data["all_p2p"] is False and data["islands"] == [[0, 1, 2, 3]]
     plan = data["plan"]
-    assert (plan["transport"], plan["link"], plan["world_size"]) == ("host", "unknown", 4)
+    assert (plan["transport"], plan["link"], plan["world_size"]) == ("host", "host_bridge", 4)
     rules = policy.lookup_rules(policy.DEFAULT_TABLE, policy.Transport.HOST, UNK, 4)
     assert [r["algo"] for r in plan["ranges"]] == [r.algo.value for r in rules] + ["nccl"]
     assert plan["ranges"][0]["min_bytes"] == 1 and plan["ranges"][-1]["max_bytes"] is None
@@ -613,12 +615,21 @@ def test_cli_probes_when_no_file(cli, monkeypatch):
 
 def test_cli_follows_configuration(cli, monkeypatch):
     monkeypatch.setenv("FASTCOMM_TRANSPORT", "host")
-    monkeypatch.setenv("FASTCOMM_ISLANDS", "0,1;2,3")
     monkeypatch.setenv("FASTCOMM_MAX_BYTES", str(1 << 20))
     rc, out, _ = cli("--json", "--from-file", str(DATA / f"{PRO}.topo.txt"), "--p2p-file", str(DATA / f"{PRO}.p2p.txt"))
     plan = json.loads(out)["plan"]
-    assert plan["transport"] == "host" and json.loads(out)["forced_islands"] == [[0, 1], [2, 3]]
+    assert plan["transport"] == "host" and plan["islands"] is None  # the host transport is flat
     assert plan["ranges"][-1] == {"min_bytes": (1 << 20) + 1, "max_bytes": None, "algo": "nccl"}
+
+
+def test_cli_shows_no_plan_the_workspace_would_refuse(cli, monkeypatch):
+    # Islands with the host transport: a workspace refuses that, so topo proposes no plan and says why.
+    monkeypatch.setenv("FASTCOMM_TRANSPORT", "host")
+    monkeypatch.setenv("FASTCOMM_ISLANDS", "0,1,2,3;4,5,6,7")
+    rc, out, _ = cli("--json", "--from-file", str(DATA / f"{PRO}.topo.txt"), "--p2p-file", str(DATA / f"{PRO}.p2p.txt"))
+    data = json.loads(out)
+    assert rc == 0 and data["plan"] is None and "needs P2P" in data["no_plan"]
+    assert data["forced_islands"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 def test_cli_errors(cli, tmp_path):
@@ -634,7 +645,7 @@ def test_cli_errors(cli, tmp_path):
 def test_size_ranges_match_choose_algo(key, forced):
     rules = policy.DEFAULT_TABLE[key]
     cfg = Config(max_bytes=8 << 20, one_shot_max_bytes=1 << 20)
-    ranges = topo_cli.size_ranges(rules, one_shot_max_bytes=cfg.one_shot_max_bytes, max_bytes=cfg.max_bytes,
+    ranges = policy.size_ranges(rules, one_shot_max_bytes=cfg.one_shot_max_bytes, max_bytes=cfg.max_bytes,
                                   forced=forced)
     assert ranges[0].min_bytes == 1 and ranges[-1].max_bytes is None
     assert all(a.max_bytes + 1 == b.min_bytes and a.algo is not b.algo for a, b in zip(ranges, ranges[1:]))
@@ -650,6 +661,6 @@ def test_modules_do_not_import_torch():
     # The package __init__ may pull in torch for the ops; the probe and its CLI must not need it. Load the
     # package directory without running __init__ to check these modules alone.
     code = ("import sys, types; pkg = types.ModuleType('fastcomm'); pkg.__path__ = [sys.argv[1]]; "
-            "sys.modules['fastcomm'] = pkg; import fastcomm.topology, fastcomm.topo_cli; "
+            "sys.modules['fastcomm'] = pkg; import fastcomm.topology, fastcomm.commands.topo; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code, str(Path(topology.__file__).parent)], check=True)

@@ -6,12 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from fastcomm import cli
-from fastcomm import tuning as T
+from fastcomm import commands as cli
+from fastcomm import policy
+from fastcomm import tunecache as T
+from fastcomm.commands import tune as TC
 from fastcomm.config import Config
 from fastcomm.errors import FastcommError
 from fastcomm.policy import Algo, PolicyKey, Rule, Transport
-from fastcomm.topology import LinkType
+from fastcomm.policy import LinkType
 
 KB, MB = 1 << 10, 1 << 20
 
@@ -264,10 +266,12 @@ def test_measured_rules_survive_the_cache(tmp_path):
     assert T.load(cache.save(tmp_path / "t.json")).table == cache.table
 
 
-def test_describe_rules():
-    assert T.describe_rules(RULES).splitlines() == [
-        "  size <= 256 KiB: one_shot", "  256 KiB < size <= 8 MiB: two_shot", "  size > 8 MiB: nccl"]
-    assert T.describe_rules(()) == "  all sizes: nccl"
+def test_rules_render_as_ranges():
+    ranges = policy.size_ranges(RULES, one_shot_max_bytes=8 * MB, max_bytes=8 * MB)
+    assert policy.render_ranges(ranges) == [
+        "<= 256 KiB: one_shot", "256 KiB < size <= 8 MiB: two_shot", "> 8 MiB: nccl (not fastcomm)"]
+    assert policy.render_ranges(policy.size_ranges((), one_shot_max_bytes=MB, max_bytes=MB)) == \
+        ["all sizes: nccl (not fastcomm)"]
 
 
 # ---- command line --------------------------------------------------------------------------------------
@@ -286,7 +290,7 @@ def test_tune_arguments_parse():
                                           "-f", "4", "-n", "10", "--out", "/tmp/t.json"])
     assert (args.world, args.transport, args.min_bytes, args.max_size, args.factor, args.iters, args.out) == (
         2, "host", 4 * KB, 2 * MB, 4.0, 10, "/tmp/t.json")
-    assert args.func is T.tune
+    assert args.func is TC.tune
 
 
 FP2 = T.Fingerprint("NVIDIA L40S", 2, Transport.P2P, LinkType.HOST_BRIDGE, "12.8", "0.1.0")
@@ -295,7 +299,7 @@ FP2 = T.Fingerprint("NVIDIA L40S", 2, Transport.P2P, LinkType.HOST_BRIDGE, "12.8
 def _fake_ranks(rows):
     """run_ranks stand-in: rank 0 returns (fingerprint, rows) as _tune_rank does."""
     def run_ranks(fn, world, *args, timeout):
-        assert fn is T._tune_rank and world == 2
+        assert fn is TC._tune_rank and world == 2
         return {0: ("ok", (FP2.to_json(), rows)), 1: ("ok", None)}
     return run_ranks
 
@@ -311,7 +315,7 @@ def test_tune_decides_and_writes_on_rank_0_timings(tmp_path, monkeypatch, capsys
     data = rows({1 * KB: (3, 7, 6), 1 * MB: (12, 10, 14)})
     monkeypatch.setattr(fastcomm.spawn, "run_ranks", _fake_ranks([dict(r, wrong=0) for r in data]))
     out = tmp_path / "tune.json"
-    assert T.tune(_tune_args(out)) == 0
+    assert TC.tune(_tune_args(out)) == 0
     cache = T.load(out)
     assert cache.fingerprint == FP2 and len(cache.measurements) == 6
     want = (Rule(1 * KB, Algo.ONE_SHOT), Rule(1 * MB, Algo.TWO_SHOT))
@@ -325,7 +329,7 @@ def test_tune_refuses_wrong_results(tmp_path, monkeypatch, capsys):
 
     data = [dict(r, wrong=int(r["algo"] == "two_shot")) for r in rows({1 * KB: (3, 7, 6)})]
     monkeypatch.setattr(fastcomm.spawn, "run_ranks", _fake_ranks(data))
-    assert T.tune(_tune_args(tmp_path / "tune.json")) == 1
+    assert TC.tune(_tune_args(tmp_path / "tune.json")) == 1
     assert not (tmp_path / "tune.json").exists() and "wrong results" in capsys.readouterr().out
 
 
@@ -333,10 +337,10 @@ def test_tune_refuses_wrong_results(tmp_path, monkeypatch, capsys):
 def test_tune_writes_a_loadable_cache(tmp_path):
     p = argparse.ArgumentParser()
     sub = p.add_subparsers()
-    T.add_parser(sub)
+    TC.add_parser(sub)
     out = tmp_path / "tune.json"
     opts = p.parse_args(["tune", "--world", "2", "-b", "1K", "-e", "1M", "-f", "8", "-n", "5", "--out", str(out)])
-    assert T.tune(opts) == 0
+    assert TC.tune(opts) == 0
     cache = T.load(out)
     assert cache.fingerprint.gpu_count == 2 and len(cache.table) == 1
     assert {m["algo"] for m in cache.measurements} == {"one_shot", "two_shot", "nccl"}

@@ -78,7 +78,7 @@ def test_compare_merges_separate_runs(tmp_path, capsys):
 
 def test_cli_hands_every_argument_to_bench_decode():
     # argparse's REMAINDER used to swallow a leading "--model": the CLI must pass arguments through as-is.
-    from fastcomm import cli
+    from fastcomm import commands as cli
 
     with pytest.raises(SystemExit, match="unknown config"):
         cli.main(["bench-decode", "--model", "glm5-mini", "--configs", "nvlink"])
@@ -120,7 +120,7 @@ def test_compare_turns_repeated_backends_into_rounds(tmp_path, capsys):
 
 
 def test_cli_help_is_bench_decodes_own(capsys):
-    from fastcomm import cli
+    from fastcomm import commands as cli
 
     with pytest.raises(SystemExit) as e:
         cli.main(["bench-decode", "--help"])

@@ -201,13 +201,11 @@ def nccl_env(topo, tp: int) -> list[tuple[str, str, str]]:
     """NCCL settings for the all-reduces that stay on NCCL, from the topology of the first ``tp`` GPUs."""
     if topo is None or len(topo.gpus) < tp or tp < 2:
         return []
-    from fastcomm.topology import LinkType, restrict, summary_for_policy
+    from fastcomm import policy
+    from fastcomm.topology import restrict
 
-    worst, all_p2p = summary_for_policy(restrict(topo, list(range(tp))))
-    if worst is LinkType.HOST_BRIDGE and all_p2p:
-        return [("NCCL_P2P_LEVEL", "PHB", "P2P works across the CPU root complex (probe); NCCL's default "
-                 "would stage its all-reduces through host memory")]
-    return []
+    sub = restrict(topo, list(range(tp)))
+    return policy.nccl_env(*policy.summarize(sub.link, sub.p2p))
 
 
 # ---- building the command -------------------------------------------------------------------------------
@@ -282,9 +280,9 @@ def _plugin_installed() -> bool:
 def describe_topology(topo, gpus: int) -> str:
     if topo is None:
         return f"{gpus} GPU(s) (topology not probed)"
-    from fastcomm.topology import summary_for_policy
+    from fastcomm import policy
 
-    worst, all_p2p = summary_for_policy(topo)
+    worst, all_p2p = policy.summarize(topo.link, topo.p2p)
     p2p = {True: "P2P between all pairs", False: "no P2P between some pairs", None: "P2P unknown"}[all_p2p]
     names = sorted({g.name for g in topo.gpus if g.name})
     return f"{gpus} GPU(s) {'/'.join(names)}: slowest link {worst.value}, {p2p} (via {topo.source})"

@@ -7,37 +7,22 @@ same policy table and configuration that a workspace would use.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
 
-from . import policy, topology
-from .config import Config
-from .topology import LinkType, Topology
+from .. import policy, topology
+from ..config import Config
+from ..errors import FastcommError
+from ..policy import LinkType
+from ..topology import Topology
+from ..units import format_size
 
 # Our four classes, shown with the nvidia-smi code of their fastest member.
 _CODES = {LinkType.NVLINK: "NV", LinkType.PCIE_SWITCH: "PIX", LinkType.HOST_BRIDGE: "PHB",
           LinkType.CROSS_SOCKET: "SYS", LinkType.UNKNOWN: "?"}
 _LEGEND = ("  NV = NVLink; PIX = PCIe switches only (PIX/PXB); PHB = through a host bridge, same socket (PHB/NODE);",
            "  SYS = across sockets or NUMA nodes; ? = not read. pcie now is low on idle GPUs (power saving).")
-
-
-@dataclasses.dataclass(frozen=True)
-class SizeRange:
-    """Messages of ``min_bytes`` to ``max_bytes`` bytes (inclusive; None: no upper bound) use ``algo``."""
-
-    min_bytes: int
-    max_bytes: int | None
-    algo: policy.Algo
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    transport: policy.Transport
-    link: LinkType
-    world_size: int
-    ranges: tuple[SizeRange, ...]
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -58,11 +43,11 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:  # unreadable file, unparsable table, bad FASTCOMM_* value
         print(f"fastcomm topo: {e}", file=sys.stderr)
         return 2
-    plan = make_plan(topo, config)
+    plan, why_none = make_plan(topo, config)
     if args.json:
-        print(json.dumps(to_json(topo, plan, config), indent=2))
+        print(json.dumps(to_json(topo, plan, why_none, config), indent=2))
     else:
-        print("\n".join(render(topo, plan, config)))
+        print("\n".join(render(topo, plan, why_none, config)))
     return 0
 
 
@@ -78,59 +63,42 @@ def load(path: str | None, p2p_path: str | None = None) -> Topology:
     return topology.topology_from_nvidia_smi(text, p2p_text, source="recorded")
 
 
-def make_plan(topo: Topology, config: Config) -> Plan:
-    """What a workspace on all of ``topo``'s GPUs would run, size range by size range."""
-    worst, all_p2p = topology.summary_for_policy(topo)
-    if config.transport != "auto":
-        transport = policy.Transport(config.transport)
-    else:
-        transport = policy.Transport.P2P if all_p2p else policy.Transport.HOST
-    # Host-memory transfers do not depend on the GPU-to-GPU link: the table has one HOST entry.
-    link = worst if transport is policy.Transport.P2P else LinkType.UNKNOWN
-    world = len(topo.gpus)
-    rules = policy.lookup_rules(policy.DEFAULT_TABLE, transport, link, world)
-    return Plan(transport, link, world, size_ranges(rules, one_shot_max_bytes=config.one_shot_max_bytes,
-                                                    max_bytes=config.max_bytes, forced=config.algo))
+def facts_from(topo: Topology) -> policy.Facts:
+    """What a workspace on all of ``topo``'s GPUs would find (the probe's P2P answer, unchecked)."""
+    worst, all_p2p = policy.summarize(topo.link, topo.p2p)
+    isl = policy.islands(topo.link) if worst is LinkType.CROSS_SOCKET else ()
+    return policy.Facts(world_size=len(topo.gpus), all_p2p=bool(all_p2p), link=worst,
+                        probed_islands=isl if len(isl) > 1 else None)
 
 
-def size_ranges(rules, *, one_shot_max_bytes: int, max_bytes: int, forced: str = "auto") -> tuple[SizeRange, ...]:
-    """``policy.choose_algo`` as ranges. It only changes at a rule bound or a workspace limit, so asking it
-    at each of those bounds (and one byte past the last) finds every range exactly."""
-    bounds = sorted({r.max_bytes for r in rules} | {one_shot_max_bytes, max_bytes})
-    ranges: list[SizeRange] = []
-    lo = 1
-    for hi in [*bounds, None]:
-        algo = policy.choose_algo(bounds[-1] + 1 if hi is None else hi, rules, one_shot_max_bytes=one_shot_max_bytes,
-                                  max_bytes=max_bytes, forced=forced)
-        if ranges and ranges[-1].algo is algo:
-            ranges[-1] = dataclasses.replace(ranges[-1], max_bytes=hi)
-        else:
-            ranges.append(SizeRange(lo, hi, algo))
-        lo = (hi or 0) + 1
-    return tuple(ranges)
+def make_plan(topo: Topology, config: Config) -> tuple[policy.Plan | None, str | None]:
+    """(plan, None) for what a workspace on all of ``topo``'s GPUs would run, or (None, why there is none)."""
+    n = len(topo.gpus)
+    if n < 2:
+        return None, f"nothing to do on {n} GPU{'' if n == 1 else 's'} (fastcomm needs at least 2)"
+    try:
+        return policy.make_plan(facts_from(topo), config), None
+    except FastcommError as e:
+        return None, str(e)
 
 
-def to_json(topo: Topology, plan: Plan, config: Config) -> dict:
-    worst, all_p2p = topology.summary_for_policy(topo)
+def to_json(topo: Topology, plan: policy.Plan | None, why_none: str | None, config: Config) -> dict:
+    worst, all_p2p = policy.summarize(topo.link, topo.p2p)
     return {
         "topology": topo.to_json(),
         "worst_link": worst.value,
         "all_p2p": all_p2p,
-        "islands": [list(i) for i in topology.islands(topo)],
+        "islands": [list(i) for i in policy.islands(topo.link)],
         "forced_islands": [list(i) for i in config.islands] if config.islands else None,
-        "plan": {"transport": plan.transport.value, "link": plan.link.value, "world_size": plan.world_size,
-                 "algo_forced": config.algo, "max_bytes": config.max_bytes,
-                 "one_shot_max_bytes": config.one_shot_max_bytes,
-                 "ranges": [{"min_bytes": r.min_bytes, "max_bytes": r.max_bytes, "algo": r.algo.value}
-                            for r in plan.ranges]},
+        "plan": None if plan is None else {
+            "transport": plan.transport.value, "link": plan.link.value, "world_size": plan.world_size,
+            "islands": [list(i) for i in plan.islands] if plan.islands else None,
+            "algo_forced": config.algo, "max_bytes": plan.max_bytes, "one_shot_max_bytes": plan.one_shot_max_bytes,
+            "rules_source": plan.rules_source,
+            "ranges": [{"min_bytes": r.min_bytes, "max_bytes": r.max_bytes, "algo": r.algo.value}
+                       for r in plan.ranges()]},
+        "no_plan": why_none,
     }
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale} {unit}"
-    return f"{n} B"
 
 
 def _table(rows: list[list[str]]) -> list[str]:
@@ -159,7 +127,7 @@ def _gpu_lines(topo: Topology) -> list[str]:
         for r, g in enumerate(gpus)])]
 
 
-def render(topo: Topology, plan: Plan, config: Config) -> list[str]:
+def render(topo: Topology, plan: policy.Plan | None, why_none: str | None, config: Config) -> list[str]:
     n = len(topo.gpus)
     out = [f"fastcomm topology: {n} GPU{'' if n == 1 else 's'} (source: {topo.source})", *_gpu_lines(topo)]
     if n:
@@ -169,7 +137,7 @@ def render(topo: Topology, plan: Plan, config: Config) -> list[str]:
         out += ["", *_matrix("link", n, lambda i, j: _CODES[topo.link[i][j]], per_gpu), *_LEGEND]
     if n > 1:
         out += ["", *_matrix("p2p w", n, lambda i, j: {True: "OK", False: "no", None: "?"}[topo.p2p[i][j]])]
-        isl = topology.islands(topo)
+        isl = policy.islands(topo.link)
         shown = " ".join("[" + " ".join(map(str, i)) + "]" for i in isl)
         how = ("hierarchical: reduce inside each island, exchange once across, broadcast back" if len(isl) > 1
                else "flat: one island")
@@ -178,23 +146,15 @@ def render(topo: Topology, plan: Plan, config: Config) -> list[str]:
             out.append(f"  FASTCOMM_ISLANDS overrides this with {list(map(list, config.islands))}")
     if topo.notes:
         out += ["", "could not read / notes:", *(f"  - {note}" for note in topo.notes)]
-    out += ["", *_render_plan(plan, config)]
+    out += ["", *_render_plan(plan, why_none, config)]
     return out
 
 
-def _render_plan(plan: Plan, config: Config) -> list[str]:
-    if plan.world_size < 2:
-        return [f"plan: nothing to do on {plan.world_size} GPU{'' if plan.world_size == 1 else 's'} "
-                "(fastcomm needs at least 2)"]
-    head = (f"plan: transport {plan.transport.value}, link {plan.link.value}, world size {plan.world_size} "
-            f"(algo {config.algo}, max {_size(config.max_bytes)}, one-shot max {_size(config.one_shot_max_bytes)})")
-    rows = []
-    for r in plan.ranges:
-        if r.max_bytes is None:
-            span = f"> {_size(r.min_bytes - 1)}"
-        elif r.min_bytes == 1:
-            span = f"<= {_size(r.max_bytes)}"
-        else:
-            span = f"{_size(r.min_bytes - 1)} < size <= {_size(r.max_bytes)}"
-        rows.append(["  " + span, r.algo.value + (" (not fastcomm)" if r.algo is policy.Algo.NCCL else "")])
-    return [head, *_table(rows)]
+def _render_plan(plan: policy.Plan | None, why_none: str | None, config: Config) -> list[str]:
+    if plan is None:
+        return [f"plan: {why_none}"]
+    isl = f", islands {[list(i) for i in plan.islands]}" if plan.islands else ""
+    head = (f"plan: transport {plan.transport.value}, link {plan.link.value}, world size {plan.world_size}{isl} "
+            f"(algo {config.algo}, max {format_size(plan.max_bytes)}, "
+            f"one-shot max {format_size(plan.one_shot_max_bytes)}; policy: {plan.rules_source})")
+    return [head, *("  " + line for line in policy.render_ranges(plan.ranges()))]

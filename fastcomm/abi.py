@@ -1,0 +1,122 @@
+"""The one mirror of csrc's C ABI: constants, group and step ids, the structs, and the kernel table.
+
+Everything the host shares with the device is declared here and nowhere else: ``struct FcTable`` and
+``struct FcError`` (csrc/common.cuh) as ctypes structures, the FC_* constants, and every ``extern "C"``
+kernel of csrc/kernels.cu with its parameter types, from which launches are packed. tests/test_abi.py reads
+the CUDA sources and checks this module against them, so a change on one side that is not made on the
+other fails on the CPU, before any GPU sees it.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+
+# ---- constants (FC_* in csrc/common.cuh) -----------------------------------------------------------------
+MAX_WORLD = 8          # FC_MAX_WORLD
+MAX_BLOCKS = 128       # FC_MAX_BLOCKS
+PACKET_BYTES = 16      # FC_PACKET_BYTES: 8 data bytes + the 4-byte flag twice
+PACKET_PAYLOAD = 8     # FC_PACKET_PAYLOAD
+ALIGN = 16             # every buffer region and tensor fastcomm touches is 16-byte aligned
+
+# Group ids (FcTable.group_id), as printed in timeout errors.
+FLAT, ISLAND, PARTNER = 0, 1, 2
+GROUPS = {FLAT: "all ranks", ISLAND: "island", PARTNER: "cross-island partners"}
+
+# Steps (FC_STEP_*), named in timeout errors.
+STEP_ONE_SHOT, STEP_RS, STEP_AG, STEP_FUSED = 1, 2, 3, 4
+STEPS = {STEP_ONE_SHOT: "one-shot exchange", STEP_RS: "two-shot reduce-scatter",
+         STEP_AG: "two-shot all-gather", STEP_FUSED: "fused all-reduce + RMSNorm exchange"}
+
+DTYPE_SUFFIX = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
+
+# The fused kernel keeps its share of a row in registers: up to FUSED_THREADS threads x K packets, K one of
+# the compiled variants (FC_DEFINE_FUSED in kernels.cu).
+FUSED_THREADS = 1024
+FUSED_VARIANTS = (1, 2, 4, 8)
+FUSED_MAX_SPLITS = 32  # the kernel's shared partial-sum array
+ONE_SHOT_THREADS = 256
+TWO_SHOT_THREADS = 512
+
+
+# ---- structs ---------------------------------------------------------------------------------------------
+
+class ErrorRecord(ctypes.Structure):
+    """``struct FcError``: pinned, mapped host memory, so it survives the kernel's trap."""
+
+    _fields_ = [(n, ctypes.c_uint32) for n in ("code", "rank", "peer", "step", "epoch", "block", "group", "pad")]
+
+
+_P16 = ctypes.c_uint64 * MAX_WORLD
+_H2 = _P16 * 2
+
+
+class FcTable(ctypes.Structure):
+    """``struct FcTable``: one communication group's peer table, field for field."""
+
+    _fields_ = [
+        ("rank", ctypes.c_uint32), ("world", ctypes.c_uint32), ("group_id", ctypes.c_uint32),
+        ("global_rank", ctypes.c_uint32), ("global_of", ctypes.c_uint32 * MAX_WORLD),
+        ("timeout_ns", ctypes.c_uint64), ("err", ctypes.c_uint64), ("state", ctypes.c_uint64),
+        ("scratch", ctypes.c_uint64),
+        ("n_ll_push", ctypes.c_uint32), ("n_ag_push", ctypes.c_uint32),
+        ("ll_push", _H2), ("ll_pull", _H2),
+        ("rs_push", _H2), ("rs_pull", _H2), ("rs_flag_push", _H2), ("rs_flag_pull", _H2),
+        ("ag_push", _H2), ("ag_flag_push", _H2), ("ag_pull", _H2), ("ag_flag_pull", _H2),
+    ]
+
+
+TABLE_BYTES = ctypes.sizeof(FcTable)      # static_assert'ed in common.cuh
+ERROR_BYTES = ctypes.sizeof(ErrorRecord)  # static_assert'ed in common.cuh
+STATE_BYTES = 16                          # per group: FcTable.state[0..3]
+FLAG_ARRAY_BYTES = MAX_BLOCKS * 4         # two-shot: one u32 flag per block
+SCRATCH_BYTES = MAX_BLOCKS * 2 * PACKET_BYTES  # per group: two packets per block (fused partial sums)
+
+
+# ---- kernels ---------------------------------------------------------------------------------------------
+
+_CTYPES = {"ptr": ctypes.c_uint64, "u64": ctypes.c_uint64, "u32": ctypes.c_uint32, "f32": ctypes.c_float}
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One kernel family of kernels.cu: ``fc_<family><variant>_<dtype suffix>`` for each dtype and variant."""
+
+    family: str
+    params: tuple[tuple[str, str], ...]   # (name, type): type is ptr / u64 / u32 / f32
+    variants: tuple[str, ...] = ("",)
+
+    def symbol(self, dtype: str, variant: str = "") -> str:
+        if variant not in self.variants:
+            raise ValueError(f"kernel {self.family} has no variant {variant!r} (has {self.variants})")
+        return f"fc_{self.family}{variant}_{DTYPE_SUFFIX[dtype]}"
+
+    def symbols(self) -> list[str]:
+        return [self.symbol(d, v) for v in self.variants for d in DTYPE_SUFFIX]
+
+    def pack(self, *args) -> "PackedArgs":
+        """The launch's kernelParams array (and the ctypes values it points to, kept alive with it)."""
+        if len(args) != len(self.params):
+            names = ", ".join(n for n, _ in self.params)
+            raise TypeError(f"{self.family} takes {len(self.params)} arguments ({names}), got {len(args)}")
+        values = [_CTYPES[t](a) for (_, t), a in zip(self.params, args)]
+        return PackedArgs(values)
+
+
+class PackedArgs:
+    def __init__(self, values):
+        self.values = values
+        self.array = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+
+    @property
+    def address(self) -> int:
+        return ctypes.addressof(self.array)
+
+
+ONE_SHOT = Kernel("one_shot", (("t", "ptr"), ("in", "ptr"), ("out", "ptr"), ("nbytes", "u64")))
+TWO_SHOT = Kernel("two_shot", (("t", "ptr"), ("in", "ptr"), ("out", "ptr"), ("n", "u64"), ("seg", "u64"),
+                               ("chunk", "u64")))
+FUSED_RMSNORM = Kernel("fused_rmsnorm", (("t", "ptr"), ("in", "ptr"), ("residual", "ptr"), ("weight", "ptr"),
+                                         ("out", "ptr"), ("residual_out", "ptr"), ("tokens", "u32"),
+                                         ("hidden", "u32"), ("splits", "u32"), ("eps", "f32")),
+                      variants=tuple(str(k) for k in FUSED_VARIANTS))
+KERNELS = (ONE_SHOT, TWO_SHOT, FUSED_RMSNORM)

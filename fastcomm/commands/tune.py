@@ -1,0 +1,116 @@
+"""`fastcomm tune`: time the algorithms on this machine and write the tune cache (``fastcomm.tunecache``)."""
+from __future__ import annotations
+
+import argparse
+import datetime
+from pathlib import Path
+
+from ..config import Config
+from ..measure import check_exact, sizes, timers
+from ..policy import Algo, PolicyKey, render_ranges, size_ranges
+from ..tunecache import DEFAULT_MARGIN, FASTCOMM_ALGOS, SCHEMA_VERSION, Fingerprint, TuneCache, default_path, \
+    fingerprint_here, rules_from_measurements
+from .args import parse_size_arg
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("tune", help="measure the algorithm crossovers here and write the tune cache",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--world", type=int, default=0, help="ranks (default: all visible GPUs)")
+    p.add_argument("--transport", choices=("auto", "p2p", "host"), default="auto",
+                   help="transport to tune (auto: what a workspace would pick here)")
+    p.add_argument("-b", "--minbytes", dest="min_bytes", type=parse_size_arg, default=1 << 10)
+    p.add_argument("-e", "--maxbytes", dest="max_size", type=parse_size_arg, default=64 << 20,
+                   help="largest size measured (also the tuning workspace's max_bytes)")
+    p.add_argument("-f", "--stepfactor", dest="factor", type=float, default=2.0)
+    p.add_argument("-n", "--iters", type=int, default=30, help="timed graph replays per point")
+    p.add_argument("-w", "--warmup_iters", dest="warmup", type=int, default=5)
+    p.add_argument("-G", "--graph-calls", dest="graph_calls", type=int, default=20,
+                   help="back-to-back calls captured in one graph (per-call time = replay / G)")
+    p.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="fraction by which fastcomm must beat NCCL")
+    p.add_argument("--out", default=None, help="cache file (default: tune.json under FASTCOMM_CACHE_DIR)")
+    p.add_argument("--timeout", type=float, default=900, help="deadline for the whole measurement, seconds")
+    p.set_defaults(func=tune)
+    return p
+
+
+def _tune_rank(rank, world, gloo, opts, sweep):
+    """One rank: time one-shot, two-shot and NCCL at every size (bfloat16, the decode dtype)."""
+    import torch
+    import torch.distributed as dist
+
+    import fastcomm
+
+    ws = fastcomm.Workspace(gloo, rank, transport=opts.transport, max_bytes=max(sweep))
+    rows = []
+    try:
+        dev = torch.device("cuda", rank)
+        elem = torch.tensor([], dtype=torch.bfloat16).element_size()
+        for nbytes in sweep:
+            n = max(1, nbytes // elem)
+            for algo in (*FASTCOMM_ALGOS, Algo.NCCL):
+                # algo_for is a pure function of shared data, so every rank skips the same points.
+                if algo is not Algo.NCCL and ws.algo_for(n * elem, algo.value) is Algo.NCCL:
+                    continue
+                x = torch.empty(n, dtype=torch.bfloat16, device=dev)
+                if algo is Algo.NCCL:
+                    fn, out = (lambda x=x: dist.all_reduce(x)), x
+                else:
+                    out = torch.empty_like(x)
+                    fn = (lambda x=x, out=out, a=algo.value: fastcomm.all_reduce(x, ws, algo=a, out=out))
+                dist.barrier()
+                wrong = check_exact(torch, fn, out, x, rank)
+                t = timers(torch, fn, opts.graph_calls, opts.iters, opts.warmup, graph=True)
+                rows.append(dict(size=n * elem, algo=algo.value, us=t, wrong=wrong))
+        fp = fingerprint_here(ws.transport, ws.link, world, rank).to_json() if rank == 0 else None
+    finally:
+        ws.close()
+    return (fp, rows) if rank == 0 else None
+
+
+def tune(opts) -> int:
+    """`fastcomm tune`: measure on all ranks, decide on rank 0's timings, write the cache atomically."""
+    import torch
+
+    from ..spawn import run_ranks
+
+    world = opts.world or torch.cuda.device_count()
+    if world < 2:
+        print("fastcomm tune: needs at least 2 GPUs")
+        return 2
+    out = Path(opts.out) if opts.out else default_path(Config.from_env().cache_dir)
+    sweep = sizes(opts.min_bytes, opts.max_size, opts.factor)
+    results = run_ranks(_tune_rank, world, opts, sweep, timeout=opts.timeout)
+    bad = {r: v for r, (s, v) in results.items() if s != "ok"}
+    if bad:
+        for r, v in sorted(bad.items()):
+            print(f"--- rank {r} failed:\n{v}")
+        return 1
+    fp_json, rows = results[0][1]
+    fp = Fingerprint.from_json(fp_json)
+    wrong = [r for r in rows if r["wrong"]]
+    if wrong:  # timings of a kernel that gives wrong sums must not steer anything
+        print("fastcomm tune: wrong results, no cache written:\n" + "\n".join(map(str, wrong)))
+        return 1
+    measured = sorted({r["size"] for r in rows})
+    rules = rules_from_measurements(rows, measured, margin=opts.margin)
+    cache = TuneCache(version=SCHEMA_VERSION, fingerprint=fp,
+                      table={PolicyKey(fp.transport, fp.link, fp.gpu_count): rules},
+                      created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                      measurements=tuple(rows))
+    by = {(r["size"], r["algo"]): r["us"] for r in rows}
+    print(f"# fastcomm tune: {world} x {fp.gpu_name}, transport {fp.transport.value}, link {fp.link.value}; "
+          "us per call (graph mode)")
+    print(f"#{'size':>11} {'one_shot':>9} {'two_shot':>9} {'nccl':>9}")
+    for s in measured:
+        cells = [by.get((s, a.value)) for a in (*FASTCOMM_ALGOS, Algo.NCCL)]
+        print(f" {s:>11} " + " ".join(f"{'-' if c is None else f'{c:.2f}':>9}" for c in cells))
+    ranges = size_ranges(rules, one_shot_max_bytes=max(sweep), max_bytes=max(sweep))
+    print("chosen ranges:\n" + "\n".join("  " + line for line in render_ranges(ranges)))
+    try:
+        cache.save(out)
+    except OSError as e:
+        print(f"fastcomm tune: cannot write {out}: {e}")
+        return 1
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,70 @@
+"""Measuring helpers shared by `fastcomm tune` and the benchmarks in bench/: the size sweep, timers, and the
+exact-result check. torch is imported by the callers (passed in), so importing this module is cheap."""
+from __future__ import annotations
+
+import contextlib
+import statistics
+
+
+def sizes(lo: int, hi: int, factor: float) -> list[int]:
+    """lo, lo*factor, ... up to hi (factor <= 1: lo, 2lo, 3lo, ...). Refuses sizes that would never end."""
+    if lo < 1 or hi < lo:
+        raise ValueError(f"size range {lo}..{hi}: need 1 <= min <= max")
+    if factor <= 0:
+        raise ValueError(f"step factor {factor} must be positive")
+    out, s = [], lo
+    while s <= hi:
+        out.append(int(s))
+        s = s * factor if factor > 1 else s + lo
+    return out
+
+
+def timers(torch, fn, calls: int, iters: int, warmup: int, graph: bool, capture_ctx=None) -> float:
+    """Median microseconds per call: graph replays of `calls` calls, or eager loops of `calls` calls.
+
+    ``capture_ctx`` wraps the graph capture (vLLM's custom all-reduce registers captured buffers on exit).
+    """
+    import torch.distributed as dist
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+        if graph:
+            g = torch.cuda.CUDAGraph()
+            with (capture_ctx() if capture_ctx else contextlib.nullcontext()):
+                with torch.cuda.graph(g, stream=s):
+                    for _ in range(calls):
+                        fn()
+        run = g.replay if graph else (lambda: [fn() for _ in range(calls)])
+        for _ in range(warmup):
+            run()
+        torch.cuda.synchronize()
+        dist.barrier()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(iters):
+            e0.record(s)
+            run()
+            e1.record(s)
+            e1.synchronize()
+            times.append(e0.elapsed_time(e1) * 1000.0 / calls)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def check_exact(torch, fn, out, inp, rank) -> int:
+    """#wrong: elements differing from the exact sum of small integers (the in-place baselines too)."""
+    import torch.distributed as dist
+
+    n = inp.numel()
+    base = (torch.arange(n, device=inp.device) % 7 - 3).to(inp.dtype)
+    inp.copy_(base * (rank + 1))
+    res = fn()
+    got = out if out is not None else res
+    torch.cuda.synchronize()
+    world = dist.get_world_size()
+    want = (base.float() * (world * (world + 1) // 2)).to(inp.dtype)
+    return int((got != want).sum().item())

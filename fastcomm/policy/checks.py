@@ -1,0 +1,40 @@
+"""Can this input run on fastcomm at all? A reason string when not (the same on every rank), else None."""
+from __future__ import annotations
+
+from ..abi import ALIGN, FUSED_THREADS, FUSED_VARIANTS, PACKET_PAYLOAD
+from .launch import packets_for
+
+SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
+DTYPE_SIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+FUSED_MAX_ROW_BYTES = FUSED_THREADS * max(FUSED_VARIANTS) * PACKET_PAYLOAD
+
+
+def check_tensor(*, is_cuda: bool, device_index: int | None, ws_device_index: int, dtype: str,
+                 contiguous: bool, data_ptr: int, nbytes: int, max_bytes: int) -> str | None:
+    """Why this tensor cannot go through fastcomm, or None if it can."""
+    if not is_cuda:
+        return "tensor is not on a CUDA device"
+    if device_index != ws_device_index:
+        return f"tensor is on cuda:{device_index} but the workspace is on cuda:{ws_device_index}"
+    if dtype not in SUPPORTED_DTYPES:
+        return f"dtype {dtype} is not supported (bfloat16, float16, float32)"
+    if not contiguous:
+        return "tensor is not contiguous"
+    if data_ptr % ALIGN:
+        return f"tensor data is not {ALIGN}-byte aligned (storage offset?)"
+    if nbytes > max_bytes:
+        return f"message of {nbytes} bytes exceeds the workspace maximum of {max_bytes} bytes"
+    return None
+
+
+def check_fused(*, tokens: int, hidden: int, elem_size: int, one_shot_max_bytes: int) -> str | None:
+    """Why the fused all-reduce + RMSNorm cannot run, or None. It rides on the one-shot buffers."""
+    if hidden <= 0 or tokens <= 0:
+        return "empty input"
+    row_bytes = packets_for(hidden * elem_size) * PACKET_PAYLOAD
+    if row_bytes > FUSED_MAX_ROW_BYTES:
+        return f"a row of {hidden} elements ({row_bytes} bytes) exceeds the fused kernel's {FUSED_MAX_ROW_BYTES} bytes"
+    if tokens * row_bytes > one_shot_max_bytes:
+        return (f"{tokens} tokens x {hidden} needs {tokens * row_bytes} bytes of one-shot buffer; "
+                f"workspace has {one_shot_max_bytes}")
+    return None

@@ -1,0 +1,75 @@
+"""Launch shapes: grid, block and the per-kernel parameters, as pure functions of sizes and limits."""
+from __future__ import annotations
+
+import dataclasses
+
+from ..abi import (ALIGN, FUSED_MAX_SPLITS, FUSED_THREADS, FUSED_VARIANTS, MAX_BLOCKS, ONE_SHOT_THREADS, PACKET_BYTES,
+                   PACKET_PAYLOAD, TWO_SHOT_THREADS)
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling of a / b for non-negative integers."""
+    return -(-a // b)
+
+
+def round_up(x: int, a: int) -> int:
+    return cdiv(x, a) * a
+
+
+def packets_for(nbytes: int) -> int:
+    """Packets needed to carry ``nbytes`` of payload (the tail packet may be partial)."""
+    return cdiv(nbytes, PACKET_PAYLOAD)
+
+
+def ll_bytes(nbytes: int) -> int:
+    return packets_for(nbytes) * PACKET_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    grid: int
+    block: int
+    seg: int = 0     # two-shot: elements per segment
+    chunk: int = 0   # two-shot: elements per block within a segment
+    splits: int = 0  # fused: blocks per row
+    k: int = 0       # fused: packets per thread (kernel variant fc_fused_rmsnorm<k>)
+
+
+def one_shot_launch(nbytes: int, max_blocks: int) -> Launch:
+    npk = packets_for(nbytes)
+    block = min(ONE_SHOT_THREADS, max(32, round_up(npk, 32)))
+    return Launch(num_blocks(npk, block, max_blocks), block)
+
+
+def two_shot_launch(numel: int, elem_size: int, world_size: int, max_blocks: int) -> Launch:
+    """Segments and chunks are whole 16-byte vectors so every chunk starts aligned."""
+    per_vec = ALIGN // elem_size
+    seg = round_up(cdiv(numel, world_size), per_vec)
+    grid = num_blocks(cdiv(seg, per_vec), TWO_SHOT_THREADS, min(max_blocks, MAX_BLOCKS))
+    chunk = round_up(cdiv(seg, grid), per_vec)
+    grid = max(1, cdiv(seg, chunk))
+    return Launch(grid, TWO_SHOT_THREADS, seg, chunk)
+
+
+FUSED_SPLIT_PACKETS = 256      # aim for about one packet per thread of a 256-thread block, as one-shot does
+
+
+def fused_launch(tokens: int, hidden: int, elem_size: int, max_blocks: int) -> Launch:
+    """Rows cut into `splits` chunks (one block each) so few tokens still use many SMs; whole rounds of rows.
+
+    The grid is a multiple of the split count (the blocks of a row run together) and at most max_blocks
+    (all co-resident, as the blocks of a row wait for each other's partial sums).
+    """
+    row_pk = packets_for(hidden * elem_size)
+    splits = max(1, min(cdiv(row_pk, FUSED_SPLIT_PACKETS), FUSED_MAX_SPLITS, max(1, max_blocks // max(tokens, 1)),
+                        max_blocks))
+    chunk_pk = cdiv(row_pk, splits)
+    k = next(k for k in FUSED_VARIANTS if k * FUSED_THREADS >= chunk_pk)  # check_fused admits only rows that fit
+    block = min(FUSED_THREADS, max(32, round_up(cdiv(chunk_pk, k), 32)))
+    rows_per_round = max(1, min(tokens, max_blocks // splits))
+    return Launch(rows_per_round * splits, block, splits=splits, k=k)
+
+
+def num_blocks(work_items: int, threads: int, max_blocks: int) -> int:
+    """Blocks for a grid-stride kernel: enough to cover the items, capped (all blocks must be co-resident)."""
+    return max(1, min(cdiv(work_items, threads), max_blocks))

@@ -1,0 +1,149 @@
+"""The size rules: which algorithm serves a message of a given size, per (transport, link, world size).
+
+Two questions are kept apart across the policy layer: ``checks`` says whether an input can run on fastcomm
+at all; this module says which algorithm is fastest for it (a table lookup, never an if-chain). Both are
+deterministic functions of data every rank shares, so every rank makes the same choice without talking.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Sequence
+
+from ..units import KiB, MiB, format_size
+from .links import LinkType
+
+
+class Algo(str, enum.Enum):
+    ONE_SHOT = "one_shot"  # push everything to everyone (flag-in-data packets), reduce locally
+    TWO_SHOT = "two_shot"  # reduce-scatter then all-gather (chunk flags)
+    NCCL = "nccl"          # not served by fastcomm: the caller's fallback
+
+
+class Transport(str, enum.Enum):
+    P2P = "p2p"    # peer GPU memory mapped through CUDA IPC (NVLink or PCIe P2P)
+    HOST = "host"  # shared pinned host memory (/dev/shm), for GPUs without P2P
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """Use ``algo`` for messages of at most ``max_bytes`` bytes."""
+
+    max_bytes: int
+    algo: Algo
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyKey:
+    transport: Transport
+    link: LinkType
+    world_size: int          # 0 means any
+    dtype: str = "any"       # "bfloat16" / "float16" / "float32", or "any"
+
+
+# Defaults measured or modelled per (transport, link, world size); a tune file overrides entries.
+# Rules are ordered by max_bytes; the first rule whose max_bytes >= size wins; past the last, NCCL.
+DEFAULT_TABLE: dict[PolicyKey, tuple[Rule, ...]] = {
+    # Two ranks, measured on 2 x H200 (run 5 and run 10 in bench/results/): one-shot 7.7 / 9.9 us against
+    # two-shot 10.0 / 10.8 at 512 / 768 KB (12.3 / 12.8 after a GEMM at 768 KB), two-shot ahead from 1 MB
+    # (11.6-11.8 against 12.0-12.2). 768 KB is also a 64-token GLM-5 decode step's all-reduce.
+    PolicyKey(Transport.P2P, LinkType.NVLINK, 2): (
+        Rule(768 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT)),
+    # 3-8 ranks (modelled: no such machine lent yet). Each rank writes (n-1) x 2 x size for the one-shot
+    # and ~2 x size for the two-shot, so the one-shot's range shrinks with the world size; vLLM's
+    # one-stage kernel (half the one-shot's bytes) stops at 256-512 KB there.
+    PolicyKey(Transport.P2P, LinkType.NVLINK, 0): (
+        Rule(256 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT)),
+    # PCIe (modelled, not measured: no PCIe-only GPUs lent yet). Writes are cheap and posted; one-shot has a
+    # single hop but each GPU writes (n-1) x 2 x size over its own x16 link, so its range shrinks with the
+    # world size (8 ranks, 32 KB: 7 x 64 KB = ~10 us of link time at ~45 GB/s).
+    PolicyKey(Transport.P2P, LinkType.PCIE_SWITCH, 0): (
+        Rule(128 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT)),
+    PolicyKey(Transport.P2P, LinkType.PCIE_SWITCH, 4): (
+        Rule(64 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT)),
+    PolicyKey(Transport.P2P, LinkType.PCIE_SWITCH, 8): (
+        Rule(32 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT)),
+    PolicyKey(Transport.P2P, LinkType.HOST_BRIDGE, 0): (
+        Rule(128 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT)),
+    PolicyKey(Transport.P2P, LinkType.HOST_BRIDGE, 8): (
+        Rule(32 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT)),
+    # Cross-socket P2P writes are slow on many boards; keep fastcomm to the small sizes there.
+    PolicyKey(Transport.P2P, LinkType.CROSS_SOCKET, 0): (
+        Rule(64 * KiB, Algo.ONE_SHOT), Rule(4 * MiB, Algo.TWO_SHOT)),
+    PolicyKey(Transport.P2P, LinkType.UNKNOWN, 0): (
+        Rule(64 * KiB, Algo.ONE_SHOT), Rule(8 * MiB, Algo.TWO_SHOT)),
+    # Host memory: every byte crosses PCIe twice (write to host, read from host). Measured on 2 x H200
+    # against NCCL_P2P_DISABLE=1: one-shot to 512 KB, two-shot (NCCL-like traffic) to 4 MB.
+    PolicyKey(Transport.HOST, LinkType.UNKNOWN, 0): (
+        Rule(512 * KiB, Algo.ONE_SHOT), Rule(4 * MiB, Algo.TWO_SHOT)),
+}
+
+
+def lookup_rules(table: dict[PolicyKey, tuple[Rule, ...]], transport: Transport, link: LinkType,
+                 world_size: int, dtype: str = "any") -> tuple[Rule, ...]:
+    """Most specific entry first: exact dtype before any dtype, exact world size before any, this link
+    before the transport's UNKNOWN row."""
+    for lk in (link, LinkType.UNKNOWN):
+        for ws in (world_size, 0):
+            for dt in ((dtype, "any") if dtype != "any" else ("any",)):
+                rules = table.get(PolicyKey(transport, lk, ws, dt))
+                if rules is not None:
+                    return rules
+    return ()
+
+
+def choose_algo(nbytes: int, rules: Sequence[Rule], *, one_shot_max_bytes: int, max_bytes: int,
+                forced: str = "auto") -> Algo:
+    """The algorithm for one message. NCCL means 'not fastcomm': too big for the workspace or the table."""
+    if nbytes > max_bytes:
+        return Algo.NCCL
+    if forced != "auto":
+        algo = Algo(forced)
+        return Algo.NCCL if algo is Algo.ONE_SHOT and nbytes > one_shot_max_bytes else algo
+    for rule in rules:
+        if nbytes <= rule.max_bytes:
+            if rule.algo is Algo.ONE_SHOT and nbytes > one_shot_max_bytes:
+                return Algo.TWO_SHOT
+            return rule.algo
+    return Algo.NCCL
+
+
+@dataclasses.dataclass(frozen=True)
+class SizeRange:
+    """Messages of ``min_bytes`` to ``max_bytes`` bytes (inclusive; None: no upper bound) use ``algo``."""
+
+    min_bytes: int
+    max_bytes: int | None
+    algo: Algo
+
+
+def size_ranges(rules: Sequence[Rule], *, one_shot_max_bytes: int, max_bytes: int,
+                forced: str = "auto") -> tuple[SizeRange, ...]:
+    """``choose_algo`` as ranges. It only changes at a rule bound or a workspace limit, so asking it at each
+    of those bounds (and one byte past the last) finds every range exactly."""
+    bounds = sorted({r.max_bytes for r in rules} | {one_shot_max_bytes, max_bytes})
+    ranges: list[SizeRange] = []
+    lo = 1
+    for hi in [*bounds, None]:
+        algo = choose_algo(bounds[-1] + 1 if hi is None else hi, rules, one_shot_max_bytes=one_shot_max_bytes,
+                           max_bytes=max_bytes, forced=forced)
+        if ranges and ranges[-1].algo is algo:
+            ranges[-1] = dataclasses.replace(ranges[-1], max_bytes=hi)
+        else:
+            ranges.append(SizeRange(lo, hi, algo))
+        lo = (hi or 0) + 1
+    return tuple(ranges)
+
+
+def render_ranges(ranges: Sequence[SizeRange]) -> list[str]:
+    """The one text form of size rules (``describe()``, ``fastcomm topo``, ``fastcomm tune``): one line each."""
+    lines = []
+    for r in ranges:
+        if r.max_bytes is None:
+            span = f"> {format_size(r.min_bytes - 1)}" if r.min_bytes > 1 else "all sizes"
+        elif r.min_bytes == 1:
+            span = f"<= {format_size(r.max_bytes)}"
+        else:
+            span = f"{format_size(r.min_bytes - 1)} < size <= {format_size(r.max_bytes)}"
+        lines.append(f"{span}: {r.algo.value}" + (" (not fastcomm)" if r.algo is Algo.NCCL else ""))
+    return lines
