@@ -4,6 +4,7 @@
 #include "one_shot.cuh"
 #include "two_shot.cuh"
 #include "fused_rmsnorm.cuh"
+#include "p2p_check.cuh"
 
 // The fused kernel comes in K = 1, 2, 4, 8 packets per thread (fc_fused_rmsnorm<K>_<dtype>).
 #define FC_DEFINE_FUSED(NAME, D, K)                                                                            \
@@ -31,3 +32,8 @@
 FC_DEFINE(bf16, FcBF16)
 FC_DEFINE(f16, FcF16)
 FC_DEFINE(f32, FcF32)
+
+// Untyped: one entry point, no dtype suffix.
+extern "C" __global__ void __launch_bounds__(256) fc_p2p_check(char* dst, u64 pattern, u32 count) {
+  fc_p2p_check_body(dst, pattern, count);
+}

@@ -13,10 +13,10 @@ from .errors import FastcommError, FastcommTimeoutError
 from .policy import Algo, Transport
 
 __all__ = ["Config", "FastcommError", "FastcommTimeoutError", "Workspace", "all_reduce", "try_all_reduce",
-           "fused_all_reduce_rmsnorm", "register_torch_ops", "Algo", "Transport"]
+           "fused_all_reduce_rmsnorm", "register_torch_ops", "translate_error", "Algo", "Transport"]
 __version__ = "0.1.0"
 
-_LAZY = {"Workspace": "workspace", "all_reduce": "ops", "try_all_reduce": "ops", "fused_all_reduce_rmsnorm": "ops",
+_LAZY = {"Workspace": "workspace", "translate_error": "workspace", "all_reduce": "ops", "try_all_reduce": "ops", "fused_all_reduce_rmsnorm": "ops",
          "register_torch_ops": "ops"}
 
 

@@ -84,13 +84,16 @@ class Kernel:
     family: str
     params: tuple[tuple[str, str], ...]   # (name, type): type is ptr / u64 / u32 / f32
     variants: tuple[str, ...] = ("",)
+    typed: bool = True                    # one entry point per dtype (fc_<family>_<suffix>), or just fc_<family>
 
-    def symbol(self, dtype: str, variant: str = "") -> str:
+    def symbol(self, dtype: str | None = None, variant: str = "") -> str:
         if variant not in self.variants:
             raise ValueError(f"kernel {self.family} has no variant {variant!r} (has {self.variants})")
-        return f"fc_{self.family}{variant}_{DTYPE_SUFFIX[dtype]}"
+        return f"fc_{self.family}{variant}_{DTYPE_SUFFIX[dtype]}" if self.typed else f"fc_{self.family}"
 
     def symbols(self) -> list[str]:
+        if not self.typed:
+            return [self.symbol()]
         return [self.symbol(d, v) for v in self.variants for d in DTYPE_SUFFIX]
 
     def pack(self, *args) -> "PackedArgs":
@@ -119,4 +122,5 @@ FUSED_RMSNORM = Kernel("fused_rmsnorm", (("t", "ptr"), ("in", "ptr"), ("residual
                                          ("out", "ptr"), ("residual_out", "ptr"), ("tokens", "u32"),
                                          ("hidden", "u32"), ("splits", "u32"), ("eps", "f32")),
                       variants=tuple(str(k) for k in FUSED_VARIANTS))
-KERNELS = (ONE_SHOT, TWO_SHOT, FUSED_RMSNORM)
+P2P_CHECK = Kernel("p2p_check", (("dst", "ptr"), ("pattern", "u64"), ("count", "u32")), typed=False)
+KERNELS = (ONE_SHOT, TWO_SHOT, FUSED_RMSNORM, P2P_CHECK)

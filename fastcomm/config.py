@@ -39,6 +39,12 @@ VARIABLES: tuple[Var, ...] = (
     Var("FASTCOMM_VLLM_FUSION", "0", "1 also fuses all-reduce + RMSNorm in vLLM (compile pass and GLM-5 helper "
         "routing). Opt-in until an end-to-end run shows it faster than the all-reduce alone (bench/RESULTS.md)."),
     Var("FASTCOMM_LOG", "info", "Log level of the 'fastcomm' logger."),
+    Var("FASTCOMM_P2P_CHECK", "1", "Check every pair's P2P writes at workspace build (falls back to the host "
+        "transport, with a warning naming the pair, when a pair drops them); 0 trusts the driver."),
+    Var("FASTCOMM_TEST_MODE", "0", "Marks a test run; the FASTCOMM_TEST_* switches are refused without it."),
+    Var("FASTCOMM_TEST_SHARED_GPU", "0", "Test only: ranks may share a GPU (each rank a process)."),
+    Var("FASTCOMM_TEST_BREAK_P2P", "", "Test only: e.g. '0-1': the build-time P2P check loses rank 0's writes "
+        "to rank 1."),
 )
 _BY_NAME = {v.name: v for v in VARIABLES}
 
@@ -65,6 +71,17 @@ def _parse_islands(text: str) -> tuple[tuple[int, ...], ...] | None:
         raise ValueError(f"FASTCOMM_ISLANDS={text!r}: expected ranks like '0,1;2,3'") from e
 
 
+def _parse_pair(text: str) -> tuple[int, int] | None:
+    text = text.strip()
+    if not text:
+        return None
+    try:
+        a, b = (int(p) for p in text.split("-"))
+    except ValueError:
+        raise ValueError(f"FASTCOMM_TEST_BREAK_P2P={text!r}: expected two ranks like '0-1'") from None
+    return a, b
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     timeout_s: float = 30.0
@@ -79,8 +96,15 @@ class Config:
     vllm_enabled: bool = True
     vllm_fusion: bool = False  # opt-in, see FASTCOMM_VLLM_FUSION
     log_level: str = "info"
+    p2p_check: bool = True
+    test_mode: bool = False
+    test_shared_gpu: bool = False
+    test_break_p2p: tuple[int, int] | None = None
 
     def __post_init__(self):
+        if (self.test_shared_gpu or self.test_break_p2p) and not self.test_mode:
+            raise ValueError("FASTCOMM_TEST_SHARED_GPU / FASTCOMM_TEST_BREAK_P2P are test-only switches: "
+                             "they are refused unless FASTCOMM_TEST_MODE=1")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.algo not in ALGOS:
@@ -94,7 +118,8 @@ class Config:
 
     def agreed(self) -> tuple:
         """The settings every rank of a workspace must share (compared at build)."""
-        return (self.max_bytes, self.one_shot_max_bytes, self.transport, self.algo, self.islands, self.timeout_s)
+        return (self.max_bytes, self.one_shot_max_bytes, self.transport, self.algo, self.islands, self.timeout_s,
+                self.p2p_check, self.test_shared_gpu, self.test_break_p2p)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> "Config":
@@ -114,6 +139,10 @@ class Config:
             vllm_enabled=_flag(_get(env, "FASTCOMM_VLLM")),
             vllm_fusion=_flag(_get(env, "FASTCOMM_VLLM_FUSION")),
             log_level=_get(env, "FASTCOMM_LOG").lower(),
+            p2p_check=_flag(_get(env, "FASTCOMM_P2P_CHECK")),
+            test_mode=_flag(_get(env, "FASTCOMM_TEST_MODE")),
+            test_shared_gpu=_flag(_get(env, "FASTCOMM_TEST_SHARED_GPU")),
+            test_break_p2p=_parse_pair(_get(env, "FASTCOMM_TEST_BREAK_P2P")),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

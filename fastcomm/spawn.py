@@ -1,7 +1,17 @@
-"""Run a function on N local ranks (one process per GPU) with a deadline; kill whatever is left.
+"""Run a function on N local ranks (one process each) with a deadline; kill whatever is left.
 
 The failure we hunt in a collective library is a deadlock, so the harness never waits unboundedly: it
-joins every rank against one deadline, kills survivors, and reports each rank's outcome.
+joins every rank against one deadline, kills survivors, and reports each rank's outcome. The one harness
+for `fastcomm tune`, the benchmarks and every test suite.
+
+Backends:
+- ``nccl``: one GPU per rank; an NCCL world (for baselines and references) plus a gloo group for fastcomm.
+- ``shared``: ranks share GPUs (rank r on GPU r % count), a gloo world only. Test mode: it sets
+  FASTCOMM_TEST_MODE=1 and FASTCOMM_TEST_SHARED_GPU=1, the switches that let several ranks' workspaces sit
+  on one device (CUDA IPC between processes of one device works; the GPU time-slices their kernels). NCCL
+  refuses two ranks on one GPU, so bodies compute references on the CPU there.
+- ``gloo``: CPU only.
+- ``auto``: ``nccl`` when there are at least ``world`` GPUs, else ``shared``.
 """
 from __future__ import annotations
 
@@ -12,11 +22,23 @@ import traceback
 
 import torch.multiprocessing as mp
 
+BACKENDS = ("auto", "nccl", "shared", "gloo")
+
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def resolve_backend(backend: str, world: int) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    import torch
+
+    return "nccl" if torch.cuda.device_count() >= world else "shared"
 
 
 def _entry(fn, rank, world, port, env, queue, args, backend):
@@ -31,7 +53,9 @@ def _entry(fn, rank, world, port, env, queue, args, backend):
             torch.cuda.set_device(rank)
             dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
             gloo = dist.new_group(backend="gloo")
-        else:  # CPU only (tests of the harness itself)
+        else:
+            if backend == "shared":
+                torch.cuda.set_device(rank % torch.cuda.device_count())
             dist.init_process_group("gloo", rank=rank, world_size=world)
             gloo = dist.group.WORLD
         result = fn(rank, world, gloo, *args)
@@ -46,15 +70,20 @@ def _entry(fn, rank, world, port, env, queue, args, backend):
 
 
 def run_ranks(fn, world: int, *args, timeout: float = 300.0, env: dict | None = None,
-              allow_exit: tuple[int, ...] = (), backend: str = "nccl") -> dict[int, tuple[str, object]]:
+              allow_exit: tuple[int, ...] = (), backend: str = "auto") -> dict[int, tuple[str, object]]:
     """Run ``fn(rank, world, gloo_group, *args)`` on ``world`` spawned ranks; return {rank: (status, value)}.
 
     Ranks listed in ``allow_exit`` may die without reporting (tests that kill a rank on purpose).
     """
+    backend = resolve_backend(backend, world)
+    env = dict(env or {})
+    if backend == "shared":
+        env.setdefault("FASTCOMM_TEST_MODE", "1")
+        env.setdefault("FASTCOMM_TEST_SHARED_GPU", "1")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, dict(env or {}), queue, args, backend), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, env, queue, args, backend), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

@@ -16,6 +16,7 @@ import itertools
 import logging
 import os
 import secrets
+import time
 import types
 import weakref
 from pathlib import Path
@@ -167,11 +168,15 @@ class Workspace:
         self._res = _Resources(self.device_index)
         self._finalizer = weakref.finalize(self, self._res.release)
         self.closed = False
+        self._p2p_note = ""
         try:
             self._build()
         except BaseException:
-            self._finalizer()
             self.closed = True
+            try:
+                self._finalizer()
+            except Exception as cleanup:  # e.g. no driver: cleanup fails too, and must not hide the cause
+                log.debug("fastcomm: cleanup after a failed build also failed: %s", cleanup)
             raise
         _registry[self.id] = self
 
@@ -181,7 +186,9 @@ class Workspace:
         import cupy
 
         rt = _rt()
-        self.plan: Plan = policy.make_plan(gather_facts(self._hs, self.device_index, self.config), self.config)
+        facts = gather_facts(self._hs, self.device_index, self.config)
+        self._p2p_note = facts.p2p_note
+        self.plan: Plan = policy.make_plan(facts, self.config)
         self.layout = L.plan_layout(self.plan.transport.value, self.world_size, self.plan.max_bytes,
                                     self.plan.one_shot_max_bytes, self.plan.islands)
         all_ok = self._hs.all_ok
@@ -204,10 +211,8 @@ class Workspace:
 
     def _load_kernels(self) -> None:
         for kernel in abi.KERNELS:
-            for variant in kernel.variants:
-                for dtype in abi.DTYPE_SUFFIX:
-                    sym = kernel.symbol(dtype, variant)
-                    self._functions[sym] = jit.function(self.device_index, self.config.cache_dir, sym)
+            for sym in kernel.symbols():
+                self._functions[sym] = jit.function(self.device_index, self.config.cache_dir, sym)
 
     def _allocate(self, rt) -> bytes | None:
         """Error record, local state and (P2P) the shared buffer; returns the buffer's IPC handle."""
@@ -221,6 +226,8 @@ class Workspace:
             return None
         res.own_buffer = rt.malloc(self.layout.shared_bytes)
         rt.memset(res.own_buffer, 0, self.layout.shared_bytes)
+        for off, nbytes in getattr(self.layout, "sentinel_regions", ()):
+            rt.memset(res.own_buffer + off, 0xFF, nbytes)  # "not arrived yet" for readiness-in-data slots
         return bytes(rt.ipcGetMemHandle(res.own_buffer))
 
     def _open_peers(self, rt, handles: list) -> list[int]:
@@ -288,12 +295,18 @@ class Workspace:
             rt.hostRegister(res.host_addr, size, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED)
             res.host_registered = True
 
-        name = self._all_ok("creating the host segment", create)[0]
-        self._all_ok("mapping the host segment", lambda: mmap(name))
+        def fill() -> None:
+            if self.rank == 0:  # once, before any rank may write: every rank has mapped it, none has returned
+                for off, nbytes in getattr(self.layout, "sentinel_regions", ()):
+                    ctypes.memset(res.host_addr + off, 0xFF, nbytes)
+
+        name = self._hs.all_ok("creating the host segment", create)[0]
+        self._hs.all_ok("mapping the host segment", lambda: mmap(name))
+        self._hs.all_ok("initialising the host segment", fill)
         if res.shm_path is not None:  # rank 0, once every rank has it mapped: nothing stays in /dev/shm
             res.shm_path.unlink(missing_ok=True)
             res.shm_path = None
-        self._all_ok("registering the host segment with CUDA", register)
+        self._hs.all_ok("registering the host segment with CUDA", register)
         return res.host_addr
 
     # ---- queries ----------------------------------------------------------------------------------
@@ -360,7 +373,7 @@ class Workspace:
                                    or not weight.is_contiguous()):
             return f"weight must be a contiguous {x.dtype} vector of {hidden} elements on {x.device}"
         return policy.check_fused(tokens=x.numel() // max(hidden, 1), hidden=hidden, elem_size=x.element_size(),
-                                  one_shot_max_bytes=self.plan.one_shot_max_bytes)
+                                  one_shot_max_bytes=self.plan.fused_max_bytes)
 
     def can_fuse(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                  weight: torch.Tensor | None = None) -> bool:
@@ -374,8 +387,25 @@ class Workspace:
     def error_message(self) -> str | None:
         return None if self.closed else describe(self._err, self.config.timeout_s)
 
+    def watch(self, callback, interval_s: float = 0.05) -> None:
+        """Call ``callback(message)`` once, from a daemon thread, as soon as a kernel of this workspace records a
+        device-side timeout. The record is pinned host memory, readable while the CUDA context is dead, so
+        the message naming rank, peer and step reaches the log even when CUDA's own error surfaces elsewhere
+        (a later sync, another library) as a generic launch failure."""
+        import threading
+
+        def loop() -> None:
+            while not self.closed:
+                msg = describe(self._err, self.config.timeout_s)
+                if msg is not None:
+                    callback(msg)
+                    return
+                time.sleep(interval_s)
+
+        threading.Thread(target=loop, name=f"fastcomm-watch-{self.id}", daemon=True).start()
+
     def describe(self) -> str:
-        return self.plan.describe()
+        return self.plan.describe() + (f"; {self._p2p_note}" if self._p2p_note else "")
 
     def stream(self) -> int:
         """The caller's current stream on our device (raw handle; the fast accessor when torch has it)."""
@@ -397,6 +427,20 @@ class Workspace:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def translate_error(exc: BaseException | None = None) -> FastcommTimeoutError | None:
+    """The FastcommTimeoutError (naming rank, peer and step) behind ``exc`` when an open workspace of this
+    process recorded a device-side timeout, else None. For callers that see CUDA's generic "unspecified
+    launch failure" after a fastcomm kernel trapped: ``raise fastcomm.translate_error(e) or e``."""
+    for ws in list(_registry.values()):
+        msg = ws.error_message()
+        if msg is not None:
+            err = FastcommTimeoutError(msg)
+            if exc is not None:
+                err.__cause__ = exc
+            return err
+    return None
 
 
 def dtype_name(dtype: torch.dtype) -> str:

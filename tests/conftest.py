@@ -18,7 +18,8 @@ def gpu_count() -> int:
 
 def pytest_collection_modifyitems(config, items):
     n = gpu_count()
-    skip = pytest.mark.skip(reason="needs 2+ CUDA GPUs (run on the device: bench/device_run.sh)")
+    # One GPU is enough: ranks then share it (fastcomm.spawn's "shared" backend).
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device: bench/device_run.sh)")
     for item in items:
-        if "gpu" in item.keywords and n < 2:
+        if "gpu" in item.keywords and n < 1:
             item.add_marker(skip)

@@ -99,3 +99,16 @@ def test_flag_arrays_hold_every_block():
     lay = L.plan_layout("p2p", 2, 8 * MB, 1 * MB)
     g = lay.groups[0]
     assert g.ag_flag_off - g.rs_flag_off == 2 * 2 * MAX_BLOCKS * 4
+
+
+def test_p2p_check_pattern_mirrors_the_kernel():
+    # The host recomputes what csrc/p2p_check.cuh writes; both use the same constant and word order.
+    from fastcomm import handshake
+    from fastcomm.jit import source_dir
+
+    src = " ".join((source_dir() / "p2p_check.cuh").read_text().split())
+    assert f"0x{handshake._GOLDEN:X}ull" in src and '"r"((u32)v), "r"((u32)(v >> 32)), "r"(~(u32)v)' in src
+    a, b = handshake._check_pattern(7, 0, 1), handshake._check_pattern(7, 1, 0)
+    assert a != b  # a write that lands in the wrong slot cannot pass as the right one
+    data = handshake.expected_check_bytes(a)
+    assert len(data) == handshake.CHECK_STORES * 16 and data != handshake.expected_check_bytes(b)

@@ -72,9 +72,32 @@ def test_nvlink_defaults_follow_the_measured_switch_point():
     two = P.lookup_rules(P.DEFAULT_TABLE, Transport.P2P, LinkType.NVLINK, 2)
     pick = lambda n, rules: P.choose_algo(n, rules, one_shot_max_bytes=MB, max_bytes=8 * MB)  # noqa: E731
     assert pick(768 * KB, two) is Algo.ONE_SHOT and pick(MB, two) is Algo.TWO_SHOT
-    # More ranks multiply the one-shot's bytes per link: its range is smaller there.
-    eight = P.lookup_rules(P.DEFAULT_TABLE, Transport.P2P, LinkType.NVLINK, 8)
-    assert pick(256 * KB, eight) is Algo.ONE_SHOT and pick(512 * KB, eight) is Algo.TWO_SHOT
+    # More ranks multiply the one-shot's bytes per GPU: the plan scales its range (7 copies at 8 ranks).
+    eight = _plan(world=8).rules
+    assert pick(108 * KB, eight) is Algo.ONE_SHOT and pick(112 * KB, eight) is Algo.TWO_SHOT
+
+
+def _plan(world, transport_ok=True, link=LinkType.NVLINK, **cfg):
+    from fastcomm.config import Config
+
+    facts = P.Facts(world_size=world, all_p2p=transport_ok, link=link)
+    return P.make_plan(facts, Config(**cfg))
+
+
+def test_one_shot_range_follows_bytes_per_gpu():
+    # The host one-shot was measured to 512 KiB at 2 ranks; at 8 each GPU would read 7 copies from host
+    # memory, so the range is cut to 512 / 7 (rounded down to 4 KiB); the fused op follows the one-shot.
+    two, eight = _plan(2, False), _plan(8, False)
+    assert two.algo_for(512 * KB) is Algo.ONE_SHOT and two.fused_max_bytes == 512 * KB
+    assert eight.algo_for(72 * KB) is Algo.ONE_SHOT and eight.algo_for(76 * KB) is Algo.TWO_SHOT
+    assert eight.fused_max_bytes == 72 * KB and "fused all-reduce + RMSNorm <= 72 KiB" in eight.describe()
+    assert "8 ranks" in eight.describe() and "scaled to 7 copies" in eight.describe()
+    # Islands: each GPU sends to its 3 island peers and one partner: 4 copies.
+    isl = _plan(8, True, LinkType.CROSS_SOCKET, islands=((0, 1, 2, 3), (4, 5, 6, 7)))
+    assert isl.algo_for(16 * KB) is Algo.ONE_SHOT and isl.algo_for(20 * KB) is Algo.TWO_SHOT
+    # Rows written for an exact world size are used as they are.
+    pcie8 = _plan(8, True, LinkType.PCIE_SWITCH)
+    assert pcie8.rules == P.DEFAULT_TABLE[P.PolicyKey(Transport.P2P, LinkType.PCIE_SWITCH, 8)]
 
 
 def _check(**kw):
@@ -96,7 +119,7 @@ def test_check_tensor_reasons():
 
 def test_check_fused_limits():
     assert P.check_fused(tokens=64, hidden=6144, elem_size=2, one_shot_max_bytes=MB) is None
-    assert "one-shot buffer" in P.check_fused(tokens=128, hidden=6144, elem_size=2, one_shot_max_bytes=MB)
+    assert "above the fused op's range" in P.check_fused(tokens=128, hidden=6144, elem_size=2, one_shot_max_bytes=MB)
     assert P.check_fused(tokens=1, hidden=16384, elem_size=4, one_shot_max_bytes=MB) is None
     assert "exceeds" in P.check_fused(tokens=1, hidden=16385, elem_size=4, one_shot_max_bytes=MB)
     assert P.check_fused(tokens=1, hidden=7, elem_size=2, one_shot_max_bytes=MB) is None  # odd hidden: row tail

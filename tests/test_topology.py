@@ -577,7 +577,8 @@ def test_cli_human(cli):
     assert "islands: [0 1 2 3] [4 5 6 7]  (hierarchical" in out
     assert "plan: transport p2p, link cross_socket, world size 8" in out
     rules = policy.DEFAULT_TABLE[policy.PolicyKey(policy.Transport.P2P, XS, 0)]
-    assert f"<= {rules[0].max_bytes // 1024} KiB" in out and "one_shot" in out and "nccl (not fastcomm)" in out
+    bound = policy.plan.scale_one_shot(rules, 4)[0].max_bytes  # islands 4+4: 3 island peers + 1 partner
+    assert f"<= {bound // 1024} KiB: one_shot" in out and "nccl (not fastcomm)" in out
     assert "query-gpu" in out  # says what it could not read
 
 

@@ -11,9 +11,12 @@ import dataclasses
 from ..abi import MAX_BLOCKS, MAX_WORLD
 from ..config import Config
 from ..errors import FastcommError
+from ..units import format_size
 from .links import LinkType, validate_islands
-from .rules import DEFAULT_TABLE, Algo, Rule, SizeRange, Transport, choose_algo, lookup_rules, render_ranges, \
+from .rules import DEFAULT_TABLE, Algo, PolicyKey, Rule, SizeRange, Transport, choose_algo, render_ranges, \
     size_ranges
+
+ONE_SHOT_ALIGN = 4096  # scaled one-shot bounds are rounded down to this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +30,7 @@ class Facts:
     num_sms: int = 0               # 0: unknown (the plan then allows MAX_BLOCKS)
     tuned_rules: tuple[Rule, ...] | None = None  # from a matching tune cache, else None
     rules_source: str = "defaults"
+    p2p_note: str = ""             # what the build-time P2P check found (for describe())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +45,7 @@ class Plan:
     one_shot_max_bytes: int
     max_blocks: int
     forced_algo: str = "auto"
+    fused_max_bytes: int = 0   # the fused all-reduce + RMSNorm serves inputs up to this (the one-shot's range)
 
     def algo_for(self, nbytes: int, forced: str | None = None) -> Algo:
         """The algorithm for one message (NCCL: not served by fastcomm)."""
@@ -53,8 +58,51 @@ class Plan:
 
     def describe(self) -> str:
         isl = f", islands {self.islands}" if self.islands else ""
+        fused = f"fused all-reduce + RMSNorm <= {format_size(self.fused_max_bytes)}" if self.fused_max_bytes \
+            else "no fused all-reduce + RMSNorm"
         return (f"fastcomm: {self.world_size} ranks, transport {self.transport.value}, link {self.link.value}{isl}; "
-                f"{'; '.join(render_ranges(self.ranges()))} (policy: {self.rules_source})")
+                f"{'; '.join(render_ranges(self.ranges()))}; {fused} (policy: {self.rules_source})")
+
+
+def one_shot_copies(world: int, islands: tuple[tuple[int, ...], ...] | None) -> int:
+    """Copies of the message each GPU sends (P2P) or reads from host memory (host) in a one-shot: every
+    peer's, or, with islands, the island's peers' and then one partner per other island."""
+    if not islands:
+        return world - 1
+    return (len(islands[0]) - 1) + (len(islands) - 1)
+
+
+def default_rules(transport: Transport, link: LinkType, world: int, copies: int) -> tuple[tuple[Rule, ...], str]:
+    """The default table's rules for this world size, and how they were found.
+
+    Rows keyed by an exact world size are used as written. Rows for any world size carry bounds measured
+    (or modelled) at 2 ranks, and the one-shot bound is scaled by a bytes-per-GPU model: a one-shot of S bytes
+    makes each GPU move ``copies`` copies of S (n - 1 flat), against about 2 S (n - 1) / n for the two-shot,
+    whose cost grows little with n. The one-shot is kept while each GPU moves no more bytes than at the
+    2-rank bound (one copy): S_n = S_2 / copies, rounded down to 4 KiB. (8 ranks over host memory: 512 KiB
+    at 2 ranks -> 72 KiB, where each of 8 GPUs reads 7 x 72 KiB from host memory.)
+    """
+    for lk in (link, LinkType.UNKNOWN):
+        rules = DEFAULT_TABLE.get(PolicyKey(transport, lk, world))
+        if rules is not None:
+            return rules, f"defaults for {world} ranks"
+        rules = DEFAULT_TABLE.get(PolicyKey(transport, lk, 0))
+        if rules is not None:
+            return scale_one_shot(rules, copies), f"defaults scaled to {copies} copies per GPU"
+    return (), "no default rules"
+
+
+def scale_one_shot(rules: tuple[Rule, ...], copies: int) -> tuple[Rule, ...]:
+    """``rules`` with the one-shot bound divided by ``copies`` (see default_rules)."""
+    if copies <= 1:
+        return rules
+    out = []
+    for r in rules:
+        if r.algo is Algo.ONE_SHOT:
+            r = Rule(max(ONE_SHOT_ALIGN, r.max_bytes // copies // ONE_SHOT_ALIGN * ONE_SHOT_ALIGN), r.algo)
+        if not out or r.max_bytes > out[-1].max_bytes:
+            out.append(r)
+    return tuple(out)
 
 
 def make_plan(facts: Facts, config: Config) -> Plan:
@@ -75,10 +123,15 @@ def make_plan(facts: Facts, config: Config) -> Plan:
             raise FastcommError("island (hierarchical) mode needs P2P; the host transport is flat by nature")
         if len(islands) < 2:
             islands = None
-    rules = facts.tuned_rules if facts.tuned_rules is not None else \
-        lookup_rules(DEFAULT_TABLE, transport, facts.link, world)
+    if facts.tuned_rules is not None:
+        rules, source = facts.tuned_rules, facts.rules_source
+    else:
+        rules, how = default_rules(transport, facts.link, world, one_shot_copies(world, islands or None))
+        source = how if facts.rules_source == "defaults" else f"{facts.rules_source}; {how}"
+    one_shot_max = min(config.one_shot_max_bytes, config.max_bytes)
+    # The fused op is the one-shot exchange laid out by rows: the same bytes, so the same range.
+    one_shot_rule = next((r.max_bytes for r in rules if r.algo is Algo.ONE_SHOT), 0)
     return Plan(world_size=world, transport=transport, link=facts.link, islands=islands or None, rules=rules,
-                rules_source=facts.rules_source, max_bytes=config.max_bytes,
-                one_shot_max_bytes=min(config.one_shot_max_bytes, config.max_bytes),
+                rules_source=source, max_bytes=config.max_bytes, one_shot_max_bytes=one_shot_max,
                 max_blocks=min(MAX_BLOCKS, config.max_blocks or facts.num_sms or MAX_BLOCKS),
-                forced_algo=config.algo)
+                forced_algo=config.algo, fused_max_bytes=min(one_shot_max, one_shot_rule))

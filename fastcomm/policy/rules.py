@@ -43,17 +43,16 @@ class PolicyKey:
 
 # Defaults measured or modelled per (transport, link, world size); a tune file overrides entries.
 # Rules are ordered by max_bytes; the first rule whose max_bytes >= size wins; past the last, NCCL.
+# World size 0 rows hold 2-rank bounds; the plan scales their one-shot bound to the world size.
 DEFAULT_TABLE: dict[PolicyKey, tuple[Rule, ...]] = {
     # Two ranks, measured on 2 x H200 (run 5 and run 10 in bench/results/): one-shot 7.7 / 9.9 us against
     # two-shot 10.0 / 10.8 at 512 / 768 KB (12.3 / 12.8 after a GEMM at 768 KB), two-shot ahead from 1 MB
     # (11.6-11.8 against 12.0-12.2). 768 KB is also a 64-token GLM-5 decode step's all-reduce.
     PolicyKey(Transport.P2P, LinkType.NVLINK, 2): (
         Rule(768 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT)),
-    # 3-8 ranks (modelled: no such machine lent yet). Each rank writes (n-1) x 2 x size for the one-shot
-    # and ~2 x size for the two-shot, so the one-shot's range shrinks with the world size; vLLM's
-    # one-stage kernel (half the one-shot's bytes) stops at 256-512 KB there.
+    # 3-8 ranks: the 2-rank bound, scaled by the plan's bytes-per-GPU model (policy.plan.default_rules).
     PolicyKey(Transport.P2P, LinkType.NVLINK, 0): (
-        Rule(256 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT)),
+        Rule(768 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT)),
     # PCIe (modelled, not measured: no PCIe-only GPUs lent yet). Writes are cheap and posted; one-shot has a
     # single hop but each GPU writes (n-1) x 2 x size over its own x16 link, so its range shrinks with the
     # world size (8 ranks, 32 KB: 7 x 64 KB = ~10 us of link time at ~45 GB/s).

@@ -1,42 +1,82 @@
-"""GPU tests (2+ GPUs): correctness of every op over each transport, graphs, timeouts, cleanup."""
+"""GPU tests: every op over each transport at world sizes 2-8, islands, graphs, timeouts, the P2P check.
+
+Ranks get one GPU each where there are enough GPUs (NCCL references), and share GPUs otherwise
+(fastcomm.spawn's "shared" backend: test mode, CPU references), so the whole suite runs on one GPU.
+"""
 import glob
+import math
 
 import pytest
 
-from fastcomm.spawn import check_all_ok, run_ranks
+from fastcomm.spawn import check_all_ok, resolve_backend, run_ranks
 import gpu_workers as W
 
 pytestmark = pytest.mark.gpu
 
+WORLDS = (2, 3, 4, 8)
+TIMEOUT_S = 3.0
 
-def _world():
-    import torch
 
-    return min(torch.cuda.device_count(), 8)
+def _counts(world):
+    """(back-to-back calls, graph replays): the full counts with a GPU per rank; fewer where ranks share a
+    GPU, whose kernels then run one rank at a time (time-slicing), each call taking several slices."""
+    if resolve_backend("auto", world) == "nccl":
+        return 10_000, 2_000
+    return (2_000, 1_000) if world <= 4 else (600, 300)
 
 
 @pytest.mark.parametrize("transport", ["p2p", "host"])
-def test_core(transport):
-    res = check_all_ok(run_ranks(W.core, _world(), transport, None, 10_000, 2_000, timeout=900))
-    print(transport, res[0])
-    assert res[0]["exact"] > 100 and res[0]["back_to_back"] == 10_000 and res[0]["graph_replays"] == 2_000
-    assert res[0]["try_all_reduce"]
+@pytest.mark.parametrize("world", WORLDS)
+def test_core(world, transport):
+    calls, replays = _counts(world)
+    res = check_all_ok(run_ranks(W.core, world, transport, None, calls, replays, timeout=900))
+    print(world, transport, res[0])
+    # What the workers observed (every result is checked inside them against the reference):
+    assert res[0]["exact"] > 100, res[0]
+    assert all(r["back_to_back"] == calls and r["graph_replays"] == replays for r in res)
+    assert f"{world} ranks, transport {transport}" in res[0]["describe"]
 
 
-def test_forced_islands():
-    world = _world()
-    islands = tuple((r,) for r in range(world)) if world == 2 else (tuple(range(world // 2)), tuple(range(world // 2, world)))
-    res = check_all_ok(run_ranks(W.core, world, "p2p", islands, 1_000, 200, timeout=900))
-    assert "islands" in res[0]["describe"]
+@pytest.mark.parametrize("world,islands", [(2, ((0,), (1,))), (4, ((0, 1), (2, 3))), (8, ((0, 1, 2, 3), (4, 5, 6, 7)))])
+def test_forced_islands(world, islands):
+    calls, replays = _counts(world)
+    res = check_all_ok(run_ranks(W.core, world, "p2p", islands, calls // 5, replays // 5, timeout=900))
+    assert "islands" in res[0]["describe"] and res[0]["exact"] > 100
 
 
 @pytest.mark.parametrize("transport,die", [("p2p", False), ("host", False), ("host", True)])
-def test_missing_peer_times_out(transport, die):
-    world = _world()
-    results = run_ranks(W.timeout, world, transport, die, timeout=120, allow_exit=(world - 1,) if die else ())
+@pytest.mark.parametrize("world", (2, 4, 8))
+def test_missing_peer_times_out(world, transport, die):
+    results = run_ranks(W.timeout, world, transport, die, TIMEOUT_S, timeout=120,
+                        allow_exit=(world - 1,) if die else ())
     for r in range(world - 1):
         status, value = results[r]
         assert status == "ok", value
-        assert value["message"] and f"rank {r} timed out" in value["message"] and f"peer rank {world - 1}" in value["message"], value
+        msg = value["message"]
+        assert msg and f"rank {r} timed out" in msg and f"peer rank {world - 1}" in msg, value
+        # The record (what fastcomm controls) appears within the timeout + 2 s; CUDA's own report of the
+        # trapped kernel is printed by the test, not asserted (with shared GPUs it can lag: the sharing).
+        assert value["record_s"] <= TIMEOUT_S + 2, value
+        assert value["translated"] == msg, value  # CUDA's generic failure turned into fastcomm's text
         assert value["shm_leftovers"] == [], value
+        print(f"world {world} {transport} die={die} rank {r}: record {value['record_s']:.2f} s, "
+              f"sync {'returned' if value['sync_returned'] else 'still waiting'} at "
+              f"{value['sync_s'] if math.isfinite(value['sync_s']) else 'inf'} s")
     assert glob.glob("/dev/shm/fastcomm-*") == []
+
+
+@pytest.mark.parametrize("world", (2, 8))
+def test_p2p_check_costs_and_passes(world):
+    res = check_all_ok(run_ranks(W.p2p_check, world, "auto", None, timeout=300))
+    assert all(r["transport"] == "p2p" and r["sum_ok"] for r in res), res
+    assert "P2P writes checked between every pair" in res[0]["describe"], res[0]
+    print(f"P2P check at {world} ranks: {res[0]['describe']}")
+
+
+def test_p2p_that_drops_writes_falls_back_or_fails():
+    env = {"FASTCOMM_TEST_MODE": "1", "FASTCOMM_TEST_BREAK_P2P": "0-1"}
+    res = check_all_ok(run_ranks(W.p2p_check, 4, "auto", None, timeout=300, env=env))
+    assert all(r["transport"] == "host" and r["sum_ok"] for r in res), res
+    assert "rank 0 -> rank 1" in res[0]["describe"], res[0]
+    forced = check_all_ok(run_ranks(W.p2p_check, 4, "p2p", None, timeout=300, env=env))
+    assert all("FASTCOMM_TRANSPORT=p2p" in r["error"] and "rank 0 -> rank 1" in r["error"] for r in forced), forced
