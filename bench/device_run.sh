@@ -36,9 +36,9 @@ if [[ " ${stages[*]} " == *" tests "* ]]; then
   [ "$ngpu" -ge 2 ] && python3 -c "import vllm" 2>/dev/null && gpu_dirs+=(tests/vllm)
   [ ${#sel[@]} -gt 0 ] && gpu_dirs=("${sel[@]}")
   { echo "# commit $commit; $ngpu GPU(s)"
-    timeout ${FASTCOMM_TEST_BUDGET_S:-540} python3 -m pytest -m gpu "${gpu_dirs[@]}" -q -s -rA -p no:cacheprovider 2>&1
+    FASTCOMM_INSTAFAIL=1 timeout ${FASTCOMM_TEST_BUDGET_S:-540} python3 -m pytest -m gpu "${gpu_dirs[@]}" -q -s -rA -p no:cacheprovider 2>&1
   } | sed -e "s#$PWD/##g" -e "s#/tmp/[A-Za-z0-9._/-]*#<tmp>#g" | tee "$OUT/gpu_tests.log" \
-    | grep -E "passed|failed|Error|error|assert|record|P2P check" | tail -60
+    | grep -E "passed|failed|FAILED|Error|error|assert|record|P2P check|^E |^>" | tail -80
   rc=${PIPESTATUS[0]}
 fi
 if [ "$ngpu" -lt 2 ]; then

@@ -23,3 +23,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and n < 1:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    # On the device a call has a hard time limit: print each failure as it happens, so a run cut short
+    # still brings back why (FASTCOMM_INSTAFAIL=1, set by bench/device_run.sh).
+    if report.failed and os.environ.get("FASTCOMM_INSTAFAIL"):
+        print(f"\n=== FAILED {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n", flush=True)
