@@ -130,7 +130,7 @@ def fused_all_reduce_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, 
     in-place use. Collective.
     """
     ws.raise_if_failed()
-    reason = ws.why_not_fused(x, residual, weight)
+    reason = ws.why_not_fused(x, residual, weight, within_policy=False)  # routing callers ask ws.can_fuse()
     if reason is not None:
         raise FastcommError(f"fastcomm.fused_all_reduce_rmsnorm: {reason}")
     out = torch.empty_like(x) if out is None else out

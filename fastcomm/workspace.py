@@ -356,9 +356,11 @@ class Workspace:
         return self.why_not(x) is None
 
     def why_not_fused(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                      weight: torch.Tensor | None = None) -> str | None:
-        """Why the fused all-reduce + RMSNorm cannot take these inputs (None: it can). The one input check
-        of the fused op: ``fused_all_reduce_rmsnorm`` and the vLLM routing both ask it."""
+                      weight: torch.Tensor | None = None, *, within_policy: bool = True) -> str | None:
+        """Why the fused all-reduce + RMSNorm should not take these inputs (None: it should). The one input
+        check of the fused op. ``within_policy`` (what routing callers such as the vLLM integration want)
+        also refuses sizes above the plan's fused range, where all-reduce + norm is the faster path;
+        ``fused_all_reduce_rmsnorm`` itself only refuses what cannot run (the one-shot buffers' limit)."""
         if self.closed:
             return "workspace is closed"
         reason = self.tensor_reason(x)
@@ -372,12 +374,13 @@ class Workspace:
         if weight is not None and (weight.shape != (hidden,) or weight.dtype != x.dtype or weight.device != x.device
                                    or not weight.is_contiguous()):
             return f"weight must be a contiguous {x.dtype} vector of {hidden} elements on {x.device}"
+        limit = self.plan.fused_max_bytes if within_policy else self.plan.one_shot_max_bytes
         return policy.check_fused(tokens=x.numel() // max(hidden, 1), hidden=hidden, elem_size=x.element_size(),
-                                  one_shot_max_bytes=self.plan.fused_max_bytes)
+                                  one_shot_max_bytes=limit)
 
     def can_fuse(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                 weight: torch.Tensor | None = None) -> bool:
-        return self.why_not_fused(x, residual, weight) is None
+                 weight: torch.Tensor | None = None, *, within_policy: bool = True) -> bool:
+        return self.why_not_fused(x, residual, weight, within_policy=within_policy) is None
 
     def raise_if_failed(self) -> None:
         """Raise the device-side timeout, if one happened (cheap: one read of pinned host memory)."""

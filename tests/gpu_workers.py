@@ -234,7 +234,8 @@ def _fused(ws, seed):
     worst = 0.0
     for dtype in DTYPES:
         for tokens, hidden in ((1, 6144), (3, 6144), (8, 4099), (64, 6144), (2, 16384), (5, 7), (1, 1)):
-            if not ws.can_fuse(torch.empty(tokens, hidden, dtype=dtype, device=dev)):
+            # The kernel is tested over its whole reach, not only the plan's routing range.
+            if not ws.can_fuse(torch.empty(tokens, hidden, dtype=dtype, device=dev), within_policy=False):
                 continue
             g = torch.Generator(device="cpu").manual_seed(seed + tokens * hidden)
             x = torch.randn(tokens, hidden, generator=g).to(dtype).to(dev) * (rank + 1)
@@ -316,9 +317,19 @@ def timeout(rank, world, gloo, transport, die, timeout_s=3.0):
         time.sleep(timeout_s + 8)  # stay alive (buffers mapped) while the others time out
         return {"skipped": True}
     seen = {}
-    ws.watch(lambda msg: seen.setdefault("t", time.monotonic()))
+
+    def say(what):  # straight to the log: a rank that never returns still shows how far it got
+        print(f"[timeout test] world {world} {transport} die={die} rank {rank}: {what} at "
+              f"{time.monotonic() - t0:.2f} s", flush=True)
+
+    def on_record(msg):
+        seen.setdefault("t", time.monotonic())
+        say("error record set")
+
     t0 = time.monotonic()
+    ws.watch(on_record)
     fastcomm.all_reduce(x, ws)
+    say("launched")
     done, out = threading.Event(), {}
 
     def sync():
@@ -331,9 +342,11 @@ def timeout(rank, world, gloo, transport, die, timeout_s=3.0):
 
     threading.Thread(target=sync, daemon=True).start()
     done.wait(timeout_s + 20)
+    say("sync returned" if done.is_set() else "sync still waiting")
     while "t" not in seen and time.monotonic() < t0 + timeout_s + 20:
         time.sleep(0.01)
     translated = fastcomm.translate_error(RuntimeError(out.get("cuda_error", "")))
+    say("returning")
     return {"message": ws.error_message(), "record_s": seen.get("t", math.inf) - t0,
             "sync_s": out.get("t", math.inf) - t0, "sync_returned": done.is_set(),
             "cuda_error": out.get("cuda_error"), "translated": None if translated is None else str(translated),

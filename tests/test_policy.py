@@ -119,7 +119,7 @@ def test_check_tensor_reasons():
 
 def test_check_fused_limits():
     assert P.check_fused(tokens=64, hidden=6144, elem_size=2, one_shot_max_bytes=MB) is None
-    assert "above the fused op's range" in P.check_fused(tokens=128, hidden=6144, elem_size=2, one_shot_max_bytes=MB)
+    assert "above the fused op's limit" in P.check_fused(tokens=128, hidden=6144, elem_size=2, one_shot_max_bytes=MB)
     assert P.check_fused(tokens=1, hidden=16384, elem_size=4, one_shot_max_bytes=MB) is None
     assert "exceeds" in P.check_fused(tokens=1, hidden=16385, elem_size=4, one_shot_max_bytes=MB)
     assert P.check_fused(tokens=1, hidden=7, elem_size=2, one_shot_max_bytes=MB) is None  # odd hidden: row tail

@@ -35,6 +35,7 @@ def check_fused(*, tokens: int, hidden: int, elem_size: int, one_shot_max_bytes:
     if row_bytes > FUSED_MAX_ROW_BYTES:
         return f"a row of {hidden} elements ({row_bytes} bytes) exceeds the fused kernel's {FUSED_MAX_ROW_BYTES} bytes"
     if tokens * row_bytes > one_shot_max_bytes:
-        return (f"{tokens} tokens x {hidden} ({tokens * row_bytes} bytes) is above the fused op's range here "
-                f"({one_shot_max_bytes} bytes, the one-shot's at this world size and transport)")
+        return (f"{tokens} tokens x {hidden} ({tokens * row_bytes} bytes) is above the fused op's limit of "
+                f"{one_shot_max_bytes} bytes here (routing: the one-shot's range at this world size and transport; "
+                "otherwise the one-shot buffers)")
     return None
