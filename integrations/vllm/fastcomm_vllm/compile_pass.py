@@ -1,27 +1,16 @@
-"""All-reduce followed by RMSNorm, as one fastcomm kernel.
+"""Route 2 of the fusion: a post-grad pass that fuses all-reduce + RMSNorm in torch.compiled graphs.
 
-Two routes, because vLLM reaches "all-reduce then RMSNorm" two ways:
-
-1. The DSA model (GLM-5 ``GlmMoeDsaForCausalLM`` and DeepSeek-V3.2) calls a helper,
-   ``fused_allreduce_rms_norm(hidden_states, residual, norm)``, twice per layer and once for the final
-   norm. It runs eagerly (under vLLM's breakable CUDA graph), so no compile pass sees it. Its fast path is
-   FlashInfer's NVLink/NVSwitch kernel; on PCIe it falls back to NCCL + a separate norm. We wrap it.
-   Where it lives: vLLM 0.33 ``vllm.models.common.ops.fused_allreduce_rms_norm`` (used by
-   ``vllm.models.deepseek_v32.nvidia.model``, the default class for GlmMoeDsaForCausalLM on CUDA);
-   vLLM 0.25 ``vllm.models.deepseek_v32.nvidia.fused_ops`` (used by ``...deepseek_v32.nvidia.model``, which
-   0.25 only serves through ``model_class_overrides``; its default GLM-5 class is ``deepseek_v2``'s).
-2. torch.compiled models (0.25's default GLM-5 path included) show ``vllm.all_reduce`` followed by
-   ``vllm_ir.rms_norm`` / ``vllm_ir.fused_add_rms_norm`` in the post-grad graph. ``FastcommFusionPass``
-   replaces each pair with ``fastcomm_vllm.fused_all_reduce_rms_norm``, which decides at run time (the
-   token count is symbolic at compile time) between fastcomm's fused kernel and the two original ops.
+torch.compiled models (vLLM 0.25's default GLM-5 path included) show ``vllm.all_reduce`` followed by
+``vllm_ir.rms_norm`` / ``vllm_ir.fused_add_rms_norm`` in the post-grad graph. ``FastcommFusionPass`` replaces
+each pair with ``fastcomm_vllm.fused_all_reduce_rms_norm`` (``fused_op``), which decides at run time (the
+token count is symbolic at compile time) between fastcomm's fused kernel and the two original ops.
+``FastcommPassManager`` is vLLM's post-grad pass manager with this pass appended; the plugin points vLLM's
+CUDA platform at it.
 """
 from __future__ import annotations
 
-import functools
-import importlib.abc
 import logging
 import operator
-import sys
 from typing import Callable
 
 import torch
@@ -29,177 +18,9 @@ from torch import fx
 from vllm.compilation.passes.inductor_pass import InductorPass
 from vllm.compilation.passes.pass_manager import PostGradPassManager
 
+from .fused_op import register_ops, workspace_of
+
 logger = logging.getLogger("vllm.fastcomm")
-
-HELPER = "fused_allreduce_rms_norm"
-# Module defining the helper, newest layout first. Consumers bind it with `from ... import`, so it must be
-# wrapped in the defining module before they import it (see route_fused_helper).
-HELPER_MODULES = ("vllm.models.common.ops.fused_allreduce_rms_norm",  # vLLM 0.33
-                  "vllm.models.deepseek_v32.nvidia.fused_ops")         # vLLM 0.25
-OP = "fastcomm_vllm::fused_all_reduce_rms_norm"
-
-
-# ---- the runtime decision ------------------------------------------------------------------------------
-
-def workspace_of(group_name: str):
-    """The fastcomm workspace of vLLM's group ``group_name`` ("tp:0"), or None."""
-    from vllm.distributed import parallel_state
-
-    ref = parallel_state._groups.get(group_name)  # vLLM's registry behind torch.ops.vllm.all_reduce
-    group = ref() if ref is not None else None
-    comm = None if group is None else group.device_communicator
-    return getattr(comm, "fastcomm_workspace", None)
-
-
-def _fusable(ws, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> bool:
-    # Same on every rank: shapes, dtypes and layout are. The weight check mirrors the kernel's own, so a
-    # call we route never raises on the hot path.
-    return (ws.why_not_fused(x, residual) is None and weight.dtype == x.dtype and weight.is_contiguous()
-            and weight.shape == x.shape[-1:] and weight.device == x.device)
-
-
-def _impl(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-          group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    ws = workspace_of(group_name)
-    if ws is not None and _fusable(ws, x, residual, weight):
-        import fastcomm
-
-        return fastcomm.fused_all_reduce_rmsnorm(x, weight, eps, ws, residual=residual)
-    # What the graph held before the rewrite: the group's all-reduce, then vLLM's norm (same IR dispatch).
-    import vllm.ir.ops
-    from vllm.distributed import parallel_state
-
-    reduced = parallel_state._groups[group_name]()._all_reduce_out_place(x)
-    if residual is None:
-        return vllm.ir.ops.rms_norm(reduced, weight, eps), reduced
-    return vllm.ir.ops.fused_add_rms_norm(reduced, residual, weight, eps)
-
-
-def _fake(x, residual, weight, eps, group_name):
-    return torch.empty_like(x), torch.empty_like(x)
-
-
-# The Library must outlive the process's use of the op (dropping it unregisters the op).
-_library: torch.library.Library | None = None
-
-
-def register_ops() -> None:
-    """Define ``torch.ops.fastcomm_vllm.fused_all_reduce_rms_norm``. Idempotent.
-
-    Returns ``(out, residual_out)``: residual_out = all_reduce(x) + residual (or all_reduce(x)),
-    out = rms_norm(residual_out) * weight. Functional: fresh outputs, inputs untouched.
-    """
-    global _library
-    if _library is not None or hasattr(torch.ops.fastcomm_vllm, "fused_all_reduce_rms_norm"):
-        return
-    lib = torch.library.Library("fastcomm_vllm", "FRAGMENT")
-    lib.define("fused_all_reduce_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name)"
-               " -> (Tensor, Tensor)")
-    lib.impl("fused_all_reduce_rms_norm", _impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(OP, _fake, lib=lib)
-    _library = lib
-
-
-# ---- route 1: the DSA model's helper -------------------------------------------------------------------
-
-def _plain_rms_norm(norm) -> bool:
-    from vllm.model_executor.layers.layernorm import RMSNorm
-
-    return (type(norm) is RMSNorm and getattr(norm, "has_weight", True)
-            and getattr(norm, "variance_size_override", None) is None)
-
-
-def wrap_helper(original: Callable) -> Callable:
-    """The helper with fastcomm first; anything fastcomm cannot take goes to ``original`` unchanged."""
-    from vllm.distributed.parallel_state import get_tp_group
-
-    @functools.wraps(original)
-    def fused_allreduce_rms_norm(hidden_states, residual, norm):
-        comm = get_tp_group().device_communicator
-        ws = getattr(comm, "fastcomm_workspace", None)
-        if ws is None or not _plain_rms_norm(norm):
-            return original(hidden_states, residual, norm)
-        if torch.compiler.is_compiling():
-            # Traced callers get the op (decides at run time); eager callers skip the dispatcher.
-            return torch.ops.fastcomm_vllm.fused_all_reduce_rms_norm(
-                hidden_states, residual, norm.weight, norm.variance_epsilon, get_tp_group().unique_name)
-        if not _fusable(ws, hidden_states, residual, norm.weight):
-            return original(hidden_states, residual, norm)
-        import fastcomm
-
-        return fastcomm.fused_all_reduce_rmsnorm(hidden_states, norm.weight, norm.variance_epsilon, ws,
-                                                 residual=residual)
-
-    fused_allreduce_rms_norm._fastcomm_original = original
-    return fused_allreduce_rms_norm
-
-
-def _wrap_module(module) -> None:
-    helper = getattr(module, HELPER, None)
-    if helper is None or hasattr(helper, "_fastcomm_original"):
-        return
-    wrapped = wrap_helper(helper)
-    setattr(module, HELPER, wrapped)
-    # Consumers imported before us hold the original: rebind them too (normally there are none yet).
-    for other in list(sys.modules.values()):
-        if getattr(other, HELPER, None) is helper:
-            setattr(other, HELPER, wrapped)
-
-
-class _WrapOnImport(importlib.abc.MetaPathFinder):
-    """Wraps the helper right after its module executes, without importing model code ourselves
-    (in vLLM 0.25 importing the helper's module imports the whole DSA model)."""
-
-    def __init__(self, names: tuple[str, ...]):
-        self.names = frozenset(names)
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in self.names:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None:
-                    spec.loader = _WrappingLoader(spec.loader)
-                return spec
-        return None
-
-
-class _WrappingLoader(importlib.abc.Loader):
-    def __init__(self, loader):
-        self.loader = loader
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self.loader.exec_module(module)
-        _wrap_module(module)
-
-    def __getattr__(self, name):  # get_source, get_filename, ...: the real loader's
-        return getattr(self.loader, name)
-
-
-def route_fused_helper() -> None:
-    """Wrap the helper wherever this vLLM defines it, now or when first imported. Idempotent."""
-    pending = []
-    for name in HELPER_MODULES:
-        if name in sys.modules:
-            _wrap_module(sys.modules[name])
-        else:
-            pending.append(name)
-    if pending and not any(isinstance(f, _WrapOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _WrapOnImport(tuple(pending)))
-
-
-def helper_routed() -> bool:
-    """Whether a loaded helper module carries the wrapper (False before the model is imported)."""
-    return any(hasattr(getattr(sys.modules.get(n), HELPER, None), "_fastcomm_original") for n in HELPER_MODULES)
-
-
-# ---- route 2: the compile pass ------------------------------------------------------------------------
 
 # Views that keep the shape (they survive when noop elimination is off) do not stop a match.
 _VIEWS = ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default")
