@@ -14,6 +14,7 @@ default (off, except where a GGUF file's own default says otherwise), 0 is off, 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 
@@ -77,8 +78,10 @@ def resolve(name: str, *, dummy: bool = False, mtp: int | None = None) -> Model:
     if (path / "config.json").is_file():
         has_weights = any(next(path.glob(g), None) for g in WEIGHT_GLOBS)
         source, weights = ("checkpoint", "dummy" if dummy else "real") if has_weights else ("config", "dummy")
+        _check_mtp_layers(path, mtp)
         return _model(source, str(path.resolve()), path.resolve().name, weights, mtp)
     if (SHIPPED_DIR / name / "config.json").is_file():
+        _check_mtp_layers(SHIPPED_DIR / name, mtp)
         return _model("shipped", str(SHIPPED_DIR / name), name, "dummy", mtp)
     if path.exists():
         raise ModelError(f"--model {name}: neither a GGUF file nor a directory with config.json")
@@ -86,6 +89,18 @@ def resolve(name: str, *, dummy: bool = False, mtp: int | None = None) -> Model:
         return _model("huggingface", name, name.replace("/", "--"), "dummy" if dummy else "real", mtp)
     raise ModelError(f"--model {name}: no such file or directory, not a shipped config ({', '.join(shipped())}) "
                      f"and not a Hugging Face id (org/name)")
+
+
+def _check_mtp_layers(directory: Path, mtp: int | None) -> None:
+    """--mtp on a local config without MTP layers would fail minutes later inside vLLM's worker."""
+    if not mtp:
+        return
+    config = json.loads((directory / "config.json").read_text())
+    # DeepSeek / GLM name it num_nextn_predict_layers; others say mtp (mtp_num_hidden_layers): either counts.
+    if not any(("nextn" in k or "mtp" in k) and isinstance(v, int) and v > 0 for k, v in config.items()):
+        shipped_mtp = [n for n in shipped() if n.endswith("-mtp")]
+        raise ModelError(f"--mtp {mtp}: {directory.name}'s config.json has no MTP layers (num_nextn_predict_layers)"
+                         + (f"; the shipped {', '.join(shipped_mtp)} has one" if shipped_mtp else ""))
 
 
 def _model(source: str, model: str, label: str, weights: str, mtp: int | None) -> Model:

@@ -69,6 +69,12 @@ def test_model_kinds(tmp_path):
     assert (m.source, m.weights, m.mtp) == ("huggingface", "real", 2)
     assert m.engine == {"model": "zai-org/GLM-5", "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}}
     assert decode_models.resolve("zai-org/GLM-5", dummy=True).weights == "dummy"
+    with pytest.raises(decode_models.ModelError, match="has no MTP layers"):
+        decode_models.resolve(str(config), mtp=1)  # vLLM would fail minutes later, in its worker
+    with pytest.raises(decode_models.ModelError, match="glm5-mini-mtp has one"):
+        decode_models.resolve("glm5-mini", mtp=1)
+    m = decode_models.resolve("glm5-mini-mtp", mtp=1)
+    assert m.engine["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 1} and m.weights == "dummy"
     with pytest.raises(decode_models.ModelError, match="no such file or directory, not a shipped config"):
         decode_models.resolve("no-such-model")
     with pytest.raises(decode_models.ModelError, match="neither a GGUF file nor a directory"):
@@ -402,9 +408,9 @@ def test_rounds_sum_spec_decode_counts_and_mtp_runs_stay_apart():
 
 def test_worker_engine_arguments():
     spec = {"tp": 2, "max_model_len": 2048, "max_num_seqs": None, "concurrency": [1, 8], "gpu_memory_utilization": 0.9,
-            "capture_sizes": [1, 2], "mtp": 2, "engine": decode_models.resolve("glm5-mini", mtp=2).engine}
+            "capture_sizes": [1, 2], "mtp": 2, "engine": decode_models.resolve("glm5-mini-mtp", mtp=2).engine}
     kw = decode_worker.engine_kwargs(spec, decode_backends.BACKENDS["nccl"])
-    assert kw["load_format"] == "dummy" and kw["model"].endswith("glm5-mini") and kw["max_num_seqs"] == 8
+    assert kw["load_format"] == "dummy" and kw["model"].endswith("glm5-mini-mtp") and kw["max_num_seqs"] == 8
     assert kw["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 2}
     assert kw["disable_log_stats"] is False  # LLM.get_metrics() needs it
     assert kw["disable_custom_all_reduce"] and kw["compilation_config"] == {"cudagraph_capture_sizes": [1, 2]}

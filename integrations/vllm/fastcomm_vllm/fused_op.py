@@ -30,13 +30,25 @@ def fusable(ws, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
             and weight.shape == x.shape[-1:] and weight.device == x.device)
 
 
+def fused(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, ws):
+    """fastcomm's fused kernel; CUDA's launch failure after a device-side timeout comes out in fastcomm's
+    words (rank, peer, step), as from the communicator's all-reduce."""
+    import fastcomm
+
+    from .communicator import raise_translated
+
+    try:
+        return fastcomm.fused_all_reduce_rmsnorm(x, weight, eps, ws, residual=residual)
+    except RuntimeError as exc:
+        raise_translated(exc)
+        raise
+
+
 def _impl(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
           group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     ws = workspace_of(group_name)
     if ws is not None and fusable(ws, x, residual, weight):
-        import fastcomm
-
-        return fastcomm.fused_all_reduce_rmsnorm(x, weight, eps, ws, residual=residual)
+        return fused(x, residual, weight, eps, ws)
     import vllm.ir.ops
     from vllm.distributed import parallel_state
 

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from .fused_op import fusable
+from .fused_op import fusable, fused
 
 HELPER = "fused_allreduce_rms_norm"
 # Module defining the helper, newest layout first. Consumers bind it with `from ... import`, so it must be
@@ -52,10 +52,7 @@ def wrap_helper(original: Callable) -> Callable:
                 hidden_states, residual, norm.weight, norm.variance_epsilon, get_tp_group().unique_name)
         if not fusable(ws, hidden_states, residual, norm.weight):
             return original(hidden_states, residual, norm)
-        import fastcomm
-
-        return fastcomm.fused_all_reduce_rmsnorm(hidden_states, norm.weight, norm.variance_epsilon, ws,
-                                                 residual=residual)
+        return fused(hidden_states, residual, norm.weight, norm.variance_epsilon, ws)
 
     fused_allreduce_rms_norm._fastcomm_original = original
     return fused_allreduce_rms_norm
