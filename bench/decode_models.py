@@ -55,12 +55,12 @@ def _mtp_config(mtp: int | None) -> dict:
 
 
 def _gguf():
-    """fastcomm_vllm.gguf, or None where this install lacks it (GGUF support is part of the vLLM extra)."""
+    """(fastcomm_vllm.gguf, None), or (None, why it does not import) (GGUF support is part of the vLLM extra)."""
     try:
         from fastcomm_vllm import gguf
-    except ImportError:
-        return None
-    return gguf
+    except ImportError as e:
+        return None, str(e)
+    return gguf, None
 
 
 def _looks_gguf(name: str) -> bool:
@@ -71,9 +71,9 @@ def resolve(name: str, *, dummy: bool = False, mtp: int | None = None) -> Model:
     """The model ``name`` means; raises ModelError with a one-line reason."""
     if mtp is not None and mtp < 0:
         raise ModelError(f"--mtp {mtp}: the number of draft tokens must be 1 or more (--no-mtp turns MTP off)")
-    gguf = _gguf()
+    gguf, missing = _gguf()
     if (gguf.is_gguf(name) if gguf is not None else _looks_gguf(name)):
-        return _resolve_gguf(gguf, name, dummy=dummy, mtp=mtp)
+        return _resolve_gguf(gguf, missing, name, dummy=dummy, mtp=mtp)
     path = Path(name).expanduser()
     if (path / "config.json").is_file():
         has_weights = any(next(path.glob(g), None) for g in WEIGHT_GLOBS)
@@ -108,10 +108,10 @@ def _model(source: str, model: str, label: str, weights: str, mtp: int | None) -
     return Model(source, label, weights, mtp or 0, engine)
 
 
-def _resolve_gguf(gguf, name: str, *, dummy: bool, mtp: int | None) -> Model:
+def _resolve_gguf(gguf, missing: str | None, name: str, *, dummy: bool, mtp: int | None) -> Model:
     if gguf is None:
-        raise ModelError(f"--model {name}: reading GGUF files needs fastcomm_vllm.gguf, which this install lacks "
-                         f"(from a checkout: pip install -e \".[vllm]\")")
+        raise ModelError(f"--model {name}: reading GGUF files needs fastcomm_vllm.gguf, which does not import here "
+                         f"({missing}; from a checkout: pip install -e \".[vllm]\")")
     if dummy:
         raise ModelError(f"--model {name}: --dummy does not apply to a GGUF file (it brings its own weights)")
     try:
