@@ -213,7 +213,7 @@ def _main(argv) -> int:
                 profile_tokens=args.profile_tokens, profile_concurrency=args.profile_concurrency,
                 fastcomm_env=fastcomm_env or None)
     # The record names the model as given (no absolute path of this machine) and the commit it ran.
-    meta = {**{k: v for k, v in spec.items() if k != "engine"}, "model": model.label, "model_source": model.source,
+    meta = {**{k: v for k, v in spec.items() if k != "engine"}, "model": model.record_name, "model_source": model.source,
             "weights": model.weights, "configs": names, "rounds": args.rounds, "started": stamp,
             "fastcomm_commit": _commit()}
     log_dir = Path(tempfile.mkdtemp(prefix=f"{out.stem}-logs-", dir=out.parent))

@@ -39,6 +39,11 @@ class Model:
     mtp: int      # draft tokens per step; 0: no speculative decoding
     engine: dict  # keyword arguments for vllm.LLM (model=..., load_format=..., speculative_config=...)
 
+    @property
+    def record_name(self) -> str:
+        """How the results name the model: what reproduces it, without this machine's directories."""
+        return self.engine["model"] if self.source == "huggingface" else self.label
+
     def describe(self) -> str:
         what = {"gguf": "GGUF file", "checkpoint": "local checkpoint", "config": "config-only directory",
                 "shipped": "config shipped with fastcomm", "huggingface": "Hugging Face id"}[self.source]

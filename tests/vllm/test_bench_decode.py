@@ -66,7 +66,7 @@ def test_model_kinds(tmp_path):
     assert "real weights" in m.describe()
     assert decode_models.resolve(str(ckpt), dummy=True).engine["load_format"] == "dummy"
     m = decode_models.resolve("zai-org/GLM-5", mtp=2)
-    assert (m.source, m.weights, m.mtp) == ("huggingface", "real", 2)
+    assert (m.source, m.weights, m.mtp, m.record_name) == ("huggingface", "real", 2, "zai-org/GLM-5")
     assert m.engine == {"model": "zai-org/GLM-5", "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}}
     assert decode_models.resolve("zai-org/GLM-5", dummy=True).weights == "dummy"
     with pytest.raises(decode_models.ModelError, match="has no MTP layers"):
