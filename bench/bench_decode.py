@@ -206,14 +206,14 @@ def _main(argv) -> int:
     if args.max_tokens < 64:
         print(f"bench-decode: note: the token agreement check covers only {args.max_tokens} tokens (< 64)")
 
-    spec = dict(engine=model.engine, tp=args.tp, max_tokens=args.max_tokens, capture_sizes=sizes,
+    spec = dict(engine=model.engine, gguf=model.gguf, tp=args.tp, max_tokens=args.max_tokens, capture_sizes=sizes,
                 concurrency=conc, max_num_seqs=args.max_num_seqs, prompt_len=args.prompt_len, prompts=PROMPTS,
                 repeats=args.repeats, max_model_len=args.max_model_len, seed=args.seed, mtp=model.mtp,
                 gpu_memory_utilization=args.gpu_memory_utilization, profile_dir=args.profile_dir,
                 profile_tokens=args.profile_tokens, profile_concurrency=args.profile_concurrency,
                 fastcomm_env=fastcomm_env or None)
     # The record names the model as given (no absolute path of this machine) and the commit it ran.
-    meta = {**{k: v for k, v in spec.items() if k != "engine"}, "model": model.record_name, "model_source": model.source,
+    meta = {**{k: v for k, v in spec.items() if k not in ("engine", "gguf")}, "model": model.record_name, "model_source": model.source,
             "weights": model.weights, "configs": names, "rounds": args.rounds, "started": stamp,
             "fastcomm_commit": _commit()}
     log_dir = Path(tempfile.mkdtemp(prefix=f"{out.stem}-logs-", dir=out.parent))

@@ -14,6 +14,7 @@ default (off, except where a GGUF file's own default says otherwise), 0 is off, 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import re
 from pathlib import Path
@@ -38,6 +39,7 @@ class Model:
     weights: str  # "dummy" (vLLM's random weights) or "real"
     mtp: int      # draft tokens per step; 0: no speculative decoding
     engine: dict  # keyword arguments for vllm.LLM (model=..., load_format=..., speculative_config=...)
+    gguf: dict | None = None  # fastcomm_vllm.gguf.engine_kwargs's arguments, for a GGUF file
 
     @property
     def record_name(self) -> str:
@@ -119,11 +121,26 @@ def _resolve_gguf(gguf, missing: str | None, name: str, *, dummy: bool, mtp: int
                          f"({missing}; from a checkout: pip install -e \".[vllm]\")")
     if dummy:
         raise ModelError(f"--model {name}: --dummy does not apply to a GGUF file (it brings its own weights)")
+    args = gguf_args(name, mtp)
     try:
-        engine = gguf.engine_kwargs(name, mtp=None if mtp is None else mtp > 0, num_speculative_tokens=mtp or 1)
+        engine = gguf_engine_kwargs(gguf, args)
     except gguf.GgufError as e:
         raise ModelError(f"--model {name}: {e}") from None
     spec = engine.get("speculative_config") or {}
     drafts = int(spec.get("num_speculative_tokens", 1)) if spec else 0
     label = Path(name).name.rsplit(".", 1)[0]
-    return Model("gguf", label, "real", drafts, {"model": name, **engine})
+    # gguf: the worker asks the contract again, which also registers the GGUF adapter in its own process.
+    return Model("gguf", label, "real", drafts, {"model": name, **engine}, gguf=args)
+
+
+def gguf_args(name: str, mtp: int | None) -> dict:
+    return {"model": name, "mtp": None if mtp is None else mtp > 0, "num_speculative_tokens": mtp or 1}
+
+
+def gguf_engine_kwargs(gguf, args: dict) -> dict:
+    """``fastcomm_vllm.gguf.engine_kwargs`` for ``args``. Prompts are token ids here, so no tokenizer is
+    needed: asked not to derive one where the module takes that option."""
+    params = inspect.signature(gguf.engine_kwargs).parameters
+    takes = "derive_tokenizer" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return gguf.engine_kwargs(args["model"], mtp=args["mtp"], num_speculative_tokens=args["num_speculative_tokens"],
+                              **({"derive_tokenizer": False} if takes else {}))

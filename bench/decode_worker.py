@@ -91,6 +91,12 @@ def run(spec: dict, backend: Backend, save) -> dict:
     """Measure one backend; ``save(result)`` after each step, so a run cut short still reports."""
     from vllm import LLM, SamplingParams
 
+    if spec.get("gguf"):  # the GGUF contract again, in this process: it registers vLLM's GGUF adapter here
+        from fastcomm_vllm import gguf
+
+        from .decode_models import gguf_engine_kwargs
+
+        spec = {**spec, "engine": {"model": spec["gguf"]["model"], **gguf_engine_kwargs(gguf, spec["gguf"])}}
     t0 = time.perf_counter()
     llm = LLM(**engine_kwargs(spec, backend))
     result = {"startup_s": round(time.perf_counter() - t0, 1), "vllm": importlib.metadata.version("vllm")}

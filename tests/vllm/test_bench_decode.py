@@ -88,8 +88,9 @@ def fake_gguf(monkeypatch, calls):
     class GgufError(Exception):
         pass
 
-    def engine_kwargs(model, *, mtp=None, num_speculative_tokens=1):
+    def engine_kwargs(model, *, mtp=None, num_speculative_tokens=1, **options):
         calls.append((model, mtp, num_speculative_tokens))
+        assert options == {"derive_tokenizer": False}  # prompts are token ids: no tokenizer needed
         if "broken" in model:
             raise GgufError("tensor blk.3.ffn_down has type IQ1_S, which vLLM cannot read")
         kw = {"model": model, "load_format": "gguf", "tokenizer": "/tok"}
@@ -109,6 +110,7 @@ def test_gguf_models_go_through_the_gguf_contract(monkeypatch, capsys):
     assert calls[-1] == ("/m/GLM-5-UD-Q4_K_XL-00001-of-00003.gguf", True, 3)
     assert (m.source, m.weights, m.mtp, m.label) == ("gguf", "real", 3, "GLM-5-UD-Q4_K_XL-00001-of-00003")
     assert m.engine["load_format"] == "gguf" and m.engine["speculative_config"]["num_speculative_tokens"] == 3
+    assert m.gguf == {"model": "/m/GLM-5-UD-Q4_K_XL-00001-of-00003.gguf", "mtp": True, "num_speculative_tokens": 3}
     assert decode_models.resolve("/m/x.gguf", mtp=0).mtp == 0 and calls[-1][1] is False
     assert decode_models.resolve("/m/x.gguf").mtp == 0 and calls[-1][1] is None  # the file's default
     one_line_error(capsys, ["--model", "/m/x.gguf", "--dummy"], "--dummy does not apply to a GGUF file")
