@@ -68,7 +68,12 @@ def main(argv=None) -> int:
     p.add_argument("--busy-util", type=float, default=BUSY_UTIL, help="utilization %% that counts as busy")
     args = p.parse_args(argv)
     for f in args.files:
-        print(format_line(f.stem, summarize(f.read_text(errors="replace"), args.busy_util)))
+        try:
+            text = f.read_text(errors="replace")
+        except OSError as e:
+            print(f"{p.prog}: error: {f}: {e.strerror or e}", file=sys.stderr)
+            return 2
+        print(format_line(f.stem, summarize(text, args.busy_util)))
     return 0
 
 

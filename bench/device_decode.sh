@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call for the end-to-end decode benchmark (vLLM staged as ../shared/tools/VLLM_ON_DEVICE.md says).
 #   bash bench/device_decode.sh TAG MODEL CONFIGS [more fastcomm bench-decode arguments]
+# MODEL is anything bench-decode's --model takes: a shipped config (glm5-78L-16E, glm5-mini, glm5-mini-mtp),
+# a config or checkpoint directory, a GGUF file.
 # One bench-decode process per backend, so a call cut short at its time limit still brings back every backend
 # that finished. Under $OUT: decode-TAG-BACKEND.json (the row), profile-TAG-BACKEND.json (where that
 # backend's GPU time goes, with --profile-dir), and at the end report-TAG.txt (merged table and profile

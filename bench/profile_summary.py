@@ -28,6 +28,7 @@ from pathlib import Path
 ALL_REDUCE = re.compile(r"allreduce|all_reduce|cross_device_reduce|one_shot|two_shot|multimem|"
                         r"^fc_|lamport|oneshot|twoshot", re.IGNORECASE)
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+PROG = "python -m fastcomm_bench.profile_summary"
 LAUNCHES = {"graph": re.compile(r"^cu(da)?GraphLaunch"), "kernel": re.compile(r"^cu(da)?LaunchKernel")}
 
 
@@ -177,7 +178,7 @@ def print_summary(summary: dict, file=None) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.profile_summary", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("profile_dir", nargs="?")
     p.add_argument("--backend", default=None, help="only this backend's folder")
     p.add_argument("--json", default=None, help="write the summary here too")
@@ -186,19 +187,34 @@ def main(argv=None) -> int:
     if args.print:
         summary = {}
         for f in args.print:
-            summary.update(json.loads(Path(f).read_text()))
+            try:
+                summary.update(json.loads(Path(f).read_text()))
+            except OSError as e:
+                return _error(f"--print {f}: {e.strerror or e}")
+            except ValueError as e:
+                return _error(f"--print {f}: not JSON ({e})")
         print_summary(summary)
         return 0
     if not args.profile_dir:
-        p.error("profile_dir is required")
+        return _error("name a PROFILE_DIR (what bench-decode --profile-dir wrote) or --print saved summaries")
+    if not Path(args.profile_dir).is_dir():
+        return _error(f"{args.profile_dir}: no such directory")
     summary = summarize_dir(Path(args.profile_dir), args.backend)
     if not summary:
-        print(f"profile_summary: no traces under {args.profile_dir}", file=sys.stderr)
+        print(f"{PROG}: no traces under {args.profile_dir}", file=sys.stderr)
         return 1
     print_summary(summary)
     if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=1))
+        try:
+            Path(args.json).write_text(json.dumps(summary, indent=1))
+        except OSError as e:
+            return _error(f"--json {args.json}: {e.strerror or e}")
     return 0
+
+
+def _error(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

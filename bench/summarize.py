@@ -1,19 +1,35 @@
-"""Markdown summary of benchmark JSON files (the tables in bench/RESULTS.md are made with this).
+"""Markdown tables from `fastcomm bench --json` results (the tables in bench/RESULTS.md are made with this).
 
-    python -m fastcomm_bench.summarize bench/results/RUN-p2p.json [--nop2p bench/results/RUN-nop2p.json]
+    python -m fastcomm_bench.summarize RUN-p2p.json [--nop2p RUN-nop2p.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 KB, MB = 1 << 10, 1 << 20
 SIZES = (4 * KB, 12 * KB, 64 * KB, 256 * KB, 1 * MB, 4 * MB, 16 * MB, 64 * MB)
 
 
+PROG = "python -m fastcomm_bench.summarize"
+
+
+class InputError(Exception):
+    """A file that is not a `fastcomm bench --json` result: one line, exit status 2."""
+
+
 def _load(path):
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            run = json.load(f)
+    except OSError as e:
+        raise InputError(f"{path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise InputError(f"{path}: not JSON ({e})") from None
+    if not isinstance(run, dict) or not isinstance(run.get("rows"), list):
+        raise InputError(f"{path}: not a `fastcomm bench --json` result (no rows)")
+    return run
 
 
 def _fmt(n):
@@ -54,11 +70,16 @@ def fused_table(rows, prefix="") -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("p2p")
-    p.add_argument("--nop2p")
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("p2p", help="a `fastcomm bench --json` result with P2P")
+    p.add_argument("--nop2p", help="one made with NCCL_P2P_DISABLE=1 (host transport rows)")
     a = p.parse_args(argv)
-    run = _load(a.p2p)
+    try:
+        run = _load(a.p2p)
+        nrun = _load(a.nop2p) if a.nop2p else None
+    except InputError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
     rows = run["rows"]
     print(f"### P2P ({run['meta'].get('label', '')}; NCCL {run['meta'].get('nccl')}, torch {run['meta'].get('torch')})\n")
     print("Graph mode, us per call:\n")
@@ -71,8 +92,7 @@ def main(argv=None) -> int:
         for s in SIZES if _graph(rows, "symm-one_shot", s) and _graph(rows, "fastcomm-auto", s)))
     print("\nFused all-reduce + residual + RMSNorm (P2P):\n")
     print(fused_table(rows))
-    if a.nop2p:
-        nrun = _load(a.nop2p)
+    if nrun is not None:
         print(f"\n### Host transport vs NCCL_P2P_DISABLE=1 ({nrun['meta'].get('label', '')})\n")
         print(allreduce_table(nrun["rows"], ["fastcomm-host-auto", "fastcomm-host-one_shot", "fastcomm-host-two_shot",
                                              "nccl"], "nccl", SIZES[:6]))

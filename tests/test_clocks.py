@@ -28,3 +28,9 @@ def test_idle_or_empty_files_say_so(tmp_path, capsys):
     f.write_text("")
     assert clocks.main([str(f)]) == 0
     assert capsys.readouterr().out.strip() == "clocks-vllm: no samples"
+
+
+def test_missing_file_is_one_line(tmp_path, capsys):
+    assert clocks.main([str(tmp_path / "clocks-none.csv")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "clocks-none.csv: No such file" in err

@@ -103,3 +103,37 @@ def test_graph_steps_other_kernels_per_step_median():
     st = P.summarize_events(events)["graph_steps"]
     # moe per step: 40, 70, 50 -> 50; gemv: 10, 0 (absent), 30 -> 10; all-reduce kernels are not "other".
     assert st["top_other_kernels_us"] == [{"name": "moe", "median_us": 50.0}, {"name": "gemv", "median_us": 10.0}]
+
+
+def test_mistakes_are_one_line_errors(tmp_path, capsys):
+    def one_line(argv, text):
+        assert P.main(argv) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and text in err and "Traceback" not in err, err
+
+    one_line([str(tmp_path / "nope")], "nope: no such directory")
+    one_line(["--print", str(tmp_path / "none.json")], "none.json: No such file")
+    (tmp_path / "bad.json").write_text("{")
+    one_line(["--print", str(tmp_path / "bad.json")], "not JSON")
+    one_line([], "name a PROFILE_DIR")
+
+
+def test_summarize_tables_and_its_one_line_errors(tmp_path, capsys):
+    # python -m fastcomm_bench.summarize: the RESULTS.md tables from `fastcomm bench --json` files.
+    from fastcomm_bench import summarize as S
+
+    rows = [{"impl": impl, "size": 4096, "redop": "sum", "graph_us": us}
+            for impl, us in (("fastcomm-auto", 5.0), ("nccl", 10.0), ("symm-one_shot", 4.0))]
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"meta": {"label": "x", "nccl": "2.28", "torch": "2.11"}, "rows": rows}))
+    assert S.main([str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "| 4 KB | 5.00 | - | - | 10.00 | 4.00 | - | 0.50 |" in out and "4 KB 1.25" in out
+    for argv, text in (([str(tmp_path / "none.json")], "none.json: No such file"),
+                       ([str(run), "--nop2p", str(tmp_path / "none.json")], "none.json: No such file"),
+                       ([str(tmp_path)], "Is a directory")):
+        assert S.main(argv) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and text in err, err
+    (tmp_path / "other.json").write_text("[]")
+    assert S.main([str(tmp_path / "other.json")]) == 2 and "no rows" in capsys.readouterr().err

@@ -1,13 +1,14 @@
-"""bench-decode's parent side on CPU: configs, model lookup, token comparison, merged reports."""
+"""bench-decode's parent side on CPU: configs, model lookup, token comparison, merged reports.
+
+Nothing here needs vLLM: the parent never imports it (only its worker processes do)."""
 import json
+import sys
+import types
 
 import pytest
 
-pytest.importorskip("vllm")
-
-from fastcomm_bench import bench_decode as B  # noqa: E402
-
-pytestmark = pytest.mark.vllm
+from fastcomm_bench import bench_decode as B
+from fastcomm_bench import decode_backends, decode_merge, decode_models, decode_report, decode_worker
 
 
 def result(name, tokens, tok_s=40.0, fastcomm=False):
@@ -18,46 +19,181 @@ def result(name, tokens, tok_s=40.0, fastcomm=False):
 
 
 def test_backends_cover_the_issue():
-    assert {"vllm", "nccl", "fastcomm", "nccl-nop2p", "fastcomm-host"} <= set(B.BACKENDS)
-    assert B.BACKENDS["fastcomm-nofuse"].env == {"FASTCOMM_VLLM": "1", "FASTCOMM_VLLM_FUSION": "0"}
-    assert B.BACKENDS["nccl"].disable_custom_all_reduce and not B.BACKENDS["vllm"].disable_custom_all_reduce
-    assert B.BACKENDS["fastcomm-host"].env == {"FASTCOMM_VLLM": "1", "FASTCOMM_TRANSPORT": "host",
+    assert {"vllm", "nccl", "fastcomm", "nccl-nop2p", "fastcomm-host"} <= set(decode_backends.BACKENDS)
+    assert decode_backends.BACKENDS["fastcomm-nofuse"].env == {"FASTCOMM_VLLM": "1", "FASTCOMM_VLLM_FUSION": "0"}
+    assert decode_backends.BACKENDS["nccl"].disable_custom_all_reduce and not decode_backends.BACKENDS["vllm"].disable_custom_all_reduce
+    assert decode_backends.BACKENDS["fastcomm-host"].env == {"FASTCOMM_VLLM": "1", "FASTCOMM_TRANSPORT": "host",
                                                "FASTCOMM_VLLM_FUSION": "1", "NCCL_P2P_DISABLE": "1"}
     # Every fastcomm row names its fusion setting, so a row means the same whatever the default is.
-    assert all("FASTCOMM_VLLM_FUSION" in b.env for b in B.BACKENDS.values() if b.fastcomm)
-    assert B.BACKENDS["fastcomm"].env["FASTCOMM_VLLM_FUSION"] == "1"
-    assert B.BACKENDS["nccl-nop2p"].env["NCCL_P2P_DISABLE"] == "1"
-    assert all("FASTCOMM_VLLM" in b.env for b in B.BACKENDS.values())
+    assert all("FASTCOMM_VLLM_FUSION" in b.env for b in decode_backends.BACKENDS.values() if b.fastcomm)
+    assert decode_backends.BACKENDS["fastcomm"].env["FASTCOMM_VLLM_FUSION"] == "1"
+    assert decode_backends.BACKENDS["nccl-nop2p"].env["NCCL_P2P_DISABLE"] == "1"
+    assert all("FASTCOMM_VLLM" in b.env for b in decode_backends.BACKENDS.values())
 
 
-def test_model_names_resolve_to_shared_configs():
-    try:
-        path = B.resolve_model("glm5-mini")
-    except SystemExit:
-        pytest.skip("shared/models is not next to this checkout")
-    assert json.loads((path / "config.json").read_text())["architectures"] == ["GlmMoeDsaForCausalLM"]
-    with pytest.raises(SystemExit, match="no config.json"):
-        B.resolve_model("no-such-model")
+def one_line_error(capsys, argv, *expected):
+    """bench-decode's answer to a mistake: exit status 2 and one line on stderr naming it, no traceback."""
+    assert B.main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert all(e in err for e in expected), err
+    return err
+
+
+def test_shipped_configs_work_outside_the_repository(tmp_path, monkeypatch):
+    # The default model comes with the package: found from any directory, without shared/models.
+    monkeypatch.chdir(tmp_path)
+    assert {"glm5-78L-16E", "glm5-mini"} <= set(decode_models.shipped())
+    m = decode_models.resolve(B.parse_args([]).model)
+    config = json.loads((decode_models.Path(m.engine["model"]) / "config.json").read_text())
+    assert config["architectures"] == ["GlmMoeDsaForCausalLM"] and config["num_hidden_layers"] == 78
+    assert (m.source, m.weights, m.engine["load_format"], m.mtp) == ("shipped", "dummy", "dummy", 0)
+    assert "dummy weights" in m.describe()
+
+
+def test_model_kinds(tmp_path):
+    config = tmp_path / "cfg"
+    config.mkdir()
+    (config / "config.json").write_text("{}")
+    m = decode_models.resolve(str(config))
+    assert (m.source, m.weights, m.engine) == ("config", "dummy", {"model": str(config), "load_format": "dummy"})
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    (ckpt / "model-00001-of-00002.safetensors").write_bytes(b"")
+    m = decode_models.resolve(str(ckpt))
+    assert (m.source, m.weights, m.engine) == ("checkpoint", "real", {"model": str(ckpt)})
+    assert "real weights" in m.describe()
+    assert decode_models.resolve(str(ckpt), dummy=True).engine["load_format"] == "dummy"
+    m = decode_models.resolve("zai-org/GLM-5", mtp=2)
+    assert (m.source, m.weights, m.mtp, m.record_name) == ("huggingface", "real", 2, "zai-org/GLM-5")
+    assert m.engine == {"model": "zai-org/GLM-5", "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}}
+    assert decode_models.resolve("zai-org/GLM-5", dummy=True).weights == "dummy"
+    with pytest.raises(decode_models.ModelError, match="has no MTP layers"):
+        decode_models.resolve(str(config), mtp=1)  # vLLM would fail minutes later, in its worker
+    with pytest.raises(decode_models.ModelError, match="glm5-mini-mtp has one"):
+        decode_models.resolve("glm5-mini", mtp=1)
+    m = decode_models.resolve("glm5-mini-mtp", mtp=1)
+    assert m.engine["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 1} and m.weights == "dummy"
+    with pytest.raises(decode_models.ModelError, match="no such file or directory, not a shipped config"):
+        decode_models.resolve("no-such-model")
+    with pytest.raises(decode_models.ModelError, match="neither a GGUF file nor a directory"):
+        decode_models.resolve(str(tmp_path))  # a directory without config.json
+
+
+def fake_gguf(monkeypatch, calls):
+    """fastcomm_vllm.gguf's contract (is_gguf, engine_kwargs, GgufError), for the parent's routing only."""
+    mod = types.ModuleType("fastcomm_vllm.gguf")
+
+    class GgufError(Exception):
+        pass
+
+    def engine_kwargs(model, *, mtp=None, num_speculative_tokens=1, **options):
+        calls.append((model, mtp, num_speculative_tokens))
+        assert options == {"derive_tokenizer": False}  # prompts are token ids: no tokenizer needed
+        if "broken" in model:
+            raise GgufError("tensor blk.3.ffn_down has type IQ1_S, which vLLM cannot read")
+        kw = {"model": model, "load_format": "gguf", "tokenizer": "/tok"}
+        if mtp:
+            kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": num_speculative_tokens}
+        return kw
+
+    mod.is_gguf = lambda model: model.endswith(".gguf")
+    mod.engine_kwargs, mod.GgufError = engine_kwargs, GgufError
+    monkeypatch.setitem(sys.modules, "fastcomm_vllm.gguf", mod)
+
+
+def test_gguf_models_go_through_the_gguf_contract(monkeypatch, capsys):
+    calls = []
+    fake_gguf(monkeypatch, calls)
+    m = decode_models.resolve("/m/GLM-5-UD-Q4_K_XL-00001-of-00003.gguf", mtp=3)
+    assert calls[-1] == ("/m/GLM-5-UD-Q4_K_XL-00001-of-00003.gguf", True, 3)
+    assert (m.source, m.weights, m.mtp, m.label) == ("gguf", "real", 3, "GLM-5-UD-Q4_K_XL-00001-of-00003")
+    assert m.engine["load_format"] == "gguf" and m.engine["speculative_config"]["num_speculative_tokens"] == 3
+    assert m.gguf == {"model": "/m/GLM-5-UD-Q4_K_XL-00001-of-00003.gguf", "mtp": True, "num_speculative_tokens": 3}
+    assert decode_models.resolve("/m/x.gguf", mtp=0).mtp == 0 and calls[-1][1] is False
+    assert decode_models.resolve("/m/x.gguf").mtp == 0 and calls[-1][1] is None  # the file's default
+    one_line_error(capsys, ["--model", "/m/x.gguf", "--dummy"], "--dummy does not apply to a GGUF file")
+    one_line_error(capsys, ["--model", "/m/broken.gguf"], "--model /m/broken.gguf: tensor blk.3.ffn_down")
+
+
+def test_gguf_without_the_gguf_module_is_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "fastcomm_vllm.gguf", None)  # as in an install without it
+    one_line_error(capsys, ["--model", "/m/x.gguf"], "needs fastcomm_vllm.gguf", 'pip install -e ".[vllm]"')
 
 
 def test_arguments():
     a = B.parse_args(["--configs", "vllm,fastcomm", "--max-tokens", "64", "--capture-sizes", "1,2,4,8"])
     assert (a.configs, a.max_tokens, a.capture_sizes, a.concurrency) == ("vllm,fastcomm", 64, "1,2,4,8", "1,4,16,64")
-    with pytest.raises(SystemExit, match="unknown config"):
-        B.main(["--configs", "vllm,nvlink"])
+    assert (B.parse_args(["--mtp", "2"]).mtp, B.parse_args(["--no-mtp"]).mtp, B.parse_args([]).mtp) == (2, 0, None)
+
+
+def test_mistakes_are_one_line_errors(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    one_line_error(capsys, ["--configs", "vllm,nvlink"], "unknown config")
+    one_line_error(capsys, ["--compare", "/nonexistent.json"], "--compare /nonexistent.json", "No such file")
+    (tmp_path / "bad.json").write_text("{")
+    one_line_error(capsys, ["--compare", str(tmp_path / "bad.json")], "not JSON")
+    (tmp_path / "other.json").write_text("[1, 2]")
+    one_line_error(capsys, ["--compare", str(tmp_path / "other.json")], "not a bench-decode results file")
+    one_line_error(capsys, ["--concurrency", "a,b"], "--concurrency 'a,b'")
+    one_line_error(capsys, ["--concurrency", "4,0"], "--concurrency '4,0'")
+    one_line_error(capsys, ["--capture-sizes", "x"], "--capture-sizes 'x'")
+    one_line_error(capsys, ["--max-tokens", "many"], "--max-tokens")
+    one_line_error(capsys, ["--mtp", "1", "--no-mtp"], "not allowed with")
+    one_line_error(capsys, ["--mtp", "-1"], "--mtp -1")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json", "other.json"]  # nothing written
+
+
+def test_out_is_checked_before_the_run(tmp_path, monkeypatch, capsys):
+    # Minutes of vLLM start-up must not end in "cannot write the results".
+    started = []
+    monkeypatch.setattr(B, "run_backend", lambda *a, **k: started.append(a))
+    one_line_error(capsys, ["--configs", "nccl", "--out", "/proc/nope/x.json"], "--out /proc/nope/x.json",
+                   "cannot write there")
+    one_line_error(capsys, ["--configs", "nccl", "--out", str(tmp_path)], "is a directory")
+    assert not started
+
+
+def test_without_vllm_it_refuses_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # what Python does for a package that is not there
+    one_line_error(capsys, ["--configs", "nccl"], "vLLM is not installed", 'pip install -e ".[vllm]"')
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_results_go_to_the_current_directory(tmp_path, monkeypatch, capsys):
+    # Never into the source tree or site-packages: the default file lands where the command runs.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(B, "why_not_runnable", lambda fastcomm_rows: None)
+    seen = []
+
+    def run_backend(backend, spec, log_dir, timeout, tag=""):
+        seen.append((backend.name, log_dir))
+        return result(backend.name, list(range(64)))
+
+    monkeypatch.setattr(B, "run_backend", run_backend)
+    assert B.main(["--configs", "nccl", "--model", "glm5-mini", "--max-tokens", "64"]) == 0
+    out = capsys.readouterr().out
+    files = sorted(p.name for p in tmp_path.glob("decode-glm5-mini-*.json"))
+    assert len(files) == 1 and seen[0][1].parent == tmp_path
+    data = json.loads((tmp_path / files[0]).read_text())
+    assert data["meta"]["model"] == "glm5-mini" and data["meta"]["weights"] == "dummy"
+    assert "/" not in data["meta"]["model"]  # no path of this machine in the record
+    assert "vLLM dummy weights" in out and "weights: vLLM dummy" in out
 
 
 def test_token_comparison_and_active_check():
     base = list(range(100, 228))
     res = {"vllm": result("vllm", base), "fastcomm": result("fastcomm", base[:70] + [0] * 58, fastcomm=True),
            "fastcomm-host": result("fastcomm-host", base)}
-    cmp = B.compare_tokens(res)
+    cmp = decode_report.compare_tokens(res)
     assert cmp["reference"] == "vllm"
     assert cmp["fastcomm"] == {"compared": 128, "matching": 70, "first_divergence": 70, "distinct_tokens": 71}
     assert cmp["vllm"]["first_divergence"] is None
-    assert B.check_active(res["fastcomm"]) is None
-    assert "inactive" in B.check_active(res["fastcomm-host"])  # a fastcomm row that ran without fastcomm
-    assert B.check_active(res["vllm"]) is None
+    assert decode_report.check_active(res["fastcomm"]) is None
+    assert "inactive" in decode_report.check_active(res["fastcomm-host"])  # a fastcomm row that ran without fastcomm
+    assert decode_report.check_active(res["vllm"]) is None
 
 
 def test_compare_merges_separate_runs(tmp_path, capsys):
@@ -76,12 +212,12 @@ def test_compare_merges_separate_runs(tmp_path, capsys):
     assert "INCOMPLETE: timed out" in out and "nccl-nop2p     40/64 match, diverge at token 40" in out
 
 
-def test_cli_hands_every_argument_to_bench_decode():
+def test_cli_hands_every_argument_to_bench_decode(capsys):
     # argparse's REMAINDER used to swallow a leading "--model": the CLI must pass arguments through as-is.
     from fastcomm import commands as cli
 
-    with pytest.raises(SystemExit, match="unknown config"):
-        cli.main(["bench-decode", "--model", "glm5-mini", "--configs", "nvlink"])
+    assert cli.main(["bench-decode", "--model", "glm5-mini", "--configs", "nvlink"]) == 2
+    assert "unknown config" in capsys.readouterr().err
 
 
 def test_rounds_give_medians_and_keep_each_round():
@@ -93,19 +229,18 @@ def test_rounds_give_medians_and_keep_each_round():
             s["tpot_ms"] = tpot
         return r
 
-    assert B.combine_rounds([run(25.0)])["single"]["tpot_ms"] == 25.0  # one round: unchanged
-    row = B.combine_rounds([run(30.0, startup=270.0), run(22.0), run(24.0)])
+    assert decode_merge.combine_rounds([run(25.0)])["single"]["tpot_ms"] == 25.0  # one round: unchanged
+    row = decode_merge.combine_rounds([run(30.0, startup=270.0), run(22.0), run(24.0)])
     assert row["single"]["tpot_ms"] == 24.0 and row["single"]["tok_s"] == round(1e3 / 24.0, 2)
     assert [r["tpot_ms"] for r in row["rounds"]] == [30.0, 22.0, 24.0] and row["ok"]
     assert {s["concurrency"]: s["tpot_ms"] for s in row["sweep"]} == {1: 24.0, 4: 24.0, 16: 24.0, 64: 24.0}
-    cut = B.combine_rounds([run(30.0), {"backend": "fastcomm", "ok": False, "error": "timed out"}])
+    cut = decode_merge.combine_rounds([run(30.0), {"backend": "fastcomm", "ok": False, "error": "timed out"}])
     assert not cut["ok"] and "round 2: timed out" in cut["error"] and cut["single"]["tpot_ms"] == 30.0
 
 
-def test_rounds_argument():
+def test_rounds_argument(capsys):
     assert B.parse_args(["--rounds", "2"]).rounds == 2
-    with pytest.raises(SystemExit, match="rounds"):
-        B.main(["--configs", "nccl", "--rounds", "0", "--model", str(B.REPO / "tests")])
+    one_line_error(capsys, ["--configs", "nccl", "--rounds", "0"], "--rounds")
 
 
 def test_compare_turns_repeated_backends_into_rounds(tmp_path, capsys):
@@ -137,7 +272,7 @@ def test_compare_never_merges_different_setups(tmp_path, capsys):
                                  "results": {"fastcomm": result("fastcomm", list(range(128)), tok_s=tok_s,
                                                                 fastcomm=True)}}))
         files.append(str(f))
-    results, _ = B.merge_files([json.loads(open(f).read()) for f in files])
+    results, _ = decode_merge.merge_files([json.loads(open(f).read()) for f in files])
     assert set(results) == {"fastcomm", "fastcomm#2"}
     assert len(results["fastcomm"]["rounds"]) == 2  # the two [1, 2, 4, 8] runs are rounds of one row
     assert results["fastcomm#2"]["setup_note"] == "measured with capture_sizes vLLM default"
@@ -146,22 +281,21 @@ def test_compare_never_merges_different_setups(tmp_path, capsys):
     assert "NOTE: measured with capture_sizes vLLM default (not as the header says)" in out
 
 
-def test_max_num_seqs_option():
+def test_max_num_seqs_option(capsys):
     # vLLM's default capture-size list depends on max_num_seqs (256 -> the 51 sizes the issue names).
     assert B.parse_args(["--max-num-seqs", "256"]).max_num_seqs == 256
     assert B.parse_args([]).max_num_seqs is None
-    with pytest.raises(SystemExit, match="below the largest concurrency"):
-        B.main(["--configs", "nccl", "--concurrency", "1,64", "--max-num-seqs", "8", "--model", str(B.REPO / "tests")])
+    one_line_error(capsys, ["--configs", "nccl", "--concurrency", "1,64", "--max-num-seqs", "8"],
+                   "below the largest concurrency")
 
 
-def test_profile_concurrency_option():
+def test_profile_concurrency_option(capsys):
     # Profiles at N concurrent requests show the all-reduce share where the issue's 8-concurrent figure is set.
     assert B.parse_args([]).profile_concurrency == 1
     assert B.parse_args(["--profile-concurrency", "8"]).profile_concurrency == 8
     for bad in ("0", "64"):
-        with pytest.raises(SystemExit, match="--profile-concurrency"):
-            B.main(["--configs", "nccl", "--concurrency", "1,8", "--profile-concurrency", bad,
-                    "--model", str(B.REPO / "tests")])
+        one_line_error(capsys, ["--configs", "nccl", "--concurrency", "1,8", "--profile-concurrency", bad],
+                       "--profile-concurrency")
 
 
 def test_fastcomm_env_sets_one_knob_in_fastcomm_rows_only():
@@ -169,11 +303,11 @@ def test_fastcomm_env_sets_one_knob_in_fastcomm_rows_only():
     env = B.parse_fastcomm_env(["FASTCOMM_ALGO=one_shot", "FASTCOMM_MAX_BLOCKS=32"])
     assert env == {"FASTCOMM_ALGO": "one_shot", "FASTCOMM_MAX_BLOCKS": "32"}
     spec = {"fastcomm_env": env}
-    assert B.row_env(B.BACKENDS["fastcomm-nofuse"], spec) == {**B.BACKENDS["fastcomm-nofuse"].env, **env}
-    assert B.row_env(B.BACKENDS["nccl"], spec) == B.BACKENDS["nccl"].env  # baselines stay as they are
-    assert B.row_env(B.BACKENDS["vllm"], {}) == {"FASTCOMM_VLLM": "0"}
+    assert decode_backends.row_env(decode_backends.BACKENDS["fastcomm-nofuse"], spec) == {**decode_backends.BACKENDS["fastcomm-nofuse"].env, **env}
+    assert decode_backends.row_env(decode_backends.BACKENDS["nccl"], spec) == decode_backends.BACKENDS["nccl"].env  # baselines stay as they are
+    assert decode_backends.row_env(decode_backends.BACKENDS["vllm"], {}) == {"FASTCOMM_VLLM": "0"}
     for bad in ("NCCL_PROTO=LL", "FASTCOMM_ALGO", "FASTCOMM_VLLM_FUSION=1", "FASTCOMM_TRANSPORT=host"):
-        with pytest.raises(SystemExit, match="--fastcomm-env"):
+        with pytest.raises(B.UsageError, match="--fastcomm-env"):
             B.parse_fastcomm_env([bad])
     assert B.parse_args(["--fastcomm-env", "FASTCOMM_ALGO=one_shot"]).fastcomm_env == ["FASTCOMM_ALGO=one_shot"]
 
@@ -187,14 +321,14 @@ def test_compare_keeps_fastcomm_env_runs_apart(tmp_path):
                                  "results": {"fastcomm-nofuse": result("fastcomm-nofuse", list(range(128)),
                                                                        fastcomm=True)}}))
         files.append(str(f))
-    results, _ = B.merge_files([json.loads(open(f).read()) for f in files])
+    results, _ = decode_merge.merge_files([json.loads(open(f).read()) for f in files])
     assert set(results) == {"fastcomm-nofuse", "fastcomm-nofuse#2"}
     assert "FASTCOMM_ALGO" in results["fastcomm-nofuse#2"]["setup_note"]
 
 
 def test_prompts_are_random_ids_and_the_same_every_run():
-    a = B._prompts(4, 32, 154880, seed=0)
-    assert a == B._prompts(4, 32, 154880, seed=0) and len(a) == 4 and all(len(p) == 32 for p in a)
+    a = decode_worker.prompts(4, 32, 154880, seed=0)
+    assert a == decode_worker.prompts(4, 32, 154880, seed=0) and len(a) == 4 and all(len(p) == 32 for p in a)
     assert all(len(set(p)) > 16 for p in a)  # not one id repeated (what runs before session 5 sent)
     assert len({tuple(p) for p in a}) == 4 and all(100 <= t < 154780 for p in a for t in p)
 
@@ -202,19 +336,19 @@ def test_prompts_are_random_ids_and_the_same_every_run():
 def test_compare_keeps_runs_with_the_old_prompts_apart():
     meta = {"model": "glm5-78L-16E", "tp": 2, "max_tokens": 128, "capture_sizes": None}
     old = {"meta": meta, "results": {"nccl": result("nccl", list(range(128)))}}
-    new = {"meta": {**meta, "prompts": B.PROMPTS}, "results": {"nccl": result("nccl", list(range(128)))}}
-    results, _ = B.merge_files([new, old])
+    new = {"meta": {**meta, "prompts": decode_merge.PROMPTS}, "results": {"nccl": result("nccl", list(range(128)))}}
+    results, _ = decode_merge.merge_files([new, old])
     assert set(results) == {"nccl", "nccl#2"}
-    assert results["nccl#2"]["setup_note"] == f"measured with prompts {B.LEGACY_PROMPTS}"
+    assert results["nccl#2"]["setup_note"] == f"measured with prompts {decode_merge.LEGACY_PROMPTS}"
 
 
 def test_spread_of_timed_runs_is_reported(capsys):
-    assert B.spread_pct(None) is None and B.spread_pct([3.0]) is None
-    assert B.spread_pct([3.0, 3.3, 2.7]) == pytest.approx(20.0)
+    assert decode_report.spread_pct(None) is None and decode_report.spread_pct([3.0]) is None
+    assert decode_report.spread_pct([3.0, 3.3, 2.7]) == pytest.approx(20.0)
     r = result("nccl", list(range(128)))
     r["single"]["runs_s"] = [3.0, 3.03, 3.0]
     r["sweep"][-1]["runs_s"] = [4.0, 4.4, 4.2]
-    B.print_report({"nccl": r}, {"model": "m", "tp": 2, "max_tokens": 128})
+    decode_report.print_report({"nccl": r}, {"model": "m", "tp": 2, "max_tokens": 128})
     assert "spread of the timed runs, (max - min) / median: bs1 1.0 %, c=64 9.5 %" in capsys.readouterr().out
 
 
@@ -225,7 +359,62 @@ def test_rounds_pool_their_timed_runs():
         r["single"]["runs_s"] = runs
         r["sweep"][0]["runs_s"] = [x + 1 for x in runs]
         rounds.append(r)
-    row = B.combine_rounds(rounds)
+    row = decode_merge.combine_rounds(rounds)
     assert row["single"]["runs_s"] == [3.0, 3.1, 3.2, 3.3]
     assert row["sweep"][0]["runs_s"] == [4.0, 4.1, 4.2, 4.3]
     assert "runs_s" not in row["sweep"][1]  # rounds that kept no runs pool nothing
+
+
+def test_accepted_tokens_per_step_from_vllms_counters():
+    def snapshot(drafts, accepted, draft_tokens):  # LLM.get_metrics(): counters per engine, plus others
+        names = (decode_worker.DRAFTS, decode_worker.ACCEPTED, decode_worker.DRAFT_TOKENS)
+        return [types.SimpleNamespace(name=n, value=v / 2) for n, v in zip(names, (drafts, accepted, draft_tokens))
+                for _ in range(2)] + [types.SimpleNamespace(name="vllm:num_requests_running", value=3)]
+
+    before = decode_worker.spec_counters(snapshot(10, 5, 20))
+    after = decode_worker.spec_counters(snapshot(110, 165, 220))
+    got = decode_worker.acceptance(before, after)
+    assert got == {"drafts": 100, "accepted": 160, "accepted_per_step": 1.6, "tokens_per_step": 2.6,
+                   "acceptance_rate": 0.8}
+    assert decode_worker.acceptance(before, before) is None  # no drafts: nothing to report
+
+
+def test_report_puts_tokens_per_step_beside_tok_s(capsys):
+    r = result("nccl", list(range(128)))
+    r["single"]["spec_decode"] = {"drafts": 100, "accepted": 160, "accepted_per_step": 1.6, "tokens_per_step": 2.6}
+    r["sweep"][1]["spec_decode"] = {"drafts": 50, "accepted": 40, "accepted_per_step": 0.8, "tokens_per_step": 1.8}
+    decode_report.print_report({"nccl": r}, {"model": "m", "tp": 2, "max_tokens": 128, "mtp": 2, "weights": "real"})
+    out = capsys.readouterr().out.splitlines()
+    assert "weights: real  MTP 2 draft tokens" in out[0]
+    assert out[1].split()[:6] == ["backend", "start", "s", "bs1", "tok/s", "tok/step"]
+    assert out[2].split()[:4] == ["nccl", "200", "40.0", "2.60"]
+    assert out[3].strip() == "accepted draft tokens per step: bs1 1.60, c=4 0.80"
+
+
+def test_rounds_sum_spec_decode_counts_and_mtp_runs_stay_apart():
+    rounds = []
+    for drafts, accepted in ((100, 150), (300, 150)):
+        r = result("nccl", list(range(128)))
+        r["single"]["spec_decode"] = {"drafts": drafts, "accepted": accepted}
+        rounds.append(r)
+    assert decode_merge.combine_rounds(rounds)["single"]["spec_decode"] == {
+        "drafts": 400, "accepted": 300, "accepted_per_step": 0.75, "tokens_per_step": 1.75}
+    meta = {"model": "/old/machine/path/glm5-78L-16E", "tp": 2, "max_tokens": 128, "capture_sizes": None,
+            "prompts": decode_merge.PROMPTS}  # a file from before weights and MTP were recorded
+    new = {**meta, "model": "glm5-78L-16E", "weights": "dummy", "mtp": 0}
+    results, _ = decode_merge.merge_files([{"meta": m, "results": {"nccl": result("nccl", list(range(128)))}}
+                                           for m in (meta, new, {**new, "mtp": 2})])
+    assert set(results) == {"nccl", "nccl#2"} and len(results["nccl"]["rounds"]) == 2
+    assert results["nccl#2"]["setup_note"] == "measured with mtp 2"
+
+
+def test_worker_engine_arguments():
+    spec = {"tp": 2, "max_model_len": 2048, "max_num_seqs": None, "concurrency": [1, 8], "gpu_memory_utilization": 0.9,
+            "capture_sizes": [1, 2], "mtp": 2, "engine": decode_models.resolve("glm5-mini-mtp", mtp=2).engine}
+    kw = decode_worker.engine_kwargs(spec, decode_backends.BACKENDS["nccl"])
+    assert kw["load_format"] == "dummy" and kw["model"].endswith("glm5-mini-mtp") and kw["max_num_seqs"] == 8
+    assert kw["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 2}
+    assert kw["disable_log_stats"] is False  # LLM.get_metrics() needs it
+    assert kw["disable_custom_all_reduce"] and kw["compilation_config"] == {"cudagraph_capture_sizes": [1, 2]}
+    plain = decode_worker.engine_kwargs({**spec, "mtp": 0, "engine": {"model": "m"}}, decode_backends.BACKENDS["vllm"])
+    assert "disable_log_stats" not in plain and "load_format" not in plain and not plain["disable_custom_all_reduce"]

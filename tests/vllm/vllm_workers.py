@@ -1,12 +1,9 @@
-"""Rank bodies for the vLLM integration tests (importable by spawned children), and a CPU spawn helper."""
+"""Rank bodies for the vLLM integration tests (importable by the children of ``fastcomm.spawn.run_ranks``)."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
-import traceback
 
 
 def run_python(code: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -16,89 +13,134 @@ def run_python(code: str, env: dict | None = None, timeout: float = 300) -> subp
                           env={**os.environ, **(env or {})})
 
 
-# ---- CPU ranks over gloo ---------------------------------------------------------------------------------
+# ---- CPU ranks (fastcomm.spawn.run_ranks with backend="gloo": one deadline, survivors killed) ------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _cpu_entry(fn, rank, world, port, env, queue):
-    os.environ.update(env)
-    try:
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        queue.put((rank, "ok", fn(rank, world)))
-    except BaseException as e:  # report; never leave the parent waiting
-        queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    queue.close()
-    queue.join_thread()
-    os._exit(0)
-
-
-def run_cpu_ranks(fn, world: int, env: dict | None = None, timeout: float = 240) -> list:
-    """``fn(rank, world)`` on ``world`` spawned gloo ranks, joined against one deadline; leftovers killed."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_cpu_entry, args=(fn, r, world, port, dict(env or {}), queue), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results, deadline = {}, time.monotonic() + timeout
-    while len(results) < world and time.monotonic() < deadline:
-        try:
-            rank, status, value = queue.get(timeout=0.5)
-            results[rank] = (status, value)
-        except Exception:
-            if all(not p.is_alive() for p in procs) and queue.empty():
-                break
-    for r, p in enumerate(procs):
-        if p.is_alive():
-            p.kill()
-            results.setdefault(r, ("error", f"rank {r} killed at the {timeout:.0f} s deadline (hang?)"))
-        p.join(5)
-        results.setdefault(r, ("error", f"rank {r} exited with {p.exitcode} without reporting"))
-    bad = {r: v for r, (s, v) in results.items() if s != "ok"}
-    assert not bad, "\n".join(f"--- rank {r}:\n{v}" for r, v in sorted(bad.items()))
-    return [results[r][1] for r in range(world)]
-
-
-def cpu_communicator(rank: int, world: int) -> dict:
+def cpu_communicator(rank: int, world: int, group) -> dict:
     """Our communicator on CPU gloo groups: no workspace on any rank, and vLLM's all-reduce still sums."""
     import torch
-    import torch.distributed as dist
 
     from fastcomm_vllm.communicator import FastcommCudaCommunicator
 
-    cpu = dist.new_group(backend="gloo")
-    comm = FastcommCudaCommunicator(cpu_group=cpu, device=torch.device("cpu"), device_group=dist.group.WORLD,
-                                    unique_name="tp:0")
-    x = torch.full((4, 8), float(rank + 1))
+    def make(name):
+        return FastcommCudaCommunicator(cpu_group=group, device=torch.device("cpu"), device_group=group,
+                                        unique_name=name)
+
+    comm, other = make("tp:0"), make("pp:0")
+    base = torch.arange(32, dtype=torch.float32).reshape(4, 8)
+    x = base * (rank + 1)
+    kept = x.clone()
     y = comm.all_reduce(x)
-    other = FastcommCudaCommunicator(cpu_group=cpu, device=torch.device("cpu"), device_group=dist.group.WORLD,
-                                     unique_name="pp:0")
-    out = {"workspace": comm.fastcomm_workspace, "why_not": comm.fastcomm_why_not, "sum": y[0, 0].item(),
-           "input_kept": x[0, 0].item(), "pp_why_not": other.fastcomm_why_not}
+    reference = base * sum(r + 1 for r in range(world))  # exact: small integers
+    out = {"workspace": comm.fastcomm_workspace, "why_not": comm.fastcomm_why_not,
+           "sum_error": (y - reference).abs().max().item(), "input_changed": not torch.equal(x, kept),
+           "pp_why_not": other.fastcomm_why_not}
+    out["timeouts"] = timeout_reporting(comm)
     comm.destroy()
     other.destroy()
     return out
 
 
+class FakeWorkspace:
+    """The part of ``fastcomm.Workspace`` the communicator uses around a device-side timeout: ``watch``
+    (the real one calls back from a daemon thread once the pinned error record is set) and its record."""
+
+    def __init__(self, group=None, device=None):
+        self.message: str | None = None
+        self.watchers: list = []
+        self.closed = False
+
+    def watch(self, callback) -> None:
+        self.watchers.append(callback)
+
+    def record(self, message: str) -> None:  # what the kernel's trap leaves behind
+        self.message = message
+        for callback in self.watchers:
+            callback(message)
+
+    def describe(self) -> str:
+        return "fake workspace"
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def timeout_reporting(comm) -> dict:
+    """What reaches vLLM when a device-side timeout kills the context: run the communicator against a fake
+    workspace (this machine has no GPU) and a ``fastcomm.translate_error`` that reads it, as the real one
+    reads every open workspace of the process."""
+    import logging
+
+    import fastcomm
+    import torch
+
+    ws_made = []
+
+    def workspace(group, device):
+        ws_made.append(FakeWorkspace(group, device))
+        return ws_made[-1]
+
+    def translate_error(exc=None):
+        ws = ws_made[-1] if ws_made else None
+        return fastcomm.FastcommTimeoutError(ws.message) if ws is not None and ws.message else None
+
+    fastcomm.Workspace, fastcomm.translate_error = workspace, translate_error  # this child process only
+    seen: list[tuple[str, str]] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record):
+            seen.append((record.levelname, record.getMessage()))
+
+    logger = logging.getLogger("vllm.fastcomm")
+    logger.addHandler(Capture())
+    comm._local_reason = lambda: None  # as on a GPU rank: fastcomm usable here
+    ws, why_not = comm._open_workspace()  # collective, like the real construction
+    comm.fastcomm_workspace = ws
+    out = {"opened": ws is not None and why_not is None}
+
+    cuda_failure = RuntimeError("CUDA error: unspecified launch failure")
+
+    def failing_launch(x, ws):
+        raise cuda_failure
+
+    comm._fastcomm_try = failing_launch
+    x = torch.ones(4)
+
+    def outcome():
+        try:
+            comm.all_reduce(x)
+        except Exception as e:
+            return {"type": type(e).__name__, "message": str(e), "same": e is cuda_failure,
+                    "cause": type(e.__cause__).__name__ if e.__cause__ is not None else None}
+        return None
+
+    out["no_record"] = outcome()  # no timeout recorded: CUDA's error is someone else's, passed on unchanged
+    message = (f"fastcomm: rank {comm.rank_in_group} timed out after 3 s waiting for peer rank "
+               f"{1 - comm.rank_in_group} in the one-shot exchange")
+    ws.record(message)
+    out["logged"] = [m for m in seen if m[1] == message]
+    out["recorded"] = outcome()
+    own = fastcomm.FastcommTimeoutError("fastcomm: its own words")
+
+    def fastcomm_raises(x, ws):
+        raise own
+
+    comm._fastcomm_try = fastcomm_raises
+    out["fastcomm_own"] = outcome()
+    return out
+
+
 # ---- GPU ranks (fastcomm.spawn: NCCL world + gloo group, one GPU per rank) -----------------------------
 
-def gpu_vllm_tp(rank: int, world: int, gloo) -> dict:
-    """vLLM's own distributed setup with the plugin installed: routing, graphs (captured twice), fusion."""
+def gpu_vllm_tp(rank: int, world: int, gloo, replays: int) -> dict:
+    """vLLM's own distributed setup with the plugin installed: routing, graphs (captured twice), fusion.
+
+    Returns what it observed: per graph replay, the largest difference from a CPU reference."""
     import torch
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state as ps
     from vllm.platforms.cuda import CudaPlatformBase
 
-    from fastcomm_vllm import fusion, plugin
+    from fastcomm_vllm import helper_route, plugin
     from fastcomm_vllm.communicator import FastcommCudaCommunicator
     from numerics import rmsnorm_ref, ulp_stats
 
@@ -139,13 +181,16 @@ def gpu_vllm_tp(rank: int, world: int, gloo) -> dict:
             if attempt == 0:
                 del g, res
                 torch.cuda.synchronize()
-        for step in range(20):
-            buf.fill_(float(rank + step))
+        def pattern(r, step):  # small integers, different per rank, element and step: exact in bf16
+            return ((torch.arange(buf.numel()).reshape(buf.shape) * (r + 1) + step) % 31).to(torch.bfloat16)
+
+        out["replay_errors"] = []
+        for step in range(replays):
+            buf.copy_(pattern(rank, step))  # the input changes between replays
             g.replay()
             torch.cuda.synchronize()
-            want = float(sum(r + step for r in range(world)))
-            assert torch.equal(res, torch.full_like(res, want)), (step, res[0, :4])
-        out["graph_replays"] = 20
+            want = sum(pattern(r, step).double() for r in range(world))  # CPU reference
+            out["replay_errors"].append((res.cpu().double() - want).abs().max().item())
 
         # Fusion: the wrapped DSA helper and the compile-pass op against the unfused path.
         from vllm.ir.op import IrOp
@@ -166,7 +211,7 @@ def gpu_vllm_tp(rank: int, world: int, gloo) -> dict:
                                    device=dev, dtype=torch.bfloat16)
             reduced = tp.all_reduce(h)
             ref_out, ref_res = norm(reduced.clone(), residual.clone())
-            wrapped = fusion.wrap_helper(lambda a, b, n: n(tp.all_reduce(a), b))
+            wrapped = helper_route.wrap_helper(lambda a, b, n: n(tp.all_reduce(a), b))
             f_out, f_res = wrapped(h, residual.clone(), norm)
             o_out, o_res = torch.ops.fastcomm_vllm.fused_all_reduce_rms_norm(h, residual, norm.weight, 1e-5,
                                                                             tp.unique_name)
@@ -181,6 +226,24 @@ def gpu_vllm_tp(rank: int, world: int, gloo) -> dict:
                 eager_ulps, _ = ulp_stats(a, ref_out)
                 assert eager_ulps <= eager_bound, (name, tokens, "vs eager norm", out["norm_priority"], eager_ulps)
                 out[f"{name}_ulps_{tokens}"] = (ulps, exact, eager_ulps)
+            out[f"why_not_fused_{tokens}"] = ws.why_not_fused(h, residual)
+
+        # Above the fused op's range (fastcomm's policy table) both routes must give the unfused answer:
+        # the helper its original, the op the group's all-reduce then vLLM's norm.
+        above = next((t for t in (128, 256, 512, 1024, 2048, 4096, 8192) if ws.why_not_fused(
+            torch.empty((t, 4096), dtype=torch.bfloat16, device=dev)) is not None), None)
+        out["above_fused_range"] = None
+        if above is not None:
+            h = torch.randn((above, 4096), generator=gen, device=dev, dtype=torch.bfloat16)
+            residual = torch.randn((above, 4096), generator=gen, device=dev, dtype=torch.bfloat16)
+            ref_out, ref_res = norm(tp.all_reduce(h), residual.clone())
+            f_out, f_res = helper_route.wrap_helper(lambda a, b, n: n(tp.all_reduce(a), b))(h, residual.clone(), norm)
+            o_out, o_res = torch.ops.fastcomm_vllm.fused_all_reduce_rms_norm(h, residual, norm.weight, 1e-5,
+                                                                            tp.unique_name)
+            out["above_fused_range"] = {
+                "tokens": above, "why_not": ws.why_not_fused(h, residual),
+                "helper_equal": torch.equal(f_out, ref_out) and torch.equal(f_res, ref_res),
+                "op_residual_equal": torch.equal(o_res, ref_res), "op_ulps": ulp_stats(o_out, ref_out)[0]}
         ps.destroy_model_parallel()
     out["closed"] = ws.closed
     return out

@@ -7,6 +7,12 @@ them fall back), and per call the routing depends only on shape, dtype and layou
 Graph capture (vLLM captures more than once, the first time only to measure memory): fastcomm copies the
 input into its own persistent buffers and keeps its sequence state on the device, so a captured call needs
 no registration and a graph replays correctly however many graphs were captured or thrown away before.
+
+A device-side timeout kills the CUDA context, and what reaches vLLM is CUDA's generic launch failure, at
+whichever call next touches the device. Two things turn it into fastcomm's message naming rank, peer and
+step: ``all_reduce`` re-raises such a RuntimeError as ``fastcomm.translate_error``'s FastcommTimeoutError,
+and the workspace's watcher logs the message through vLLM's logger the moment the kernel records it, for
+failures that surface elsewhere (a CUDA-graph replay, the sampler's sync).
 """
 from __future__ import annotations
 
@@ -18,6 +24,18 @@ import torch.distributed as dist
 from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
 
 logger = logging.getLogger("vllm.fastcomm")
+
+
+def raise_translated(exc: RuntimeError) -> None:
+    """Raise fastcomm's FastcommTimeoutError (rank, peer, step) in place of ``exc`` when a workspace of this
+    process recorded a device-side timeout; return when none did (``exc`` is then someone else's error)."""
+    import fastcomm
+
+    if isinstance(exc, fastcomm.FastcommError):
+        return  # fastcomm's own, already in its words
+    translated = fastcomm.translate_error(exc)
+    if translated is not None:
+        raise translated from exc
 
 
 class FastcommCudaCommunicator(CudaCommunicator):
@@ -39,11 +57,14 @@ class FastcommCudaCommunicator(CudaCommunicator):
 
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
         ws = self.fastcomm_workspace
-        if ws is not None:
+        if ws is None:
+            return super().all_reduce(input_)
+        try:
             out = self._fastcomm_try(input_, ws)  # None: fastcomm's policy declines, on every rank alike
-            if out is not None:
-                return out
-        return super().all_reduce(input_)
+            return out if out is not None else super().all_reduce(input_)
+        except RuntimeError as exc:
+            raise_translated(exc)
+            raise
 
     def destroy(self) -> None:
         ws, self.fastcomm_workspace = self.fastcomm_workspace, None
@@ -78,6 +99,7 @@ class FastcommCudaCommunicator(CudaCommunicator):
             if ws is not None:
                 ws.close()
             return None, self._fall_back(reason or "another rank failed to build its workspace")
+        ws.watch(logger.error)  # a device-side timeout is logged by vLLM's logger wherever it surfaces
         if self.rank_in_group == 0:
             logger.info("%s (vLLM group %s)", ws.describe(), self.unique_name)
         return ws, None
@@ -88,7 +110,7 @@ class FastcommCudaCommunicator(CudaCommunicator):
             return f"device {self.device} is not CUDA"
         for module in ("fastcomm", "cupy"):
             if importlib.util.find_spec(module) is None:
-                return f"{module} is not installed (pip install fastcomm[cuda12] or fastcomm[cuda13])"
+                return f"{module} is not installed (from a checkout: pip install -e \".[cuda12]\" or \".[cuda13]\")"
         try:
             import fastcomm
 

@@ -5,7 +5,7 @@ Hooks, identical in vLLM 0.25.0 and the newest release (0.33.0):
   its device communicator through it, so returning ours puts fastcomm under ``tensor_model_parallel_all_reduce``.
 - ``...get_pass_manager_cls``: vLLM's compile backend builds its post-grad pass manager from it; ours adds
   the all-reduce + RMSNorm fusion pass.
-- the fused all-reduce + RMSNorm helper of the DSA (GLM-5 / DeepSeek-V3.2) model: see ``fusion``.
+- the fused all-reduce + RMSNorm helper of the DSA (GLM-5 / DeepSeek-V3.2) model: see ``helper_route``.
 The last two only with FASTCOMM_VLLM_FUSION=1: no end-to-end run has yet shown the fused kernel faster than
 fastcomm's all-reduce followed by vLLM's own norm (bench/RESULTS.md), so the default is the communicator alone.
 """
@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sys
 from pathlib import Path
 
 # A child of vLLM's logger, so the lines come out through vLLM's handler and format.
 logger = logging.getLogger("vllm.fastcomm")
 
 COMMUNICATOR = "fastcomm_vllm.communicator.FastcommCudaCommunicator"
-PASS_MANAGER = "fastcomm_vllm.fusion.FastcommPassManager"
+PASS_MANAGER = "fastcomm_vllm.compile_pass.FastcommPassManager"
 VLLM_COMMUNICATOR = "vllm.distributed.device_communicators.cuda_communicator.CudaCommunicator"
 VLLM_PASS_MANAGER = "vllm.compilation.passes.pass_manager.PostGradPassManager"
+# What the fused graphs are made of: their source is part of vLLM's compile-cache key.
+FUSION_MODULES = ("fused_op.py", "helper_route.py", "compile_pass.py")
 
 
 def register() -> None:
@@ -60,10 +63,10 @@ def install(platform_cls: type, fuse: bool = False) -> None:
     for method, ours, _ in hooks:
         _point(platform_cls, method, ours)
     if fuse:  # the fused op, the helper routing and the compile-key tag exist only for the fusion
-        from . import fusion
+        from . import fused_op, helper_route
 
-        fusion.register_ops()
-        fusion.route_fused_helper()
+        fused_op.register_ops()
+        helper_route.route_fused_helper()
         _fold_into_compile_hash()
 
 
@@ -95,7 +98,10 @@ def _fold_into_compile_hash() -> None:
     original = CompilationConfig.compute_hash
     if getattr(original, "_fastcomm_tag", None):
         return
-    tag = "fastcomm-" + hashlib.sha256((Path(__file__).parent / "fusion.py").read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256()
+    for name in FUSION_MODULES:
+        digest.update((Path(__file__).parent / name).read_bytes())
+    tag = "fastcomm-" + digest.hexdigest()[:12]
 
     def compute_hash(self) -> str:
         return hashlib.sha256(f"{original(self)}|{tag}".encode()).hexdigest()
@@ -108,15 +114,16 @@ def worker_status(worker=None) -> dict:
     """What fastcomm does in this worker (for ``LLM.collective_rpc``; ``worker`` is vLLM's, unused)."""
     from vllm.distributed.parallel_state import get_tp_group
 
-    from . import fusion
+    from . import helper_route
 
     comm = get_tp_group().device_communicator
     ws = getattr(comm, "fastcomm_workspace", None)
+    passes = sys.modules.get(f"{__package__}.compile_pass")  # not imported: no pass ran in this worker
     return {
         "communicator": None if comm is None else type(comm).__name__,
         "fastcomm": ws is not None,
         "describe": None if ws is None else ws.describe(),
         "why_not": getattr(comm, "fastcomm_why_not", None),
-        "helper_routed": fusion.helper_routed(),
-        "compile_pass_rewrites": fusion.FastcommFusionPass.total_rewrites,
+        "helper_routed": helper_route.helper_routed(),
+        "compile_pass_rewrites": passes.FastcommFusionPass.total_rewrites if passes else 0,
     }

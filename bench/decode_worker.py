@@ -1,0 +1,184 @@
+"""bench-decode's worker: one backend, inside its own vLLM process.
+
+    python -m fastcomm_bench.decode_worker BACKEND SPEC.json RESULT.json
+
+Started by ``decode_runner`` with the backend's environment. Writes RESULT.json after each step (atomically),
+so a run cut short at its timeout still reports what it measured:
+- single request: decode tok/s and time per output token (TPOT), from (t(N tokens) - t(1 token)) / (N - 1),
+  which cancels prefill and scheduling start-up;
+- a concurrency sweep: output tok/s and TPOT at each concurrency;
+- the greedy tokens of the single request (the report compares them across backends);
+- with MTP, the accepted draft tokens per decode step at each point, from vLLM's spec-decode counters.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from .decode_backends import BACKENDS, Backend
+
+# vLLM v1's spec-decode counters (vllm/v1/spec_decode/metrics.py, the same names since 0.25).
+DRAFTS = "vllm:spec_decode_num_drafts"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+
+
+def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """Request i's prompt: `length` random token ids from its own seeded generator (same on every run)."""
+    out = []
+    for i in range(count):
+        rng = random.Random(seed * 1000 + i)
+        out.append([rng.randrange(100, vocab - 100) for _ in range(length)])
+    return out
+
+
+def engine_kwargs(spec: dict, backend: Backend) -> dict:
+    """vllm.LLM's arguments for this row: the model's (spec["engine"]) over the benchmark's own."""
+    # seed: dummy weights come from it, so every backend computes with the same ones.
+    kwargs = {**dict(tensor_parallel_size=spec["tp"], skip_tokenizer_init=True, seed=0,
+                     max_model_len=spec["max_model_len"],
+                     max_num_seqs=spec.get("max_num_seqs") or max(spec["concurrency"]),
+                     gpu_memory_utilization=spec["gpu_memory_utilization"],
+                     disable_custom_all_reduce=backend.disable_custom_all_reduce), **spec["engine"]}
+    if spec.get("mtp"):
+        kwargs["disable_log_stats"] = False  # LLM.get_metrics() needs vLLM's stat logging
+    if spec["capture_sizes"] is not None:
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": spec["capture_sizes"]}
+    if spec.get("profile_dir"):
+        # vLLM's own torch profiler (0.25 and newer): per-worker traces plus a CUDA-time table, to see where
+        # one backend's decode step spends time that another's does not.
+        kwargs["profiler_config"] = {"profiler": "torch",
+                                     "torch_profiler_dir": str(Path(spec["profile_dir"]) / backend.name),
+                                     "torch_profiler_with_stack": False,
+                                     "torch_profiler_dump_cuda_time_total": True}
+    return kwargs
+
+
+def spec_counters(metrics) -> dict[str, float]:
+    """The spec-decode counters in a ``LLM.get_metrics()`` snapshot, summed over engines."""
+    out = {DRAFTS: 0.0, ACCEPTED: 0.0, DRAFT_TOKENS: 0.0}
+    for m in metrics:
+        if m.name in out and isinstance(getattr(m, "value", None), (int, float)):
+            out[m.name] += m.value
+    return out
+
+
+def acceptance(before: dict[str, float], after: dict[str, float]) -> dict | None:
+    """Accepted draft tokens per decode step between two snapshots (None: no drafts were made)."""
+    drafts = after[DRAFTS] - before[DRAFTS]
+    if drafts <= 0:
+        return None
+    accepted = after[ACCEPTED] - before[ACCEPTED]
+    return {"drafts": int(drafts), "accepted": int(accepted),
+            "accepted_per_step": round(accepted / drafts, 3),
+            # What one decode step emits per request: the target's token plus the accepted drafts.
+            "tokens_per_step": round(1 + accepted / drafts, 3),
+            "acceptance_rate": round(accepted / (after[DRAFT_TOKENS] - before[DRAFT_TOKENS]), 3)
+            if after[DRAFT_TOKENS] > before[DRAFT_TOKENS] else None}
+
+
+def _vocab_size(llm) -> int:
+    model_config = getattr(llm, "model_config", None) or llm.llm_engine.model_config
+    return int(model_config.get_vocab_size())
+
+
+def run(spec: dict, backend: Backend, save) -> dict:
+    """Measure one backend; ``save(result)`` after each step, so a run cut short still reports."""
+    from vllm import LLM, SamplingParams
+
+    if spec.get("gguf"):  # the GGUF contract again, in this process: it registers vLLM's GGUF adapter here
+        from fastcomm_vllm import gguf
+
+        from .decode_models import gguf_engine_kwargs
+
+        spec = {**spec, "engine": {"model": spec["gguf"]["model"], **gguf_engine_kwargs(gguf, spec["gguf"])}}
+    t0 = time.perf_counter()
+    llm = LLM(**engine_kwargs(spec, backend))
+    result = {"startup_s": round(time.perf_counter() - t0, 1), "vllm": importlib.metadata.version("vllm")}
+    try:
+        from fastcomm_vllm.plugin import worker_status
+
+        result["workers"] = llm.collective_rpc(worker_status)
+    except Exception as e:  # informational; the row is still measured
+        result["workers"] = f"status unavailable: {type(e).__name__}: {e}"
+    save(result)
+
+    batch_prompts = prompts(max(spec["concurrency"]), spec["prompt_len"], _vocab_size(llm), spec["seed"])
+
+    def counters():
+        return spec_counters(llm.get_metrics()) if spec.get("mtp") else None
+
+    def timed(batch: int, tokens: int):
+        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
+        times, outs = [], None
+        before = counters()
+        for _ in range(spec["repeats"]):
+            t = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": p} for p in batch_prompts[:batch]], params, use_tqdm=False)
+            times.append(time.perf_counter() - t)
+        accepted = acceptance(before, counters()) if before is not None else None
+        # Every repeat's wall time goes on record beside the median: the spread says what a ratio can bear.
+        return statistics.median(times), outs, [round(x, 4) for x in times], accepted
+
+    n = spec["max_tokens"]
+    timed(1, 8)  # warm-up: first-request allocations, sampler JIT
+    t1, _, _, _ = timed(1, 1)
+    tn, outs, runs, accepted = timed(1, n)
+    tpot = (tn - t1) / (n - 1)
+    result["single"] = {"tpot_ms": round(tpot * 1e3, 3), "tok_s": round(1 / tpot, 2),
+                        "ttft_ms": round(t1 * 1e3, 2), "wall_s": round(tn, 3), "runs_s": runs}
+    if accepted:
+        result["single"]["spec_decode"] = accepted
+    result["greedy_tokens"] = list(outs[0].outputs[0].token_ids)
+    save(result)
+    if spec.get("profile_dir"):
+        try:  # after the timed runs, so profiling never skews them
+            llm.start_profile()
+            params = SamplingParams(temperature=0.0, max_tokens=spec.get("profile_tokens", 16), ignore_eos=True,
+                                    detokenize=False)
+            batch = spec.get("profile_concurrency", 1)
+            llm.generate([{"prompt_token_ids": p} for p in batch_prompts[:batch]], params, use_tqdm=False)
+            llm.stop_profile()
+            result["profile"] = str(Path(spec["profile_dir"]) / backend.name)
+        except Exception as e:  # the row stands without a profile
+            result["profile"] = f"failed: {type(e).__name__}: {e}"
+    sweep = result["sweep"] = []
+    save(result)
+    for c in spec["concurrency"]:
+        # Untimed first: a new batch size compiles Triton kernels for its shapes (vLLM warns "JIT compilation
+        # during inference"), which would otherwise land in the 1-token run and shrink the TPOT difference.
+        llm.generate([{"prompt_token_ids": p} for p in batch_prompts[:c]],
+                     SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False), use_tqdm=False)
+        c1, _, _, _ = timed(c, 1)
+        cn, _, runs, accepted = timed(c, n)
+        tpot_c = (cn - c1) / (n - 1)
+        point = {"concurrency": c, "out_tok_s": round(c * n / cn, 1), "tpot_ms": round(tpot_c * 1e3, 3),
+                 "decode_tok_s": round(c / tpot_c, 1), "runs_s": runs}
+        if accepted:
+            point["spec_decode"] = accepted
+        sweep.append(point)
+        save(result)
+    return result
+
+
+def main(argv=None) -> int:
+    backend, spec_file, result_file = sys.argv[1:] if argv is None else argv
+    spec = json.loads(Path(spec_file).read_text())
+    out = Path(result_file)
+
+    def save(result: dict) -> None:
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result))
+        tmp.replace(out)  # the parent never reads a half-written file
+
+    run(spec, BACKENDS[backend], save)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
