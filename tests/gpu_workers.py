@@ -154,11 +154,13 @@ def _try_all_reduce(ws):
                 torch.ones(17, dtype=torch.float32, device=dev)[1:],
                 torch.ones(ws.config.max_bytes // 4 + 1, dtype=torch.float32, device=dev)]
     assert all(fastcomm.try_all_reduce(x, ws) is None for x in declined)
+    served = 0
     for n in (0, 1, 6144, 3 * 6144 + 5):
         x = _ints(n, torch.bfloat16, ws.rank, 9, dev)
         got = fastcomm.try_all_reduce(x, ws)
         assert got is not None and torch.equal(got, _nccl_sum(x)), n
-    return True
+        served += 1
+    return served
 
 
 def _back_to_back(ws, calls):
@@ -170,7 +172,7 @@ def _back_to_back(ws, calls):
     base = {n: _ints(n, torch.bfloat16, 0, n, dev) for n, _ in plan}
     outs = {n: torch.empty(n, dtype=torch.bfloat16, device=dev) for n, _ in plan}
     tri = world * (world + 1) // 2
-    bad = 0
+    bad = good = 0
     for i in range(calls):
         n, algo = plan[i % len(plan)]
         k = (i % 5) + 1  # x_r = base * (r+1) * k -> sum = base * k * tri (exact: |.| <= 8*5*36 < 2^8? use scale)
@@ -178,9 +180,11 @@ def _back_to_back(ws, calls):
         fastcomm.all_reduce(x, ws, algo=algo, out=outs[n])
         if not torch.equal(outs[n], (base[n].float() * (k * tri)).to(torch.bfloat16)):
             bad += 1
+        else:
+            good += 1
     torch.cuda.synchronize()
     assert bad == 0, f"{bad} of {calls} back-to-back calls wrong"
-    return calls
+    return good  # calls whose result was checked and right
 
 
 def _graphs(ws, replays):
@@ -211,6 +215,7 @@ def _graphs(ws, replays):
     torch.cuda.current_stream().wait_stream(s)
     ar = torch.arange(6144, device=dev)
     br = torch.arange(300001, device=dev)
+    checked = 0
     for i in range(replays):
         v = (i % 7) - 3
         a.copy_(((ar + i) % 5 - 2).to(torch.bfloat16) * (rank + 1))
@@ -219,13 +224,14 @@ def _graphs(ws, replays):
         res.fill_(v)
         g, oa, ob, of, ro = graphs[i % 2]
         g.replay()
-        if i % 10 == 0 or i == replays - 1:
-            assert torch.equal(oa, (((ar + i) % 5 - 2) * tri).to(torch.bfloat16)), f"replay {i}: one-shot wrong"
-            assert torch.equal(ob, (((br + i) % 3 - 1) * tri).to(torch.bfloat16)), f"replay {i}: two-shot wrong"
-            ref = (((torch.arange(4 * hidden, device=dev).view(4, hidden) + i) % 7 - 3) * world + v).to(torch.bfloat16)
-            assert torch.equal(ro, ref), f"replay {i}: fused residual wrong"
+        # Every replay is checked (inputs changed before each).
+        assert torch.equal(oa, (((ar + i) % 5 - 2) * tri).to(torch.bfloat16)), f"replay {i}: one-shot wrong"
+        assert torch.equal(ob, (((br + i) % 3 - 1) * tri).to(torch.bfloat16)), f"replay {i}: two-shot wrong"
+        ref = (((torch.arange(4 * hidden, device=dev).view(4, hidden) + i) % 7 - 3) * world + v).to(torch.bfloat16)
+        assert torch.equal(ro, ref), f"replay {i}: fused residual wrong"
+        checked += 1
     torch.cuda.synchronize()
-    return replays
+    return checked  # replays whose three results were checked and right
 
 
 def _fused(ws, seed):
@@ -326,6 +332,9 @@ def timeout(rank, world, gloo, transport, die, timeout_s=3.0):
         seen.setdefault("t", time.monotonic())
         say("error record set")
 
+    import faulthandler
+
+    faulthandler.dump_traceback_later(timeout_s + 30, exit=False)  # where a rank still stuck then is stuck
     t0 = time.monotonic()
     ws.watch(on_record)
     fastcomm.all_reduce(x, ws)
@@ -347,6 +356,7 @@ def timeout(rank, world, gloo, transport, die, timeout_s=3.0):
         time.sleep(0.01)
     translated = fastcomm.translate_error(RuntimeError(out.get("cuda_error", "")))
     say("returning")
+    faulthandler.cancel_dump_traceback_later()
     return {"message": ws.error_message(), "record_s": seen.get("t", math.inf) - t0,
             "sync_s": out.get("t", math.inf) - t0, "sync_returned": done.is_set(),
             "cuda_error": out.get("cuda_error"), "translated": None if translated is None else str(translated),

@@ -22,7 +22,7 @@ def _counts(world):
     GPU, whose kernels then run one rank at a time (time-slicing), each call taking several slices."""
     if resolve_backend("auto", world) == "nccl":
         return 10_000, 2_000
-    return (2_000, 1_000) if world <= 4 else (600, 300)
+    return (1_000, 500) if world <= 4 else (400, 200)
 
 
 @pytest.mark.parametrize("transport", ["p2p", "host"])
@@ -33,7 +33,9 @@ def test_core(world, transport):
     print(world, transport, res[0])
     # What the workers observed (every result is checked inside them against the reference):
     assert res[0]["exact"] > 100, res[0]
-    assert all(r["back_to_back"] == calls and r["graph_replays"] == replays for r in res)
+    # Counts of calls and replays whose results were checked and right (not the counts asked for).
+    assert all(r["back_to_back"] == calls and r["graph_replays"] == replays and r["try_all_reduce"] == 4
+               for r in res)
     assert f"{world} ranks, transport {transport}" in res[0]["describe"]
 
 
@@ -44,10 +46,10 @@ def test_forced_islands(world, islands):
     assert "islands" in res[0]["describe"] and res[0]["exact"] > 100
 
 
-@pytest.mark.parametrize("transport,die", [("p2p", False), ("host", False), ("host", True)])
-@pytest.mark.parametrize("world", (2, 4, 8))
+@pytest.mark.parametrize("world,transport,die", [(2, "p2p", False), (2, "host", True), (4, "p2p", False),
+                                                 (4, "host", True), (8, "p2p", False), (8, "host", False)])
 def test_missing_peer_times_out(world, transport, die):
-    results = run_ranks(W.timeout, world, transport, die, TIMEOUT_S, timeout=120,
+    results = run_ranks(W.timeout, world, transport, die, TIMEOUT_S, timeout=75,
                         allow_exit=(world - 1,) if die else ())
     for r in range(world - 1):
         status, value = results[r]
