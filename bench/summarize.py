@@ -8,7 +8,10 @@ import argparse
 import json
 import sys
 
-KB, MB = 1 << 10, 1 << 20
+from fastcomm.units import KiB as KB
+from fastcomm.units import MiB as MB
+from fastcomm.units import format_size
+
 SIZES = (4 * KB, 12 * KB, 64 * KB, 256 * KB, 1 * MB, 4 * MB, 16 * MB, 64 * MB)
 
 
@@ -32,10 +35,6 @@ def _load(path):
     return run
 
 
-def _fmt(n):
-    return f"{n // MB} MB" if n >= MB else f"{n // KB} KB"
-
-
 def _graph(rows, impl, size):
     for r in rows:
         if r["impl"] == impl and r["size"] == size and r["redop"] == "sum":
@@ -52,7 +51,7 @@ def allreduce_table(rows, impls, base, sizes=SIZES) -> str:
             continue
         b = _graph(rows, base, s)
         ratio = f"{vals[0] / b:.2f}" if b else "n/a"
-        out.append(f"| {_fmt(s)} | " + " | ".join("-" if v is None else f"{v:.2f}" for v in vals) + f" | {ratio} |")
+        out.append(f"| {format_size(s)} | " + " | ".join("-" if v is None else f"{v:.2f}" for v in vals) + f" | {ratio} |")
     return "\n".join(out)
 
 
@@ -88,7 +87,7 @@ def main(argv=None) -> int:
         impls.append("vllm-custom-ar")
     print(allreduce_table(rows, impls, "nccl"))
     print("\nfastcomm-auto / symm-one_shot:", ", ".join(
-        f"{_fmt(s)} {_graph(rows, 'fastcomm-auto', s) / _graph(rows, 'symm-one_shot', s):.2f}"
+        f"{format_size(s)} {_graph(rows, 'fastcomm-auto', s) / _graph(rows, 'symm-one_shot', s):.2f}"
         for s in SIZES if _graph(rows, "symm-one_shot", s) and _graph(rows, "fastcomm-auto", s)))
     print("\nFused all-reduce + residual + RMSNorm (P2P):\n")
     print(fused_table(rows))

@@ -128,7 +128,7 @@ def test_summarize_tables_and_its_one_line_errors(tmp_path, capsys):
     run.write_text(json.dumps({"meta": {"label": "x", "nccl": "2.28", "torch": "2.11"}, "rows": rows}))
     assert S.main([str(run)]) == 0
     out = capsys.readouterr().out
-    assert "| 4 KB | 5.00 | - | - | 10.00 | 4.00 | - | 0.50 |" in out and "4 KB 1.25" in out
+    assert "| 4 KiB | 5.00 | - | - | 10.00 | 4.00 | - | 0.50 |" in out and "4 KiB 1.25" in out
     for argv, text in (([str(tmp_path / "none.json")], "none.json: No such file"),
                        ([str(run), "--nop2p", str(tmp_path / "none.json")], "none.json: No such file"),
                        ([str(tmp_path)], "Is a directory")):
