@@ -15,8 +15,8 @@
   }
 
 #define FC_DEFINE(NAME, D)                                                                                     \
-  extern "C" __global__ void __launch_bounds__(1024) fc_one_shot_##NAME(const FcTable* t, const char* in,      \
-                                                                       char* out, u64 nbytes) {               \
+  extern "C" __global__ void __launch_bounds__(256) fc_one_shot_##NAME(const FcTable* t, const char* in,       \
+                                                                      char* out, u64 nbytes) {                \
     fc_one_shot<D>(t, in, out, nbytes);                                                                        \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(1024) fc_two_shot_##NAME(const FcTable* t, const char* in,      \

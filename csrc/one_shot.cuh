@@ -1,35 +1,48 @@
-// One-shot all-reduce for small messages.
+// One-shot all-reduce for small messages, Lamport style.
 //
-// Every rank pushes its whole input, as flag-in-data packets, into each peer's receive slot (P2P) or into
-// its own slot of the shared host segment (host transport), then reads every rank's packets from the pull
-// side and sums them locally. One hop, no barrier round trip: a packet is ready when both its flags carry
-// this launch's epoch, so the reader never waits for anything but the data itself.
+// Every rank pushes its whole input, payload only, into each peer's receive slot (P2P) or into its own
+// slot of the shared host segment (host transport), then reads every rank's data from the pull side and
+// sums it locally. One hop, no flag and no barrier: an element is ready once it no longer holds the
+// sentinel (common.cuh, "Lamport one-shot": the sentinel, the three rotating buffers, who clears what and
+// why that is safe without a barrier).
 //
-// Each thread owns whole packets; it reads only the packets it pushed itself (same index on every rank),
-// so blocks never wait on each other, only on the same-index block of their peers. For the same reason
-// out may alias in: a thread reads its input packet before it writes the same bytes of the output.
+// Each thread owns whole 16-byte vectors; it reads only the vectors it pushed itself (same index on every
+// rank), so blocks never wait on each other, only on the same vectors of their peers. For the same reason
+// out may alias in: a thread reads its input vector before it writes the same bytes of the output.
 #pragma once
 #include "common.cuh"
 
 template <class D>
-__device__ __forceinline__ void fc_one_shot(const FcTable* __restrict__ t, const char* in,
-                                            char* out, u64 nbytes) {
-  typedef FcPayload<D> P;
-  const u32 epoch = fc_begin(t);
-  const u32 h = epoch & 1u;
-  const u32 npush = t->n_ll_push;
-  const u64 npk = (nbytes + FC_PACKET_PAYLOAD - 1) / FC_PACKET_PAYLOAD;
+__device__ __forceinline__ void fc_one_shot(const FcTable* __restrict__ t, const char* in, char* out, u64 nbytes) {
+  typedef FcVec<D> V;
+  const FcLpCall c = fc_lp_begin(t);
+  const u32 npush = t->n_lp_push;
+  const u64 nvec = (nbytes + FC_VEC_BYTES - 1) / FC_VEC_BYTES;
 
-  // One packet per thread per pass. (Two per pass, all loads in flight, measured slower on 2 x H200 at
-  // every size: bench/results/2026-11-30-h200x2-run4-p2p.json.)
-  for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < npk; i += (u64)gridDim.x * blockDim.x) {
-    const u64 off[1] = {i * FC_PACKET_BYTES};
-    const bool valid[1] = {true};
-    const uint2 mine = fc_load_payload(in, i, nbytes);
-    for (u32 j = 0; j < npush; ++j) fc_store_packet(t->ll_push[h][j] + off[0], mine.x, epoch, mine.y, epoch);
-    float acc[1][P::N];
-    fc_gather_sum<D, 1>(t, h, off, valid, epoch, &mine, FC_STEP_ONE_SHOT, acc);
-    fc_store_payload(out, i, nbytes, P::pack(acc[0]));
+  // P2P: my receive slots of the previous call's buffer are mine alone to read, and that reader (my
+  // previous kernel) has finished: clear them now.
+  if (!t->host) {
+    for (u32 s = 0; s < t->world; ++s)
+      if (s != t->rank) fc_lp_clear(t->lp_pull[c.prev][s], c.prev_bytes);
   }
-  fc_end(t, epoch);
+
+  bool gathered = false;
+  for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < nvec; i += (u64)gridDim.x * blockDim.x) {
+    const uint4 mine = fc_lp_sanitize<D>(fc_load_vec(in, i, nbytes));
+    for (u32 j = 0; j < npush; ++j) fc_lp_store(t->lp_push[c.buf][j] + i * FC_VEC_BYTES, mine);
+    float acc[V::N];
+    fc_lp_gather_sum<D>(t, c.buf, i * FC_VEC_BYTES, mine, FC_STEP_ONE_SHOT, c.epoch, acc);
+    fc_store_vec(out, i, nbytes, V::pack(acc));
+    gathered = true;
+  }
+
+  // Host: my own slot of the previous buffer is read by every peer. This block may clear its share once
+  // it has seen call-c data from every peer (then every peer's call c-1 kernel is over): any thread of
+  // the block that gathered a vector saw all of them; a block without a vector waits for vector 0.
+  if (t->host) {
+    if (!__syncthreads_or(gathered)) fc_lp_wait_first<D>(t, c.buf, FC_STEP_ONE_SHOT, c.epoch);
+    __syncthreads();
+    fc_lp_clear(t->lp_push[c.prev][0], c.prev_bytes);
+  }
+  fc_lp_end(t, c, (u32)(nvec * FC_VEC_BYTES));
 }

@@ -112,7 +112,11 @@ def test_two_shot_launch_covers_everything_aligned(numel, elem, world):
 
 def test_one_shot_and_fused_launch_shapes():
     lc = P.one_shot_launch(12 * KB, 128)
-    assert lc.grid * lc.block >= P.packets_for(12 * KB) and lc.block % 32 == 0
+    assert lc.grid * lc.block >= P.vectors_for(12 * KB) and lc.block % 32 == 0
+    # every block has a vector of its own (the host transport's clear relies on it, one_shot.cuh)
+    for n in (1, 16, 17, 4096 + 16, 12 * KB, 1 << 20):
+        lc = P.one_shot_launch(n, 128)
+        assert (lc.grid - 1) * lc.block < P.vectors_for(n)
     assert P.one_shot_launch(1, 128).grid == 1
     f = P.fused_launch(64, 6144, 2, 32)
     assert f.grid == 32 and f.block * max(abi.FUSED_VARIANTS) >= P.packets_for(6144 * 2)

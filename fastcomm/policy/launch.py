@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..abi import (ALIGN, FUSED_MAX_SPLITS, FUSED_THREADS, FUSED_VARIANTS, MAX_BLOCKS, ONE_SHOT_THREADS, PACKET_BYTES,
-                   PACKET_PAYLOAD, TWO_SHOT_THREADS)
+                   PACKET_PAYLOAD, TWO_SHOT_THREADS, VEC_BYTES)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -22,7 +22,13 @@ def packets_for(nbytes: int) -> int:
 
 
 def ll_bytes(nbytes: int) -> int:
+    """Bytes of flag-in-data packets (the fused op) carrying ``nbytes`` of payload."""
     return packets_for(nbytes) * PACKET_BYTES
+
+
+def vectors_for(nbytes: int) -> int:
+    """16-byte vectors the one-shot moves for ``nbytes`` (payload only; the tail vector is zero-padded)."""
+    return cdiv(nbytes, VEC_BYTES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,9 +42,10 @@ class Launch:
 
 
 def one_shot_launch(nbytes: int, max_blocks: int) -> Launch:
-    npk = packets_for(nbytes)
-    block = min(ONE_SHOT_THREADS, max(32, round_up(npk, 32)))
-    return Launch(num_blocks(npk, block, max_blocks), block)
+    """One 16-byte vector per thread per pass; every block gets at least one vector."""
+    nvec = vectors_for(nbytes)
+    block = min(ONE_SHOT_THREADS, max(32, round_up(nvec, 32)))
+    return Launch(num_blocks(nvec, block, max_blocks), block)
 
 
 def two_shot_launch(numel: int, elem_size: int, world_size: int, max_blocks: int) -> Launch:
