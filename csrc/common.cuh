@@ -58,9 +58,12 @@ struct FcTable {
   FcError* err;    // host-mapped
   u32* state;      // my own device memory: [0] last completed epoch, [1] blocks done in this launch,
                    // [2] Lamport buffer of the last one-shot, [3] bytes of each slot that call wrote
-  char* scratch;   // my own device memory: FC_MAX_BLOCKS x 2 packets, blocks of one launch talk through it
+  char* scratch;   // my own device memory, FC_MAX_BLOCKS x 2 packets (no kernel uses it since the fused op
+                   // stopped swapping partial sums between blocks)
 
-  // One-shot packets. Push: where my packets go (P2P: every peer's slot for me; host: my one host slot).
+  // Flag-in-data packet slots (epoch twice per 8 data bytes). No kernel here uses them any more: the
+  // one-shot and the fused op moved to the Lamport slots below. Push: where my packets go (P2P: every
+  // peer's slot for me; host: my one host slot).
   u32 n_ll_push;
   u32 n_ag_push;
   char* ll_push[2][FC_MAX_WORLD];
@@ -275,50 +278,6 @@ __device__ __forceinline__ void fc_store_payload(char* base, u64 i, u64 limit, u
   for (u64 b = 0; b < n; ++b) p[b] = s[b];
 }
 
-// U packets (at byte offsets off[u] of each source's slot) from every rank, each summed in rank order
-// 0..world-1 (the same order on every rank, so all ranks get the same bits; the first term seeds the sum,
-// which keeps an all -0.0 input -0.0 as NCCL does). Every load is issued before any is waited on, so the
-// waits overlap instead of adding up. A packet is ready when both flags carry this epoch: only its 8-byte
-// halves are single-copy atomic. Invalid lanes (valid[u] false) are skipped.
-template <class D, int U>
-__device__ __forceinline__ void fc_gather_sum(const FcTable* t, u32 h, const u64* off, const bool* valid, u32 epoch,
-                                              const uint2* mine, u32 step, float (*acc)[FcPayload<D>::N]) {
-  typedef FcPayload<D> P;
-  const u32 world = t->world, me = t->rank;
-  uint4 pk[U][FC_MAX_WORLD];
-#pragma unroll
-  for (int u = 0; u < U; ++u)
-#pragma unroll
-    for (u32 s = 0; s < FC_MAX_WORLD; ++s)
-      if (valid[u] && s < world && s != me)
-        fc_load_packet(t->ll_pull[h][s] + off[u], pk[u][s].x, pk[u][s].y, pk[u][s].z, pk[u][s].w);
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-#pragma unroll
-    for (u32 s = 0; s < FC_MAX_WORLD; ++s) {
-      if (valid[u] && s < world && s != me && (pk[u][s].y != epoch || pk[u][s].w != epoch)) {
-        FcDeadline dl(t->timeout_ns);
-        do {
-          if (dl.expired()) fc_fail(t, s, step, epoch);
-          fc_load_packet(t->ll_pull[h][s] + off[u], pk[u][s].x, pk[u][s].y, pk[u][s].z, pk[u][s].w);
-        } while (pk[u][s].y != epoch || pk[u][s].w != epoch);
-      }
-    }
-  }
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    float v[P::N];
-#pragma unroll
-    for (u32 s = 0; s < FC_MAX_WORLD; ++s) {
-      if (s < world) {
-        P::unpack(s == me ? mine[u] : make_uint2(pk[u][s].x, pk[u][s].z), v);
-#pragma unroll
-        for (int e = 0; e < P::N; ++e) acc[u][e] = (s == 0) ? v[e] : acc[u][e] + v[e];
-      }
-    }
-  }
-}
-
 // ---- Lamport one-shot: readiness in the data itself ------------------------------------------------------
 //
 // A slot element "has not arrived" while it holds the sentinel: all ones (0xFFFF for bf16/fp16,
@@ -451,7 +410,10 @@ struct FcVec {
 // input -0.0 as NCCL does). `mine` is this rank's own, already sanitized term. Every source's load is
 // issued first; then each round re-loads every source still pending, so the waits overlap instead of adding
 // up, and the deadline bounds the whole wait.
-template <class D>
+//
+// OWN_FROM_SLOT: read this rank's term from its own slot too (lp_pull[b][rank]) instead of `mine`: the fused
+// op, whose blocks read vectors their siblings pushed.
+template <class D, bool OWN_FROM_SLOT = false>
 __device__ __forceinline__ void fc_lp_gather_sum(const FcTable* t, u32 b, u64 off, uint4 mine, u32 step, u32 epoch,
                                                  float* acc) {
   typedef FcVec<D> V;
@@ -460,10 +422,10 @@ __device__ __forceinline__ void fc_lp_gather_sum(const FcTable* t, u32 b, u64 of
   u32 pending = 0;
 #pragma unroll
   for (u32 s = 0; s < FC_MAX_WORLD; ++s)
-    if (s < world && s != me) v[s] = fc_lp_load(t->lp_pull[b][s] + off);
+    if (s < world && (OWN_FROM_SLOT || s != me)) v[s] = fc_lp_load(t->lp_pull[b][s] + off);
 #pragma unroll
   for (u32 s = 0; s < FC_MAX_WORLD; ++s)
-    if (s < world && s != me && !fc_lp_arrived<D>(v[s])) pending |= 1u << s;
+    if (s < world && (OWN_FROM_SLOT || s != me) && !fc_lp_arrived<D>(v[s])) pending |= 1u << s;
   if (pending) {
     FcDeadline dl(t->timeout_ns);
     do {
@@ -480,7 +442,7 @@ __device__ __forceinline__ void fc_lp_gather_sum(const FcTable* t, u32 b, u64 of
   for (u32 s = 0; s < FC_MAX_WORLD; ++s) {
     if (s < world) {
       float f[V::N];
-      V::unpack(s == me ? mine : v[s], f);
+      V::unpack((s == me && !OWN_FROM_SLOT) ? mine : v[s], f);
 #pragma unroll
       for (int e = 0; e < V::N; ++e) acc[e] = (s == 0) ? f[e] : acc[e] + f[e];
     }
@@ -524,6 +486,27 @@ __device__ __forceinline__ FcLpCall fc_lp_begin(const FcTable* t) {
   c.buf = c.prev + 1u == FC_LP_BUFFERS ? 0u : c.prev + 1u;
   c.prev_bytes = st[3];
   return c;
+}
+
+// P2P: my receive slots of the previous call's buffer, own slot included (the fused op writes it), are
+// mine alone to read, and that reader (my previous kernel) has finished: clear them, at any point of this
+// call. Host: nothing (see fc_lp_clear_own_after_gather).
+__device__ __forceinline__ void fc_lp_clear_received(const FcTable* t, const FcLpCall& c) {
+  if (t->host) return;
+  for (u32 s = 0; s < t->world; ++s) fc_lp_clear(t->lp_pull[c.prev][s], c.prev_bytes);
+}
+
+// Host: my own slot of the previous buffer is read by every peer. A block may clear its share once it has
+// seen call-c data from every peer (then every peer's call c-1 kernel is over): any thread of the block
+// that gathered a vector (`gathered`) saw all of them; a block without one waits for vector 0. Called by
+// every thread of the block, after its gathers.
+template <class D>
+__device__ __forceinline__ void fc_lp_clear_own_after_gather(const FcTable* t, const FcLpCall& c, bool gathered,
+                                                             u32 step) {
+  if (!t->host) return;
+  if (!__syncthreads_or(gathered)) fc_lp_wait_first<D>(t, c.buf, step, c.epoch);
+  __syncthreads();
+  fc_lp_clear(t->lp_push[c.prev][0], c.prev_bytes);
 }
 
 // As fc_end, and the last block also records this call's buffer and size for the next call's clear. Every

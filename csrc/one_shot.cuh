@@ -19,12 +19,7 @@ __device__ __forceinline__ void fc_one_shot(const FcTable* __restrict__ t, const
   const u32 npush = t->n_lp_push;
   const u64 nvec = (nbytes + FC_VEC_BYTES - 1) / FC_VEC_BYTES;
 
-  // P2P: my receive slots of the previous call's buffer are mine alone to read, and that reader (my
-  // previous kernel) has finished: clear them now.
-  if (!t->host) {
-    for (u32 s = 0; s < t->world; ++s)
-      if (s != t->rank) fc_lp_clear(t->lp_pull[c.prev][s], c.prev_bytes);
-  }
+  fc_lp_clear_received(t, c);
 
   bool gathered = false;
   for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < nvec; i += (u64)gridDim.x * blockDim.x) {
@@ -36,13 +31,6 @@ __device__ __forceinline__ void fc_one_shot(const FcTable* __restrict__ t, const
     gathered = true;
   }
 
-  // Host: my own slot of the previous buffer is read by every peer. This block may clear its share once
-  // it has seen call-c data from every peer (then every peer's call c-1 kernel is over): any thread of
-  // the block that gathered a vector saw all of them; a block without a vector waits for vector 0.
-  if (t->host) {
-    if (!__syncthreads_or(gathered)) fc_lp_wait_first<D>(t, c.buf, FC_STEP_ONE_SHOT, c.epoch);
-    __syncthreads();
-    fc_lp_clear(t->lp_push[c.prev][0], c.prev_bytes);
-  }
+  fc_lp_clear_own_after_gather<D>(t, c, gathered, FC_STEP_ONE_SHOT);
   fc_lp_end(t, c, (u32)(nvec * FC_VEC_BYTES));
 }

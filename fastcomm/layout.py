@@ -19,7 +19,7 @@ class GroupLayout:
 
     members: tuple[int, ...]  # global ranks, in group order
     group_id: int
-    ll_slot: int              # fused op: flag-in-data packets, two halves
+    ll_slot: int              # flag-in-data packets, two halves (no kernel uses them now; see FcTable)
     lp_slot: int              # one-shot: payload only (Lamport), LP_BUFFERS rotating buffers
     seg: int                  # two-shot segment bytes (0: no two-shot in this group)
     ll_off: int

@@ -42,10 +42,18 @@ def _two_shot(ws: Workspace, src: torch.Tensor, dst: torch.Tensor) -> None:
             src.numel(), lc.seg, lc.chunk)
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 def _fused(ws: Workspace, table: int, x: torch.Tensor, residual, weight, out, residual_out, eps: float) -> None:
     hidden = x.shape[-1]
     tokens = x.numel() // hidden
-    lc = policy.fused_launch(tokens, hidden, x.element_size(), ws.plan.max_blocks)
+    # Every block of a row reads the row's whole residual; a sibling block may not overwrite it meanwhile.
+    split_rows = residual is None or not (_overlap(out, residual) or
+                                          (residual_out is not None and _overlap(residual_out, residual)))
+    lc = policy.fused_launch(tokens, hidden, x.element_size(), ws.plan.max_blocks, split_rows=split_rows)
     _launch(ws, abi.FUSED_RMSNORM, x.dtype, lc.grid, lc.block, table, x.data_ptr(),
             residual.data_ptr() if residual is not None else 0, weight.data_ptr(), out.data_ptr(),
             residual_out.data_ptr() if residual_out is not None else 0, tokens, hidden, lc.splits, eps,

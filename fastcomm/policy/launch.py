@@ -58,21 +58,28 @@ def two_shot_launch(numel: int, elem_size: int, world_size: int, max_blocks: int
     return Launch(grid, TWO_SHOT_THREADS, seg, chunk)
 
 
-FUSED_SPLIT_PACKETS = 256      # aim for about one packet per thread of a 256-thread block, as one-shot does
+FUSED_SPLIT_VECTORS = 128      # about one 16-byte vector per thread of a 128-thread share of the pushes
 
 
-def fused_launch(tokens: int, hidden: int, elem_size: int, max_blocks: int) -> Launch:
+def fused_row_vectors(hidden: int, elem_size: int) -> int:
+    """The most 16-byte vectors one row touches: a row not 16-byte aligned straddles one more."""
+    row = hidden * elem_size
+    return cdiv(row, VEC_BYTES) + (1 if row % VEC_BYTES else 0)
+
+
+def fused_launch(tokens: int, hidden: int, elem_size: int, max_blocks: int, *, split_rows: bool = True) -> Launch:
     """Rows cut into `splits` chunks (one block each) so few tokens still use many SMs; whole rounds of rows.
 
-    The grid is a multiple of the split count (the blocks of a row run together) and at most max_blocks
-    (all co-resident, as the blocks of a row wait for each other's partial sums).
+    Every block of a row reads the whole row (fused_rmsnorm.cuh), so K x block covers a row's vectors. The
+    grid is a multiple of the split count (the blocks of a row run together) and at most max_blocks (all
+    co-resident, as the blocks of a row read what their siblings push). ``split_rows`` False (an output
+    overlaps the residual, which every block of a row reads whole): one block per row.
     """
-    row_pk = packets_for(hidden * elem_size)
-    splits = max(1, min(cdiv(row_pk, FUSED_SPLIT_PACKETS), FUSED_MAX_SPLITS, max(1, max_blocks // max(tokens, 1)),
-                        max_blocks))
-    chunk_pk = cdiv(row_pk, splits)
-    k = next(k for k in FUSED_VARIANTS if k * FUSED_THREADS >= chunk_pk)  # check_fused admits only rows that fit
-    block = min(FUSED_THREADS, max(32, round_up(cdiv(chunk_pk, k), 32)))
+    span = fused_row_vectors(hidden, elem_size)
+    splits = max(1, min(cdiv(span, FUSED_SPLIT_VECTORS), FUSED_MAX_SPLITS, max(1, max_blocks // max(tokens, 1)),
+                        max_blocks)) if split_rows else 1
+    k = next(k for k in FUSED_VARIANTS if k * FUSED_THREADS >= span)  # check_fused admits only rows that fit
+    block = min(FUSED_THREADS, max(32, round_up(cdiv(span, k), 32)))
     rows_per_round = max(1, min(tokens, max_blocks // splits))
     return Launch(rows_per_round * splits, block, splits=splits, k=k)
 
