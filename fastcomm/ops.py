@@ -13,7 +13,7 @@ import torch
 from . import abi, policy
 from .abi import FLAT, ISLAND, PARTNER
 from .errors import FastcommError
-from .policy import Algo
+from .policy import Algo, Transport
 from .workspace import Workspace, dtype_name, get
 
 
@@ -51,8 +51,11 @@ def _fused(ws: Workspace, table: int, x: torch.Tensor, residual, weight, out, re
     hidden = x.shape[-1]
     tokens = x.numel() // hidden
     # Every block of a row reads the row's whole residual; a sibling block may not overwrite it meanwhile.
-    split_rows = residual is None or not (_overlap(out, residual) or
-                                          (residual_out is not None and _overlap(residual_out, residual)))
+    # Host transport: every block of a row reads the whole row from host memory, so splitting a row
+    # multiplies those reads; one block per row there.
+    split_rows = ws.transport is not Transport.HOST and (
+        residual is None or not (_overlap(out, residual) or
+                                 (residual_out is not None and _overlap(residual_out, residual))))
     lc = policy.fused_launch(tokens, hidden, x.element_size(), ws.plan.max_blocks, split_rows=split_rows)
     _launch(ws, abi.FUSED_RMSNORM, x.dtype, lc.grid, lc.block, table, x.data_ptr(),
             residual.data_ptr() if residual is not None else 0, weight.data_ptr(), out.data_ptr(),

@@ -9,7 +9,7 @@ differ (the two-shot's short last segment), the busiest rank's count, as it sets
 from __future__ import annotations
 
 from ..abi import MAX_BLOCKS, VEC_BYTES
-from .launch import cdiv, ll_bytes, two_shot_launch, vectors_for
+from .launch import cdiv, two_shot_launch, vectors_for
 
 FLAG_BYTES = 4  # the two-shot's per-block flag word
 
@@ -20,8 +20,8 @@ def wire_bytes(algo: str, nbytes: int, world: int, transport: str, islands: int 
 
     ``islands``: the number of equal islands of the hierarchical one-shot (P2P only): it sums inside the
     island, then across the islands' partners, so each GPU sends (island size - 1) + (islands - 1) copies.
-    ``fused``: the fused all-reduce + RMSNorm on rows whose bytes are a multiple of 8 (flag-in-data
-    packets, two copies of the payload's size per peer).
+    ``fused``: the fused all-reduce + RMSNorm (tokens x hidden x element size = ``nbytes``): the one-shot's
+    exchange (its P2P copy into the rank's own slot stays in local memory).
     """
     if transport not in ("p2p", "host"):
         raise ValueError(f"transport must be 'p2p' or 'host', not {transport!r}")
@@ -33,7 +33,7 @@ def wire_bytes(algo: str, nbytes: int, world: int, transport: str, islands: int 
         return 0
     host = transport == "host"
     if algo in ("one_shot", "fused"):
-        per_copy = vectors_for(nbytes) * VEC_BYTES if algo == "one_shot" else ll_bytes(nbytes)
+        per_copy = vectors_for(nbytes) * VEC_BYTES  # both use the Lamport slots: payload only
         if host:
             return per_copy  # one copy into my own slot of the host segment
         return per_copy * ((world // islands - 1) + (islands - 1))
