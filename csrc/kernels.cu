@@ -19,6 +19,10 @@
                                                                       char* out, u64 nbytes) {                \
     fc_one_shot<D>(t, in, out, nbytes);                                                                        \
   }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(256)                                                            \
+      fc_one_shot_islands_##NAME(const FcTable* ti, const FcTable* tp, const char* in, char* out, u64 nbytes) {  \
+    fc_one_shot_islands<D>(ti, tp, in, out, nbytes);                                                           \
+  }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(1024) fc_two_shot_##NAME(const FcTable* t, const char* in,      \
                                                                        char* out, u64 n, u64 seg, u64 chunk) { \
     fc_two_shot<D>(t, in, out, n, seg, chunk);                                                                 \

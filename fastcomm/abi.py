@@ -118,10 +118,13 @@ class PackedArgs:
 
 
 ONE_SHOT = Kernel("one_shot", (("t", "ptr"), ("in", "ptr"), ("out", "ptr"), ("nbytes", "u64")))
+# Islands in one launch: the island's table, then the partners' table (one_shot.cuh).
+ONE_SHOT_ISLANDS = Kernel("one_shot_islands", (("ti", "ptr"), ("tp", "ptr"), ("in", "ptr"), ("out", "ptr"),
+                                               ("nbytes", "u64")))
 TWO_SHOT = Kernel("two_shot", (("t", "ptr"), ("in", "ptr"), ("out", "ptr"), ("n", "u64"), ("seg", "u64"),
                                ("chunk", "u64")))
 FUSED_RMSNORM = Kernel("fused_rmsnorm", (("t", "ptr"), ("in", "ptr"), ("residual", "ptr"), ("weight", "ptr"),
                                          ("out", "ptr"), ("residual_out", "ptr"), ("tokens", "u32"),
                                          ("hidden", "u32"), ("splits", "u32"), ("eps", "f32")),
                       variants=tuple(str(k) for k in FUSED_VARIANTS))
-KERNELS = (ONE_SHOT, TWO_SHOT, FUSED_RMSNORM)
+KERNELS = (ONE_SHOT, ONE_SHOT_ISLANDS, TWO_SHOT, FUSED_RMSNORM)

@@ -36,6 +36,13 @@ def _one_shot(ws: Workspace, table: int, src: torch.Tensor, dst: torch.Tensor) -
     _launch(ws, abi.ONE_SHOT, src.dtype, lc.grid, lc.block, table, src.data_ptr(), dst.data_ptr(), nbytes)
 
 
+def _one_shot_islands(ws: Workspace, src: torch.Tensor, dst: torch.Tensor) -> None:
+    nbytes = src.numel() * src.element_size()
+    lc = policy.one_shot_launch(nbytes, ws.plan.max_blocks)
+    _launch(ws, abi.ONE_SHOT_ISLANDS, src.dtype, lc.grid, lc.block, ws.tables[ISLAND], ws.tables[PARTNER],
+            src.data_ptr(), dst.data_ptr(), nbytes)
+
+
 def _two_shot(ws: Workspace, src: torch.Tensor, dst: torch.Tensor) -> None:
     lc = policy.two_shot_launch(src.numel(), src.element_size(), ws.world_size, ws.plan.max_blocks)
     _launch(ws, abi.TWO_SHOT, src.dtype, lc.grid, lc.block, ws.tables[FLAT], src.data_ptr(), dst.data_ptr(),
@@ -113,10 +120,10 @@ def _run(ws: Workspace, chosen: Algo, x: torch.Tensor, out: torch.Tensor) -> Non
     with _on_device(ws):
         if chosen is Algo.ONE_SHOT:
             if ws.plan.islands is not None:
-                # Hierarchical: sum inside the island, then across partners. Both rounds sum in a fixed
-                # order (island members, then islands), so every rank gets the same bits.
-                _one_shot(ws, ws.tables[ISLAND], x, out)
-                _one_shot(ws, ws.tables[PARTNER], out, out)
+                # Hierarchical, one launch: sum inside the island, round to the dtype, sum across partners.
+                # Both rounds sum in a fixed order (island members, then islands), so every rank gets the
+                # same bits (the rule: one_shot.cuh, fc_one_shot_islands).
+                _one_shot_islands(ws, x, out)
             else:
                 _one_shot(ws, ws.tables[FLAT], x, out)
         else:
