@@ -48,8 +48,17 @@ __device__ __forceinline__ float fc_block_sum(float v, float* smem32) {
 // same round or an earlier one, and its blocks push before they wait, so the waits cannot close a cycle.
 //
 // K: the row pass covers K x blockDim vectors (a template parameter, so the trip count is a constant).
-template <class D, int K>
-__device__ __forceinline__ void fc_fused_rmsnorm(const FcTable* __restrict__ t, const char* in, const char* residual,
+//
+// Islands (ISL, ti = the island's table, t = the partners'): before the push, each block sums its owned
+// vectors inside the island (one-shot style, own term from registers) and rounds that island sum to D,
+// then pushes it to the partners in place of its input; the rows are then read from the partners' slots.
+// Rounding rule: the island sum is rounded to D before it crosses, the same bits as the island one-shot
+// followed by the partners' fused kernel that this replaces; every rank still agrees bit for bit (all
+// members of an island compute the same island sum, everyone adds the same partials in island order).
+// x is still read only by the owner block, and everything pushed depends on those reads.
+template <class D, int K, bool ISL>
+__device__ __forceinline__ void fc_fused_rmsnorm(const FcTable* __restrict__ ti, const FcTable* __restrict__ t,
+                                                 const char* in, const char* residual,
                                                  const char* __restrict__ weight, char* out, char* residual_out,
                                                  u32 tokens, u32 hidden, u32 splits, float eps) {
   typedef FcVec<D> V;
@@ -57,6 +66,8 @@ __device__ __forceinline__ void fc_fused_rmsnorm(const FcTable* __restrict__ t, 
   __shared__ float smem32[32];
 
   const FcLpCall c = fc_lp_begin(t);
+  FcLpCall ci = c;
+  if (ISL) ci = fc_lp_begin(ti);
   const u32 npush = t->n_lp_push;
   const u64 row_bytes = (u64)hidden * sizeof(R);
   const u64 total = (u64)tokens * row_bytes;
@@ -64,8 +75,9 @@ __device__ __forceinline__ void fc_fused_rmsnorm(const FcTable* __restrict__ t, 
   const u32 items = tokens * splits;
 
   fc_lp_clear_received(t, c);
+  if (ISL) fc_lp_clear_received(ti, ci);
 
-  bool gathered = false;
+  bool gathered = false, gathered_i = false;
   for (u32 item = blockIdx.x; item < items; item += gridDim.x) {
     const u32 row = item / splits;
     const u32 split = item % splits;
@@ -80,7 +92,14 @@ __device__ __forceinline__ void fc_fused_rmsnorm(const FcTable* __restrict__ t, 
     // 1. Push the vectors of my chunk that this row owns, to every peer and (P2P) to my own slot, which
     //    my sibling blocks read. Host: lp_push[b][0] is my own slot, read by peers and siblings alike.
     for (u64 j = (c0 > own_lo ? c0 : own_lo) + threadIdx.x; j < c1; j += blockDim.x) {
-      const uint4 mine = fc_lp_sanitize<D>(fc_load_vec(in, j, total));
+      uint4 mine = fc_lp_sanitize<D>(fc_load_vec(in, j, total));
+      if (ISL) {
+        for (u32 p = 0; p < ti->n_lp_push; ++p) fc_lp_store(ti->lp_push[ci.buf][p] + j * FC_VEC_BYTES, mine);
+        float part[V::N];
+        fc_lp_gather_sum<D>(ti, ci.buf, j * FC_VEC_BYTES, mine, FC_STEP_FUSED, ci.epoch, part);
+        mine = fc_lp_sanitize<D>(V::pack(part));  // the island sum as D (the rule above)
+        gathered_i = true;
+      }
       for (u32 p = 0; p < npush; ++p) fc_lp_store(t->lp_push[c.buf][p] + j * FC_VEC_BYTES, mine);
       if (!t->host) fc_lp_store(t->lp_pull[c.buf][t->rank] + j * FC_VEC_BYTES, mine);
     }
@@ -153,5 +172,9 @@ __device__ __forceinline__ void fc_fused_rmsnorm(const FcTable* __restrict__ t, 
   }
 
   fc_lp_clear_own_after_gather<D>(t, c, gathered, FC_STEP_FUSED);
+  if (ISL) {
+    fc_lp_clear_own_after_gather<D>(ti, ci, gathered_i, FC_STEP_FUSED);
+    fc_lp_end(ti, ci, (u32)(nvec * FC_VEC_BYTES));
+  }
   fc_lp_end(t, c, (u32)(nvec * FC_VEC_BYTES));
 }

@@ -5,13 +5,21 @@
 #include "two_shot.cuh"
 #include "fused_rmsnorm.cuh"
 
-// The fused kernel comes in K = 1, 2, 4, 8 packets per thread (fc_fused_rmsnorm<K>_<dtype>).
+// The fused kernel comes in K = 1, 2, 4, 8 (fc_fused_rmsnorm<K>_<dtype>), and for islands in one launch
+// (fc_fused_rmsnorm_islands<K>_<dtype>: the island's table, then the partners').
 #define FC_DEFINE_FUSED(NAME, D, K)                                                                            \
   extern "C" __global__ void __launch_bounds__(1024)                                                           \
       fc_fused_rmsnorm##K##_##NAME(const FcTable* t, const char* in, const char* residual, const char* weight,  \
                                    char* out, char* residual_out, u32 tokens, u32 hidden, u32 splits,         \
                                    float eps) {                                                                \
-    fc_fused_rmsnorm<D, K>(t, in, residual, weight, out, residual_out, tokens, hidden, splits, eps);                    \
+    fc_fused_rmsnorm<D, K, false>(t, t, in, residual, weight, out, residual_out, tokens, hidden, splits, eps);  \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(1024)                                                           \
+      fc_fused_rmsnorm_islands##K##_##NAME(const FcTable* ti, const FcTable* tp, const char* in,                \
+                                           const char* residual, const char* weight, char* out,               \
+                                           char* residual_out, u32 tokens, u32 hidden, u32 splits,            \
+                                           float eps) {                                                        \
+    fc_fused_rmsnorm<D, K, true>(ti, tp, in, residual, weight, out, residual_out, tokens, hidden, splits, eps); \
   }
 
 #define FC_DEFINE(NAME, D)                                                                                     \

@@ -127,4 +127,9 @@ FUSED_RMSNORM = Kernel("fused_rmsnorm", (("t", "ptr"), ("in", "ptr"), ("residual
                                          ("out", "ptr"), ("residual_out", "ptr"), ("tokens", "u32"),
                                          ("hidden", "u32"), ("splits", "u32"), ("eps", "f32")),
                       variants=tuple(str(k) for k in FUSED_VARIANTS))
-KERNELS = (ONE_SHOT, ONE_SHOT_ISLANDS, TWO_SHOT, FUSED_RMSNORM)
+FUSED_RMSNORM_ISLANDS = Kernel("fused_rmsnorm_islands", (("ti", "ptr"), ("tp", "ptr"), ("in", "ptr"),
+                                                         ("residual", "ptr"), ("weight", "ptr"), ("out", "ptr"),
+                                                         ("residual_out", "ptr"), ("tokens", "u32"),
+                                                         ("hidden", "u32"), ("splits", "u32"), ("eps", "f32")),
+                               variants=tuple(str(k) for k in FUSED_VARIANTS))
+KERNELS = (ONE_SHOT, ONE_SHOT_ISLANDS, TWO_SHOT, FUSED_RMSNORM, FUSED_RMSNORM_ISLANDS)

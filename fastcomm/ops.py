@@ -54,7 +54,10 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
-def _fused(ws: Workspace, table: int, x: torch.Tensor, residual, weight, out, residual_out, eps: float) -> None:
+def _fused(ws: Workspace, table: int, x: torch.Tensor, residual, weight, out, residual_out, eps: float,
+           island_table: int | None = None) -> None:
+    """The fused kernel on ``table``'s group; with ``island_table``, the island form (sum inside the island
+    first, then across the partners of ``table``), in one launch."""
     hidden = x.shape[-1]
     tokens = x.numel() // hidden
     # Every block of a row reads the row's whole residual; a sibling block may not overwrite it meanwhile.
@@ -64,7 +67,9 @@ def _fused(ws: Workspace, table: int, x: torch.Tensor, residual, weight, out, re
         residual is None or not (_overlap(out, residual) or
                                  (residual_out is not None and _overlap(residual_out, residual))))
     lc = policy.fused_launch(tokens, hidden, x.element_size(), ws.plan.max_blocks, split_rows=split_rows)
-    _launch(ws, abi.FUSED_RMSNORM, x.dtype, lc.grid, lc.block, table, x.data_ptr(),
+    kernel, tables = (abi.FUSED_RMSNORM, (table,)) if island_table is None else \
+        (abi.FUSED_RMSNORM_ISLANDS, (island_table, table))
+    _launch(ws, kernel, x.dtype, lc.grid, lc.block, *tables, x.data_ptr(),
             residual.data_ptr() if residual is not None else 0, weight.data_ptr(), out.data_ptr(),
             residual_out.data_ptr() if residual_out is not None else 0, tokens, hidden, lc.splits, eps,
             variant=str(lc.k))
@@ -159,9 +164,9 @@ def fused_all_reduce_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, 
         return out, residual_out
     with _on_device(ws):
         if ws.plan.islands is not None:
-            # The island sum goes through `out` (never residual_out, which may be the residual itself).
-            _one_shot(ws, ws.tables[ISLAND], x, out)
-            _fused(ws, ws.tables[PARTNER], out, residual, weight, out, residual_out, float(eps))
+            # One launch: the island sum (rounded to the dtype) crosses to the partners, then the norm.
+            _fused(ws, ws.tables[PARTNER], x, residual, weight, out, residual_out, float(eps),
+                   island_table=ws.tables[ISLAND])
         else:
             _fused(ws, ws.tables[FLAT], x, residual, weight, out, residual_out, float(eps))
     return out, residual_out
