@@ -16,6 +16,8 @@ typedef unsigned short u16;
 #define FC_MAX_BLOCKS 128
 #define FC_PACKET_BYTES 16
 #define FC_PACKET_PAYLOAD 8
+#define FC_VEC_BYTES 16
+#define FC_LP_BUFFERS 3
 
 static_assert(FC_PACKET_BYTES == 2 * FC_PACKET_PAYLOAD, "a packet is (4B data, 4B flag) x 2");
 
@@ -54,10 +56,14 @@ struct FcTable {
   u32 global_of[FC_MAX_WORLD];  // group index -> global rank, for error messages
   u64 timeout_ns;
   FcError* err;    // host-mapped
-  u32* state;      // my own device memory: [0] last completed epoch, [1] blocks done in this launch
-  char* scratch;   // my own device memory: FC_MAX_BLOCKS x 2 packets, blocks of one launch talk through it
+  u32* state;      // my own device memory: [0] last completed epoch, [1] blocks done in this launch,
+                   // [2] Lamport buffer of the last one-shot, [3] bytes of each slot that call wrote
+  char* scratch;   // my own device memory, FC_MAX_BLOCKS x 2 packets (no kernel uses it since the fused op
+                   // stopped swapping partial sums between blocks)
 
-  // One-shot packets. Push: where my packets go (P2P: every peer's slot for me; host: my one host slot).
+  // Flag-in-data packet slots (epoch twice per 8 data bytes). No kernel here uses them any more: the
+  // one-shot and the fused op moved to the Lamport slots below. Push: where my packets go (P2P: every
+  // peer's slot for me; host: my one host slot).
   u32 n_ll_push;
   u32 n_ag_push;
   char* ll_push[2][FC_MAX_WORLD];
@@ -73,6 +79,15 @@ struct FcTable {
   u32* ag_flag_push[2][FC_MAX_WORLD];
   char* ag_pull[2][FC_MAX_WORLD];   // [h][p]: where segment p's result arrives
   u32* ag_flag_pull[2][FC_MAX_WORLD];
+
+  // One-shot, Lamport style (payload only, readiness is "no element holds the sentinel"; see the
+  // Lamport section below). Three buffers, rotated by state[2]. P2P: lp_push[b][j] is my slot in peer j's
+  // buffer, lp_pull[b][s] the slot where s's data lands in mine. Host: lp_push[b][0] is my one slot of the
+  // host segment, lp_pull[b][s] rank s's slot (lp_pull[b][rank] == lp_push[b][0]).
+  u32 host;        // 1: host transport, 0: P2P (decides who clears a slot, and when)
+  u32 n_lp_push;
+  char* lp_push[FC_LP_BUFFERS][FC_MAX_WORLD];
+  char* lp_pull[FC_LP_BUFFERS][FC_MAX_WORLD];
 };
 
 // ---- memory operations ---------------------------------------------------------------------------------
@@ -263,49 +278,253 @@ __device__ __forceinline__ void fc_store_payload(char* base, u64 i, u64 limit, u
   for (u64 b = 0; b < n; ++b) p[b] = s[b];
 }
 
-// U packets (at byte offsets off[u] of each source's slot) from every rank, each summed in rank order
-// 0..world-1 (the same order on every rank, so all ranks get the same bits; the first term seeds the sum,
-// which keeps an all -0.0 input -0.0 as NCCL does). Every load is issued before any is waited on, so the
-// waits overlap instead of adding up. A packet is ready when both flags carry this epoch: only its 8-byte
-// halves are single-copy atomic. Invalid lanes (valid[u] false) are skipped.
-template <class D, int U>
-__device__ __forceinline__ void fc_gather_sum(const FcTable* t, u32 h, const u64* off, const bool* valid, u32 epoch,
-                                              const uint2* mine, u32 step, float (*acc)[FcPayload<D>::N]) {
-  typedef FcPayload<D> P;
+// ---- Lamport one-shot: readiness in the data itself ------------------------------------------------------
+//
+// A slot element "has not arrived" while it holds the sentinel: all ones (0xFFFF for bf16/fp16,
+// 0xFFFFFFFF for fp32, a negative NaN in each). The sender replaces an element equal to the sentinel by
+// that dtype's canonical NaN (fc_lp_sanitize), on every rank for its own term too, so all ranks add the same
+// bits; -0.0, +-inf and every other value travel unchanged and NaN stays NaN. The payload alone crosses the
+// link (16-byte stores, no flags). Each element is checked on its own, so a 16-byte store that lands in
+// pieces (only 8-byte halves are single-copy atomic) is read correctly: a vector is taken once no element
+// of it is the sentinel, and an element, once written, keeps its value until a clear in a later call.
+//
+// Buffers and clears. Counting only the calls that use these slots (one-shot and fused, which share
+// them), call c of a group uses buffer c mod 3 (state[2], in device memory so graph replays advance it). Every slot starts as the sentinel (fastcomm.layout sentinel_regions: the workspace fills
+// them with 0xFF) and is put back to the sentinel, over the bytes the call wrote (state[3]), one call
+// later, in call c+1, by the only rank that may:
+//  - P2P (slots in the receiver's memory, each read only by their owner): the receiver clears its receive
+//    slots of buffer (c-1) mod 3 at the start of call c: its own call c-1 kernel, the only reader, has
+//    finished (stream order). The next write into that buffer is some peer's call c+2, which the peer
+//    starts only after finishing c+1, which needs this rank's call-c+1 data, pushed after this kernel (and
+//    its clears) completed. Two buffers would not do: a peer one call ahead writes the next buffer while
+//    the receiver still clears it.
+//  - Host (rank s's slot in host memory is read by every peer): s clears its own slot of buffer
+//    (c-1) mod 3 in call c, but only after it has seen call-c data from every peer (any element): a peer
+//    writes call-c data only after its call c-1 kernel (the reads of s's c-1 slot) has finished. s writes
+//    that slot again in call c+2, and a reader reaches call c+2 only after seeing s's call-c+1 data,
+//    written after s's call-c kernel (the clear) completed, so it reads the sentinel or call-c+2 data,
+//    never call c-1's.
+// "Needs this rank's data" holds for both kernels: a peer's grid reads every vector of the message from
+// every rank before its kernel ends. Two-shot calls on the group touch neither these buffers nor
+// state[2..3]; they only move the epoch, which here names the call in error messages.
+
+template <class D>
+struct FcLamport;
+
+template <>
+struct FcLamport<FcBF16> {
+  static __device__ __forceinline__ u32 nan_bits() { return 0x7FC0u; }
+};
+template <>
+struct FcLamport<FcF16> {
+  static __device__ __forceinline__ u32 nan_bits() { return 0x7E00u; }
+};
+template <>
+struct FcLamport<FcF32> {
+  static __device__ __forceinline__ u32 nan_bits() { return 0x7FC00000u; }
+};
+
+// Per 32-bit word: two 16-bit elements, or one fp32.
+template <class D>
+__device__ __forceinline__ u32 fc_lp_sanitize_word(u32 w) {
+  if (sizeof(typename D::raw) == 4) return w == 0xFFFFFFFFu ? FcLamport<D>::nan_bits() : w;
+  u32 lo = w & 0xFFFFu, hi = w >> 16;
+  if (lo == 0xFFFFu) lo = FcLamport<D>::nan_bits();
+  if (hi == 0xFFFFu) hi = FcLamport<D>::nan_bits();
+  return lo | (hi << 16);
+}
+
+template <class D>
+__device__ __forceinline__ bool fc_lp_word_arrived(u32 w) {
+  if (sizeof(typename D::raw) == 4) return w != 0xFFFFFFFFu;
+  return (w & 0xFFFFu) != 0xFFFFu && (w >> 16) != 0xFFFFu;
+}
+
+template <class D>
+__device__ __forceinline__ uint4 fc_lp_sanitize(uint4 v) {
+  return make_uint4(fc_lp_sanitize_word<D>(v.x), fc_lp_sanitize_word<D>(v.y), fc_lp_sanitize_word<D>(v.z),
+                    fc_lp_sanitize_word<D>(v.w));
+}
+
+template <class D>
+__device__ __forceinline__ bool fc_lp_arrived(uint4 v) {
+  return fc_lp_word_arrived<D>(v.x) && fc_lp_word_arrived<D>(v.y) && fc_lp_word_arrived<D>(v.z) &&
+         fc_lp_word_arrived<D>(v.w);
+}
+
+// No "memory" clobber, as for packets: these order nothing but themselves, and the loads of every source
+// must be in flight together.
+__device__ __forceinline__ uint4 fc_lp_load(const char* p) {
+  uint4 v;
+  asm volatile("ld.volatile.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void fc_lp_store(char* p, uint4 v) {
+  asm volatile("st.volatile.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+}
+
+// Vector i (16 bytes) of a byte range [base, base+limit): whole when inside and aligned, else byte by byte
+// with zero padding (zero is never the sentinel, so a message tail arrives like any other vector).
+__device__ __forceinline__ uint4 fc_load_vec(const char* base, u64 i, u64 limit) {
+  const u64 off = i * FC_VEC_BYTES;
+  const char* p = base + off;
+  if (off + FC_VEC_BYTES <= limit && ((reinterpret_cast<u64>(p) & 15u) == 0)) return *reinterpret_cast<const uint4*>(p);
+  uint4 v = make_uint4(0u, 0u, 0u, 0u);
+  char* d = reinterpret_cast<char*>(&v);
+  const u64 n = limit - off < FC_VEC_BYTES ? limit - off : FC_VEC_BYTES;
+  for (u64 b = 0; b < n; ++b) d[b] = p[b];
+  return v;
+}
+
+__device__ __forceinline__ void fc_store_vec(char* base, u64 i, u64 limit, uint4 v) {
+  const u64 off = i * FC_VEC_BYTES;
+  char* p = base + off;
+  if (off + FC_VEC_BYTES <= limit && ((reinterpret_cast<u64>(p) & 15u) == 0)) {
+    *reinterpret_cast<uint4*>(p) = v;
+    return;
+  }
+  const char* s = reinterpret_cast<const char*>(&v);
+  const u64 n = limit - off < FC_VEC_BYTES ? limit - off : FC_VEC_BYTES;
+  for (u64 b = 0; b < n; ++b) p[b] = s[b];
+}
+
+// 16 bytes as elements of D.
+template <class D>
+struct FcVec {
+  static constexpr int N = FC_VEC_BYTES / sizeof(typename D::raw);
+  __device__ static __forceinline__ void unpack(uint4 v, float* out) {
+    typename D::raw r[N];
+    *reinterpret_cast<uint4*>(r) = v;
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = D::to_f(r[i]);
+  }
+  __device__ static __forceinline__ uint4 pack(const float* in) {
+    typename D::raw r[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) r[i] = D::from_f(in[i]);
+    return *reinterpret_cast<uint4*>(r);
+  }
+};
+
+// Vector `off` (a byte offset into every source's slot of buffer b) from every rank, summed in rank order
+// 0..world-1 (the same order on every rank, and the first term seeds the sum, which keeps an all -0.0
+// input -0.0 as NCCL does). `mine` is this rank's own, already sanitized term. Every source's load is
+// issued first; then each round re-loads every source still pending, so the waits overlap instead of adding
+// up, and the deadline bounds the whole wait.
+//
+// OWN_FROM_SLOT: read this rank's term from its own slot too (lp_pull[b][rank]) instead of `mine`: the fused
+// op, whose blocks read vectors their siblings pushed.
+template <class D, bool OWN_FROM_SLOT = false>
+__device__ __forceinline__ void fc_lp_gather_sum(const FcTable* t, u32 b, u64 off, uint4 mine, u32 step, u32 epoch,
+                                                 float* acc) {
+  typedef FcVec<D> V;
   const u32 world = t->world, me = t->rank;
-  uint4 pk[U][FC_MAX_WORLD];
+  uint4 v[FC_MAX_WORLD];
+  u32 pending = 0;
 #pragma unroll
-  for (int u = 0; u < U; ++u)
+  for (u32 s = 0; s < FC_MAX_WORLD; ++s)
+    if (s < world && (OWN_FROM_SLOT || s != me)) v[s] = fc_lp_load(t->lp_pull[b][s] + off);
 #pragma unroll
-    for (u32 s = 0; s < FC_MAX_WORLD; ++s)
-      if (valid[u] && s < world && s != me)
-        fc_load_packet(t->ll_pull[h][s] + off[u], pk[u][s].x, pk[u][s].y, pk[u][s].z, pk[u][s].w);
+  for (u32 s = 0; s < FC_MAX_WORLD; ++s)
+    if (s < world && (OWN_FROM_SLOT || s != me) && !fc_lp_arrived<D>(v[s])) pending |= 1u << s;
+  if (pending) {
+    FcDeadline dl(t->timeout_ns);
+    do {
+      if (dl.expired()) fc_fail(t, __ffs(pending) - 1, step, epoch);
 #pragma unroll
-  for (int u = 0; u < U; ++u) {
+      for (u32 s = 0; s < FC_MAX_WORLD; ++s)
+        if (pending & (1u << s)) v[s] = fc_lp_load(t->lp_pull[b][s] + off);
 #pragma unroll
-    for (u32 s = 0; s < FC_MAX_WORLD; ++s) {
-      if (valid[u] && s < world && s != me && (pk[u][s].y != epoch || pk[u][s].w != epoch)) {
-        FcDeadline dl(t->timeout_ns);
-        do {
-          if (dl.expired()) fc_fail(t, s, step, epoch);
-          fc_load_packet(t->ll_pull[h][s] + off[u], pk[u][s].x, pk[u][s].y, pk[u][s].z, pk[u][s].w);
-        } while (pk[u][s].y != epoch || pk[u][s].w != epoch);
-      }
-    }
+      for (u32 s = 0; s < FC_MAX_WORLD; ++s)
+        if ((pending & (1u << s)) && fc_lp_arrived<D>(v[s])) pending &= ~(1u << s);
+    } while (pending);
   }
 #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    float v[P::N];
+  for (u32 s = 0; s < FC_MAX_WORLD; ++s) {
+    if (s < world) {
+      float f[V::N];
+      V::unpack((s == me && !OWN_FROM_SLOT) ? mine : v[s], f);
 #pragma unroll
-    for (u32 s = 0; s < FC_MAX_WORLD; ++s) {
-      if (s < world) {
-        P::unpack(s == me ? mine[u] : make_uint2(pk[u][s].x, pk[u][s].z), v);
-#pragma unroll
-        for (int e = 0; e < P::N; ++e) acc[u][e] = (s == 0) ? v[e] : acc[u][e] + v[e];
-      }
+      for (int e = 0; e < V::N; ++e) acc[e] = (s == 0) ? f[e] : acc[e] + f[e];
     }
   }
 }
 
-static_assert(sizeof(FcTable) == 1368, "FcTable layout must match fastcomm/abi.py (TABLE_BYTES)");
+// Host transport only: wait until vector 0 of this call has arrived from every peer (one thread per
+// source). A block that gathered no vector itself uses it before clearing its own slot (see above).
+template <class D>
+__device__ __forceinline__ void fc_lp_wait_first(const FcTable* t, u32 b, u32 step, u32 epoch) {
+  const u32 s = threadIdx.x;
+  if (s < t->world && s != t->rank) {
+    const char* p = t->lp_pull[b][s];
+    if (!fc_lp_arrived<D>(fc_lp_load(p))) {
+      FcDeadline dl(t->timeout_ns);
+      while (!fc_lp_arrived<D>(fc_lp_load(p)))
+        if (dl.expired()) fc_fail(t, s, step, epoch);
+    }
+  }
+}
+
+// Sentinel over the first `bytes` of a slot (bytes is a multiple of 16), grid-strided.
+__device__ __forceinline__ void fc_lp_clear(char* slot, u64 bytes) {
+  const uint4 ones = make_uint4(0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu);
+  for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < bytes / FC_VEC_BYTES; i += (u64)gridDim.x * blockDim.x)
+    fc_lp_store(slot + i * FC_VEC_BYTES, ones);
+}
+
+struct FcLpCall {
+  u32 epoch;       // for error messages (and the other kernels' flags)
+  u32 buf;         // this call's buffer
+  u32 prev;        // the previous one-shot's buffer, to clear
+  u32 prev_bytes;  // bytes of each slot it wrote
+};
+
+__device__ __forceinline__ FcLpCall fc_lp_begin(const FcTable* t) {
+  const volatile u32* st = t->state;
+  FcLpCall c;
+  c.epoch = fc_next_epoch(st[0]);
+  c.prev = st[2];
+  c.buf = c.prev + 1u == FC_LP_BUFFERS ? 0u : c.prev + 1u;
+  c.prev_bytes = st[3];
+  return c;
+}
+
+// P2P: my receive slots of the previous call's buffer, own slot included (the fused op writes it), are
+// mine alone to read, and that reader (my previous kernel) has finished: clear them, at any point of this
+// call. Host: nothing (see fc_lp_clear_own_after_gather).
+__device__ __forceinline__ void fc_lp_clear_received(const FcTable* t, const FcLpCall& c) {
+  if (t->host) return;
+  for (u32 s = 0; s < t->world; ++s) fc_lp_clear(t->lp_pull[c.prev][s], c.prev_bytes);
+}
+
+// Host: my own slot of the previous buffer is read by every peer. A block may clear its share once it has
+// seen call-c data from every peer (then every peer's call c-1 kernel is over): any thread of the block
+// that gathered a vector (`gathered`) saw all of them; a block without one waits for vector 0. Called by
+// every thread of the block, after its gathers.
+template <class D>
+__device__ __forceinline__ void fc_lp_clear_own_after_gather(const FcTable* t, const FcLpCall& c, bool gathered,
+                                                             u32 step) {
+  if (!t->host) return;
+  if (!__syncthreads_or(gathered)) fc_lp_wait_first<D>(t, c.buf, step, c.epoch);
+  __syncthreads();
+  fc_lp_clear(t->lp_push[c.prev][0], c.prev_bytes);
+}
+
+// As fc_end, and the last block also records this call's buffer and size for the next call's clear. Every
+// block read state[2..3] in fc_lp_begin before it arrived here.
+__device__ __forceinline__ void fc_lp_end(const FcTable* t, const FcLpCall& c, u32 bytes) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    u32 done = atomicAdd(&t->state[1], 1u);
+    if (done == gridDim.x - 1) {
+      t->state[1] = 0u;
+      t->state[2] = c.buf;
+      t->state[3] = bytes;
+      t->state[0] = c.epoch;
+    }
+  }
+}
+
+static_assert(sizeof(FcTable) == 1760, "FcTable layout must match fastcomm/abi.py (TABLE_BYTES)");
 static_assert(sizeof(FcError) == 32, "FcError layout must match fastcomm/abi.py (ERROR_BYTES)");

@@ -6,19 +6,31 @@
 #include "fused_rmsnorm.cuh"
 #include "p2p_check.cuh"
 
-// The fused kernel comes in K = 1, 2, 4, 8 packets per thread (fc_fused_rmsnorm<K>_<dtype>).
+// The fused kernel comes in K = 1, 2, 4, 8 (fc_fused_rmsnorm<K>_<dtype>), and for islands in one launch
+// (fc_fused_rmsnorm_islands<K>_<dtype>: the island's table, then the partners').
 #define FC_DEFINE_FUSED(NAME, D, K)                                                                            \
   extern "C" __global__ void __launch_bounds__(1024)                                                           \
       fc_fused_rmsnorm##K##_##NAME(const FcTable* t, const char* in, const char* residual, const char* weight,  \
                                    char* out, char* residual_out, u32 tokens, u32 hidden, u32 splits,         \
                                    float eps) {                                                                \
-    fc_fused_rmsnorm<D, K>(t, in, residual, weight, out, residual_out, tokens, hidden, splits, eps);                    \
+    fc_fused_rmsnorm<D, K, false>(t, t, in, residual, weight, out, residual_out, tokens, hidden, splits, eps);  \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(1024)                                                           \
+      fc_fused_rmsnorm_islands##K##_##NAME(const FcTable* ti, const FcTable* tp, const char* in,                \
+                                           const char* residual, const char* weight, char* out,               \
+                                           char* residual_out, u32 tokens, u32 hidden, u32 splits,            \
+                                           float eps) {                                                        \
+    fc_fused_rmsnorm<D, K, true>(ti, tp, in, residual, weight, out, residual_out, tokens, hidden, splits, eps); \
   }
 
 #define FC_DEFINE(NAME, D)                                                                                     \
-  extern "C" __global__ void __launch_bounds__(1024) fc_one_shot_##NAME(const FcTable* t, const char* in,      \
-                                                                       char* out, u64 nbytes) {               \
+  extern "C" __global__ void __launch_bounds__(256) fc_one_shot_##NAME(const FcTable* t, const char* in,       \
+                                                                      char* out, u64 nbytes) {                \
     fc_one_shot<D>(t, in, out, nbytes);                                                                        \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(256)                                                            \
+      fc_one_shot_islands_##NAME(const FcTable* ti, const FcTable* tp, const char* in, char* out, u64 nbytes) {  \
+    fc_one_shot_islands<D>(ti, tp, in, out, nbytes);                                                           \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(1024) fc_two_shot_##NAME(const FcTable* t, const char* in,      \
                                                                        char* out, u64 n, u64 seg, u64 chunk) { \

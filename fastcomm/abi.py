@@ -16,6 +16,9 @@ MAX_WORLD = 8          # FC_MAX_WORLD
 MAX_BLOCKS = 128       # FC_MAX_BLOCKS
 PACKET_BYTES = 16      # FC_PACKET_BYTES: 8 data bytes + the 4-byte flag twice
 PACKET_PAYLOAD = 8     # FC_PACKET_PAYLOAD
+VEC_BYTES = 16         # FC_VEC_BYTES: the one-shot moves payload only, 16 bytes per store
+LP_BUFFERS = 3         # FC_LP_BUFFERS: the one-shot's rotating buffers (common.cuh, "Lamport one-shot")
+SENTINEL_BYTE = 0xFF   # one-shot slots start (and are put back) all ones: "not arrived" for every dtype
 ALIGN = 16             # every buffer region and tensor fastcomm touches is 16-byte aligned
 
 # Group ids (FcTable.group_id), as printed in timeout errors.
@@ -48,6 +51,7 @@ class ErrorRecord(ctypes.Structure):
 
 _P16 = ctypes.c_uint64 * MAX_WORLD
 _H2 = _P16 * 2
+_H3 = _P16 * LP_BUFFERS
 
 
 class FcTable(ctypes.Structure):
@@ -62,12 +66,13 @@ class FcTable(ctypes.Structure):
         ("ll_push", _H2), ("ll_pull", _H2),
         ("rs_push", _H2), ("rs_pull", _H2), ("rs_flag_push", _H2), ("rs_flag_pull", _H2),
         ("ag_push", _H2), ("ag_flag_push", _H2), ("ag_pull", _H2), ("ag_flag_pull", _H2),
+        ("host", ctypes.c_uint32), ("n_lp_push", ctypes.c_uint32), ("lp_push", _H3), ("lp_pull", _H3),
     ]
 
 
 TABLE_BYTES = ctypes.sizeof(FcTable)      # static_assert'ed in common.cuh
 ERROR_BYTES = ctypes.sizeof(ErrorRecord)  # static_assert'ed in common.cuh
-STATE_BYTES = 16                          # per group: FcTable.state[0..3]
+STATE_BYTES = 16                          # per group: FcTable.state[0..3] (epoch, blocks, one-shot buffer, size)
 FLAG_ARRAY_BYTES = MAX_BLOCKS * 4         # two-shot: one u32 flag per block
 SCRATCH_BYTES = MAX_BLOCKS * 2 * PACKET_BYTES  # per group: two packets per block (fused partial sums)
 
@@ -116,11 +121,19 @@ class PackedArgs:
 
 
 ONE_SHOT = Kernel("one_shot", (("t", "ptr"), ("in", "ptr"), ("out", "ptr"), ("nbytes", "u64")))
+# Islands in one launch: the island's table, then the partners' table (one_shot.cuh).
+ONE_SHOT_ISLANDS = Kernel("one_shot_islands", (("ti", "ptr"), ("tp", "ptr"), ("in", "ptr"), ("out", "ptr"),
+                                               ("nbytes", "u64")))
 TWO_SHOT = Kernel("two_shot", (("t", "ptr"), ("in", "ptr"), ("out", "ptr"), ("n", "u64"), ("seg", "u64"),
                                ("chunk", "u64")))
 FUSED_RMSNORM = Kernel("fused_rmsnorm", (("t", "ptr"), ("in", "ptr"), ("residual", "ptr"), ("weight", "ptr"),
                                          ("out", "ptr"), ("residual_out", "ptr"), ("tokens", "u32"),
                                          ("hidden", "u32"), ("splits", "u32"), ("eps", "f32")),
                       variants=tuple(str(k) for k in FUSED_VARIANTS))
+FUSED_RMSNORM_ISLANDS = Kernel("fused_rmsnorm_islands", (("ti", "ptr"), ("tp", "ptr"), ("in", "ptr"),
+                                                         ("residual", "ptr"), ("weight", "ptr"), ("out", "ptr"),
+                                                         ("residual_out", "ptr"), ("tokens", "u32"),
+                                                         ("hidden", "u32"), ("splits", "u32"), ("eps", "f32")),
+                               variants=tuple(str(k) for k in FUSED_VARIANTS))
 P2P_CHECK = Kernel("p2p_check", (("dst", "ptr"), ("pattern", "u64"), ("count", "u32")), typed=False)
-KERNELS = (ONE_SHOT, TWO_SHOT, FUSED_RMSNORM, P2P_CHECK)
+KERNELS = (ONE_SHOT, ONE_SHOT_ISLANDS, TWO_SHOT, FUSED_RMSNORM, FUSED_RMSNORM_ISLANDS, P2P_CHECK)

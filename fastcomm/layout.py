@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from .abi import ALIGN, FLAG_ARRAY_BYTES, FLAT, ISLAND, MAX_WORLD, PARTNER, SCRATCH_BYTES, STATE_BYTES, TABLE_BYTES, \
-    FcTable
+from .abi import ALIGN, FLAG_ARRAY_BYTES, FLAT, ISLAND, LP_BUFFERS, MAX_WORLD, PARTNER, SCRATCH_BYTES, STATE_BYTES, \
+    TABLE_BYTES, VEC_BYTES, FcTable
 from .policy.launch import cdiv, ll_bytes, round_up
 
 
@@ -19,9 +19,11 @@ class GroupLayout:
 
     members: tuple[int, ...]  # global ranks, in group order
     group_id: int
-    ll_slot: int
+    ll_slot: int              # flag-in-data packets, two halves (no kernel uses them now; see FcTable)
+    lp_slot: int              # one-shot: payload only (Lamport), LP_BUFFERS rotating buffers
     seg: int                  # two-shot segment bytes (0: no two-shot in this group)
     ll_off: int
+    lp_off: int
     rs_off: int
     ag_off: int
     rs_flag_off: int
@@ -29,7 +31,7 @@ class GroupLayout:
     end: int
 
 
-def _group_regions(members: Sequence[int], group_id: int, ll_slot: int, seg: int, start: int,
+def _group_regions(members: Sequence[int], group_id: int, ll_slot: int, lp_slot: int, seg: int, start: int,
                    host: bool) -> GroupLayout:
     """P2P: each rank's buffer holds slots indexed by source. Host: one segment holds every rank's slots."""
     g = len(members)
@@ -37,6 +39,8 @@ def _group_regions(members: Sequence[int], group_id: int, ll_slot: int, seg: int
     off = round_up(start, ALIGN)
     ll_off = off
     off += 2 * g * ll_slot
+    lp_off = off                              # [buffer][source] (P2P: receive side; host: by writer)
+    off += LP_BUFFERS * g * lp_slot
     rs_off = off
     off += 2 * rs_slots * seg
     ag_off = off
@@ -45,7 +49,8 @@ def _group_regions(members: Sequence[int], group_id: int, ll_slot: int, seg: int
     off += 2 * rs_slots * FLAG_ARRAY_BYTES if seg else 0
     ag_flag_off = off
     off += 2 * g * FLAG_ARRAY_BYTES if seg else 0
-    return GroupLayout(tuple(members), group_id, ll_slot, seg, ll_off, rs_off, ag_off, rs_flag_off, ag_flag_off, off)
+    return GroupLayout(tuple(members), group_id, ll_slot, lp_slot, seg, ll_off, lp_off, rs_off, ag_off, rs_flag_off,
+                       ag_flag_off, off)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +65,9 @@ class Layout:
     state_off: int
     scratch_off: int
     table_off: int
+    # (offset, nbytes) of the shared buffer (P2P, every rank's) or host segment that must start as 0xFF
+    # bytes (abi.SENTINEL_BYTE): the one-shot's slots, "not arrived" until written. Everything else zero.
+    sentinel_regions: tuple[tuple[int, int], ...] = ()
 
 
 def plan_layout(transport: str, world_size: int, max_bytes: int, one_shot_max_bytes: int,
@@ -69,20 +77,25 @@ def plan_layout(transport: str, world_size: int, max_bytes: int, one_shot_max_by
         raise ValueError(f"world size {world_size} outside 1..{MAX_WORLD}")
     host = transport == "host"
     ll_slot = round_up(ll_bytes(one_shot_max_bytes), ALIGN)
+    lp_slot = round_up(one_shot_max_bytes, VEC_BYTES)
+    if lp_slot >= 1 << 32:  # the kernel keeps a call's size in a 32-bit state word
+        raise ValueError(f"one-shot maximum of {one_shot_max_bytes} bytes exceeds 4 GiB")
     seg = round_up(cdiv(max_bytes, world_size), ALIGN)
-    groups = [_group_regions(range(world_size), FLAT, ll_slot, seg, 0, host)]
+    groups = [_group_regions(range(world_size), FLAT, ll_slot, lp_slot, seg, 0, host)]
     if islands and len(islands) > 1:
         for isl in islands:
-            groups.append(_group_regions(isl, ISLAND, ll_slot, 0, groups[-1].end, host))
+            groups.append(_group_regions(isl, ISLAND, ll_slot, lp_slot, 0, groups[-1].end, host))
         for i in range(len(islands[0])):
-            groups.append(_group_regions(tuple(isl[i] for isl in islands), PARTNER, ll_slot, 0, groups[-1].end, host))
+            groups.append(_group_regions(tuple(isl[i] for isl in islands), PARTNER, ll_slot, lp_slot, 0,
+                                         groups[-1].end, host))
     shared = round_up(groups[-1].end, 4096)
     state_off = 0
     scratch_off = round_up(STATE_BYTES * len(groups), 256)
     table_off = scratch_off + SCRATCH_BYTES * len(groups)
     local = table_off + TABLE_BYTES * len(groups)
+    sentinel = tuple((g.lp_off, LP_BUFFERS * len(g.members) * g.lp_slot) for g in groups)
     return Layout(transport, world_size, max_bytes, one_shot_max_bytes, tuple(groups), shared, local, state_off,
-                  scratch_off, table_off)
+                  scratch_off, table_off, sentinel)
 
 
 def groups_of(layout: Layout, rank: int) -> list[GroupLayout]:
@@ -107,6 +120,21 @@ def build_table(layout: Layout, g: GroupLayout, rank: int, *, own_base: int, pee
     t.timeout_ns, t.err, t.state, t.scratch = timeout_ns, err_ptr, state_ptr, scratch_ptr
     host = layout.transport == "host"
     flag = FLAG_ARRAY_BYTES
+    t.host = 1 if host else 0
+    for b in range(LP_BUFFERS):
+        lp = g.lp_off + b * gsz * g.lp_slot
+        if host:
+            t.n_lp_push = 1
+            t.lp_push[b][0] = host_base + lp + me * g.lp_slot
+            for p in range(gsz):
+                t.lp_pull[b][p] = host_base + lp + p * g.lp_slot
+        else:
+            peers = [i for i in range(gsz) if i != me]
+            t.n_lp_push = len(peers)
+            for j, p in enumerate(peers):
+                t.lp_push[b][j] = peer_bases[members[p]] + lp + me * g.lp_slot
+            for p in range(gsz):
+                t.lp_pull[b][p] = own_base + lp + p * g.lp_slot
     for h in range(2):
         if host:
             b = host_base

@@ -13,7 +13,7 @@ import torch
 from . import abi, policy
 from .abi import FLAT, ISLAND, PARTNER
 from .errors import FastcommError
-from .policy import Algo
+from .policy import Algo, Transport
 from .workspace import Workspace, dtype_name, get
 
 
@@ -36,17 +36,40 @@ def _one_shot(ws: Workspace, table: int, src: torch.Tensor, dst: torch.Tensor) -
     _launch(ws, abi.ONE_SHOT, src.dtype, lc.grid, lc.block, table, src.data_ptr(), dst.data_ptr(), nbytes)
 
 
+def _one_shot_islands(ws: Workspace, src: torch.Tensor, dst: torch.Tensor) -> None:
+    nbytes = src.numel() * src.element_size()
+    lc = policy.one_shot_launch(nbytes, ws.plan.max_blocks)
+    _launch(ws, abi.ONE_SHOT_ISLANDS, src.dtype, lc.grid, lc.block, ws.tables[ISLAND], ws.tables[PARTNER],
+            src.data_ptr(), dst.data_ptr(), nbytes)
+
+
 def _two_shot(ws: Workspace, src: torch.Tensor, dst: torch.Tensor) -> None:
     lc = policy.two_shot_launch(src.numel(), src.element_size(), ws.world_size, ws.plan.max_blocks)
     _launch(ws, abi.TWO_SHOT, src.dtype, lc.grid, lc.block, ws.tables[FLAT], src.data_ptr(), dst.data_ptr(),
             src.numel(), lc.seg, lc.chunk)
 
 
-def _fused(ws: Workspace, table: int, x: torch.Tensor, residual, weight, out, residual_out, eps: float) -> None:
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def _fused(ws: Workspace, table: int, x: torch.Tensor, residual, weight, out, residual_out, eps: float,
+           island_table: int | None = None) -> None:
+    """The fused kernel on ``table``'s group; with ``island_table``, the island form (sum inside the island
+    first, then across the partners of ``table``), in one launch."""
     hidden = x.shape[-1]
     tokens = x.numel() // hidden
-    lc = policy.fused_launch(tokens, hidden, x.element_size(), ws.plan.max_blocks)
-    _launch(ws, abi.FUSED_RMSNORM, x.dtype, lc.grid, lc.block, table, x.data_ptr(),
+    # Every block of a row reads the row's whole residual; a sibling block may not overwrite it meanwhile.
+    # Host transport: every block of a row reads the whole row from host memory, so splitting a row
+    # multiplies those reads; one block per row there.
+    split_rows = ws.transport is not Transport.HOST and (
+        residual is None or not (_overlap(out, residual) or
+                                 (residual_out is not None and _overlap(residual_out, residual))))
+    lc = policy.fused_launch(tokens, hidden, x.element_size(), ws.plan.max_blocks, split_rows=split_rows)
+    kernel, tables = (abi.FUSED_RMSNORM, (table,)) if island_table is None else \
+        (abi.FUSED_RMSNORM_ISLANDS, (island_table, table))
+    _launch(ws, kernel, x.dtype, lc.grid, lc.block, *tables, x.data_ptr(),
             residual.data_ptr() if residual is not None else 0, weight.data_ptr(), out.data_ptr(),
             residual_out.data_ptr() if residual_out is not None else 0, tokens, hidden, lc.splits, eps,
             variant=str(lc.k))
@@ -102,10 +125,10 @@ def _run(ws: Workspace, chosen: Algo, x: torch.Tensor, out: torch.Tensor) -> Non
     with _on_device(ws):
         if chosen is Algo.ONE_SHOT:
             if ws.plan.islands is not None:
-                # Hierarchical: sum inside the island, then across partners. Both rounds sum in a fixed
-                # order (island members, then islands), so every rank gets the same bits.
-                _one_shot(ws, ws.tables[ISLAND], x, out)
-                _one_shot(ws, ws.tables[PARTNER], out, out)
+                # Hierarchical, one launch: sum inside the island, round to the dtype, sum across partners.
+                # Both rounds sum in a fixed order (island members, then islands), so every rank gets the
+                # same bits (the rule: one_shot.cuh, fc_one_shot_islands).
+                _one_shot_islands(ws, x, out)
             else:
                 _one_shot(ws, ws.tables[FLAT], x, out)
         else:
@@ -141,9 +164,9 @@ def fused_all_reduce_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, 
         return out, residual_out
     with _on_device(ws):
         if ws.plan.islands is not None:
-            # The island sum goes through `out` (never residual_out, which may be the residual itself).
-            _one_shot(ws, ws.tables[ISLAND], x, out)
-            _fused(ws, ws.tables[PARTNER], out, residual, weight, out, residual_out, float(eps))
+            # One launch: the island sum (rounded to the dtype) crosses to the partners, then the norm.
+            _fused(ws, ws.tables[PARTNER], x, residual, weight, out, residual_out, float(eps),
+                   island_table=ws.tables[ISLAND])
         else:
             _fused(ws, ws.tables[FLAT], x, residual, weight, out, residual_out, float(eps))
     return out, residual_out

@@ -36,6 +36,7 @@ def _struct_fields(name: str) -> list[str]:
 @pytest.mark.parametrize("name,value", [("FC_MAX_WORLD", abi.MAX_WORLD), ("FC_MAX_BLOCKS", abi.MAX_BLOCKS),
                                         ("FC_PACKET_BYTES", abi.PACKET_BYTES),
                                         ("FC_PACKET_PAYLOAD", abi.PACKET_PAYLOAD),
+                                        ("FC_VEC_BYTES", abi.VEC_BYTES), ("FC_LP_BUFFERS", abi.LP_BUFFERS),
                                         ("FC_STEP_ONE_SHOT", abi.STEP_ONE_SHOT), ("FC_STEP_RS", abi.STEP_RS),
                                         ("FC_STEP_AG", abi.STEP_AG), ("FC_STEP_FUSED", abi.STEP_FUSED)])
 def test_constants_match(name, value):

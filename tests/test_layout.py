@@ -11,7 +11,7 @@ MB = 1 << 20
 
 
 def _regions(g):
-    return [(g.ll_off, g.rs_off), (g.rs_off, g.ag_off), (g.ag_off, g.rs_flag_off), (g.rs_flag_off, g.ag_flag_off),
+    return [(g.ll_off, g.lp_off), (g.lp_off, g.rs_off), (g.rs_off, g.ag_off), (g.ag_off, g.rs_flag_off), (g.rs_flag_off, g.ag_flag_off),
             (g.ag_flag_off, g.end)]
 
 
@@ -112,3 +112,52 @@ def test_p2p_check_pattern_mirrors_the_kernel():
     assert a != b  # a write that lands in the wrong slot cannot pass as the right one
     data = handshake.expected_check_bytes(a)
     assert len(data) == handshake.CHECK_STORES * 16 and data != handshake.expected_check_bytes(b)
+
+
+@pytest.mark.parametrize("world", [2, 5, 8])
+def test_one_shot_p2p_slots_agree_and_rotate(world):
+    """Rank a's buffer-b slot in rank c is where c reads a's data in buffer b; buffers and slots never overlap."""
+    lay = L.plan_layout("p2p", world, 8 * MB, 1 * MB)
+    g = lay.groups[0]
+    bases = _bases(world)
+    t = [L.build_table(lay, g, r, own_base=bases[r], peer_bases=bases, host_base=None, state_ptr=0, err_ptr=0,
+                       timeout_ns=1) for r in range(world)]
+    slots = set()
+    for a in range(world):
+        assert t[a].host == 0 and t[a].n_lp_push == world - 1
+        peers = [p for p in range(world) if p != a]
+        for b in range(abi.LP_BUFFERS):
+            for j, c in enumerate(peers):
+                assert t[a].lp_push[b][j] == t[c].lp_pull[b][a]
+                slots.add(t[a].lp_push[b][j])
+            for s_ in range(world):  # every slot lies inside the receiver's sentinel region
+                p = t[a].lp_pull[b][s_] - bases[a]
+                assert any(off <= p and p + g.lp_slot <= off + n for off, n in lay.sentinel_regions)
+    assert len(slots) == abi.LP_BUFFERS * world * (world - 1)
+    assert g.lp_slot == 1 * MB  # payload only: no flag bytes in the one-shot's slots
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_one_shot_host_slots_one_writer_each(world):
+    lay = L.plan_layout("host", world, 2 * MB, 256 << 10)
+    g = lay.groups[0]
+    host = 1 << 44
+    t = [L.build_table(lay, g, r, own_base=0, peer_bases=None, host_base=host, state_ptr=0, err_ptr=0,
+                       timeout_ns=1) for r in range(world)]
+    for a in range(world):
+        assert t[a].host == 1 and t[a].n_lp_push == 1
+        for b in range(abi.LP_BUFFERS):
+            assert t[a].lp_pull[b][a] == t[a].lp_push[b][0]  # the writer clears its own slot
+            for c in range(world):
+                assert t[c].lp_pull[b][a] == t[a].lp_push[b][0]
+    own = {t[a].lp_push[b][0] for a in range(world) for b in range(abi.LP_BUFFERS)}
+    assert len(own) == abi.LP_BUFFERS * world
+    assert lay.sentinel_regions == ((g.lp_off, abi.LP_BUFFERS * world * g.lp_slot),)
+    assert all(host + g.lp_off <= p < host + g.lp_off + abi.LP_BUFFERS * world * g.lp_slot for p in own)
+
+
+def test_sentinel_regions_cover_exactly_the_one_shot_slots_of_every_group():
+    lay = L.plan_layout("p2p", 8, 8 * MB, 64 << 10, ((0, 1, 2, 3), (4, 5, 6, 7)))
+    assert len(lay.sentinel_regions) == len(lay.groups)
+    for (off, n), g in zip(lay.sentinel_regions, lay.groups):
+        assert (off, n) == (g.lp_off, g.rs_off - g.lp_off) and off % 16 == 0 and off + n <= lay.shared_bytes

@@ -135,10 +135,31 @@ def test_two_shot_launch_covers_everything_aligned(numel, elem, world):
 
 def test_one_shot_and_fused_launch_shapes():
     lc = P.one_shot_launch(12 * KB, 128)
-    assert lc.grid * lc.block >= P.packets_for(12 * KB) and lc.block % 32 == 0
+    assert lc.grid * lc.block >= P.vectors_for(12 * KB) and lc.block % 32 == 0
+    # every block has a vector of its own (the host transport's clear relies on it, one_shot.cuh)
+    for n in (1, 16, 17, 4096 + 16, 12 * KB, 1 << 20):
+        lc = P.one_shot_launch(n, 128)
+        assert (lc.grid - 1) * lc.block < P.vectors_for(n)
     assert P.one_shot_launch(1, 128).grid == 1
     f = P.fused_launch(64, 6144, 2, 32)
-    assert f.grid == 32 and f.block * max(abi.FUSED_VARIANTS) >= P.packets_for(6144 * 2)
+    assert f.grid == 32 and f.block * f.k >= 6144 * 2 // 16 and f.grid % f.splits == 0
+    assert P.fused_launch(1, 6144, 2, 32, split_rows=False).splits == 1
+
+
+@pytest.mark.parametrize("hidden,elem", [(1, 2), (7, 2), (6144, 2), (32767, 2), (32768, 2), (16384, 4), (4097, 4)])
+def test_fused_launch_covers_every_row_vector(hidden, elem):
+    """Each block reads the whole row: K x block must reach every vector of the worst-aligned row."""
+    from fastcomm.policy.launch import fused_row_vectors
+
+    if P.check_fused(tokens=1, hidden=hidden, elem_size=elem, one_shot_max_bytes=1 << 30):
+        pytest.skip("not a fused input")
+    row = hidden * elem
+    worst = max(-(-((r + 1) * row) // 16) - (r * row) // 16 for r in range(16))
+    assert fused_row_vectors(hidden, elem) >= worst
+    for tokens in (1, 3, 64):
+        f = P.fused_launch(tokens, hidden, elem, 128)
+        assert f.k * f.block >= worst and f.block <= abi.FUSED_THREADS and f.k in abi.FUSED_VARIANTS
+        assert f.grid % f.splits == 0 and f.grid <= 128
 
 
 def test_islands_validation():

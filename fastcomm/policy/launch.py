@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..abi import (ALIGN, FUSED_MAX_SPLITS, FUSED_THREADS, FUSED_VARIANTS, MAX_BLOCKS, ONE_SHOT_THREADS, PACKET_BYTES,
-                   PACKET_PAYLOAD, TWO_SHOT_THREADS)
+                   PACKET_PAYLOAD, TWO_SHOT_THREADS, VEC_BYTES)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -22,7 +22,13 @@ def packets_for(nbytes: int) -> int:
 
 
 def ll_bytes(nbytes: int) -> int:
+    """Bytes of flag-in-data packets (the fused op) carrying ``nbytes`` of payload."""
     return packets_for(nbytes) * PACKET_BYTES
+
+
+def vectors_for(nbytes: int) -> int:
+    """16-byte vectors the one-shot moves for ``nbytes`` (payload only; the tail vector is zero-padded)."""
+    return cdiv(nbytes, VEC_BYTES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,9 +42,10 @@ class Launch:
 
 
 def one_shot_launch(nbytes: int, max_blocks: int) -> Launch:
-    npk = packets_for(nbytes)
-    block = min(ONE_SHOT_THREADS, max(32, round_up(npk, 32)))
-    return Launch(num_blocks(npk, block, max_blocks), block)
+    """One 16-byte vector per thread per pass; every block gets at least one vector."""
+    nvec = vectors_for(nbytes)
+    block = min(ONE_SHOT_THREADS, max(32, round_up(nvec, 32)))
+    return Launch(num_blocks(nvec, block, max_blocks), block)
 
 
 def two_shot_launch(numel: int, elem_size: int, world_size: int, max_blocks: int) -> Launch:
@@ -51,21 +58,28 @@ def two_shot_launch(numel: int, elem_size: int, world_size: int, max_blocks: int
     return Launch(grid, TWO_SHOT_THREADS, seg, chunk)
 
 
-FUSED_SPLIT_PACKETS = 256      # aim for about one packet per thread of a 256-thread block, as one-shot does
+FUSED_SPLIT_VECTORS = 128      # about one 16-byte vector per thread of a 128-thread share of the pushes
 
 
-def fused_launch(tokens: int, hidden: int, elem_size: int, max_blocks: int) -> Launch:
+def fused_row_vectors(hidden: int, elem_size: int) -> int:
+    """The most 16-byte vectors one row touches: a row not 16-byte aligned straddles one more."""
+    row = hidden * elem_size
+    return cdiv(row, VEC_BYTES) + (1 if row % VEC_BYTES else 0)
+
+
+def fused_launch(tokens: int, hidden: int, elem_size: int, max_blocks: int, *, split_rows: bool = True) -> Launch:
     """Rows cut into `splits` chunks (one block each) so few tokens still use many SMs; whole rounds of rows.
 
-    The grid is a multiple of the split count (the blocks of a row run together) and at most max_blocks
-    (all co-resident, as the blocks of a row wait for each other's partial sums).
+    Every block of a row reads the whole row (fused_rmsnorm.cuh), so K x block covers a row's vectors. The
+    grid is a multiple of the split count (the blocks of a row run together) and at most max_blocks (all
+    co-resident, as the blocks of a row read what their siblings push). ``split_rows`` False (an output
+    overlaps the residual, which every block of a row reads whole): one block per row.
     """
-    row_pk = packets_for(hidden * elem_size)
-    splits = max(1, min(cdiv(row_pk, FUSED_SPLIT_PACKETS), FUSED_MAX_SPLITS, max(1, max_blocks // max(tokens, 1)),
-                        max_blocks))
-    chunk_pk = cdiv(row_pk, splits)
-    k = next(k for k in FUSED_VARIANTS if k * FUSED_THREADS >= chunk_pk)  # check_fused admits only rows that fit
-    block = min(FUSED_THREADS, max(32, round_up(cdiv(chunk_pk, k), 32)))
+    span = fused_row_vectors(hidden, elem_size)
+    splits = max(1, min(cdiv(span, FUSED_SPLIT_VECTORS), FUSED_MAX_SPLITS, max(1, max_blocks // max(tokens, 1)),
+                        max_blocks)) if split_rows else 1
+    k = next(k for k in FUSED_VARIANTS if k * FUSED_THREADS >= span)  # check_fused admits only rows that fit
+    block = min(FUSED_THREADS, max(32, round_up(cdiv(span, k), 32)))
     rows_per_round = max(1, min(tokens, max_blocks // splits))
     return Launch(rows_per_round * splits, block, splits=splits, k=k)
 

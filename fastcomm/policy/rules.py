@@ -15,7 +15,7 @@ from .links import LinkType
 
 
 class Algo(str, enum.Enum):
-    ONE_SHOT = "one_shot"  # push everything to everyone (flag-in-data packets), reduce locally
+    ONE_SHOT = "one_shot"  # push everything to everyone (payload only, Lamport slots), reduce locally
     TWO_SHOT = "two_shot"  # reduce-scatter then all-gather (chunk flags)
     NCCL = "nccl"          # not served by fastcomm: the caller's fallback
 
@@ -51,11 +51,14 @@ DEFAULT_TABLE: dict[PolicyKey, tuple[Rule, ...]] = {
     PolicyKey(Transport.P2P, LinkType.NVLINK, 2): (
         Rule(768 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT)),
     # 3-8 ranks: the 2-rank bound, scaled by the plan's bytes-per-GPU model (policy.plan.default_rules).
+    # (Each rank writes (n-1) x size for the one-shot since the Lamport slots, 2 x that when the bound was
+    # measured; not yet re-measured, so kept.)
     PolicyKey(Transport.P2P, LinkType.NVLINK, 0): (
         Rule(768 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT)),
     # PCIe (modelled, not measured: no PCIe-only GPUs lent yet). Writes are cheap and posted; one-shot has a
-    # single hop but each GPU writes (n-1) x 2 x size over its own x16 link, so its range shrinks with the
-    # world size (8 ranks, 32 KB: 7 x 64 KB = ~10 us of link time at ~45 GB/s).
+    # single hop but each GPU writes (n-1) x size over its own x16 link (policy.wire), so its range shrinks
+    # with the world size. Set when it wrote twice that (8 ranks, 32 KB: 7 x 64 KB = ~10 us of link time at
+    # ~45 GB/s; now 7 x 32 KB, ~5 us); kept until measured, the two-shot's fixed costs are not modelled.
     PolicyKey(Transport.P2P, LinkType.PCIE_SWITCH, 0): (
         Rule(128 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT)),
     PolicyKey(Transport.P2P, LinkType.PCIE_SWITCH, 4): (

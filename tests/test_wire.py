@@ -1,0 +1,43 @@
+"""Bytes on the wire per implementation (fastcomm.policy.wire), checked against the layout's own slots."""
+import pytest
+
+from fastcomm import layout as L
+from fastcomm.policy import wire_bytes
+
+KB = 1024
+
+
+def test_one_shot_p2p_sends_the_payload_once_per_peer():
+    b = wire_bytes("one_shot", 12 * KB, 8, "p2p")
+    assert b == 7 * 12 * KB
+    assert b <= 1.06 * 7 * 12 * KB  # the issue's bound: within ~6 % of the payload
+
+
+def test_one_shot_matches_what_the_kernel_stores():
+    # The kernel writes whole 16-byte vectors into each peer's slot; the slot holds exactly that.
+    lay = L.plan_layout("p2p", 4, 1 << 20, 64 * KB)
+    assert wire_bytes("one_shot", 64 * KB, 4, "p2p") == 3 * lay.groups[0].lp_slot
+    assert wire_bytes("one_shot", 17, 2, "p2p") == 32  # tail vector zero-padded
+    assert wire_bytes("one_shot", 12 * KB, 8, "host") == 12 * KB  # one copy, into my host slot
+
+
+def test_islands_cross_once():
+    flat = wire_bytes("one_shot", 12 * KB, 8, "p2p")
+    two = wire_bytes("one_shot", 12 * KB, 8, "p2p", islands=2)
+    assert two == (3 + 1) * 12 * KB and two < flat
+    with pytest.raises(ValueError):
+        wire_bytes("one_shot", 12 * KB, 8, "p2p", islands=3)
+
+
+def test_fused_sends_the_payload_and_two_shot_near_the_ring_bound():
+    assert wire_bytes("fused", 12 * KB, 8, "p2p") == 7 * 12 * KB
+    n = 1 << 20
+    ts = wire_bytes("two_shot", n, 8, "p2p")
+    ideal = 2 * 7 * n // 8
+    assert ideal <= ts <= 1.01 * ideal  # segments + per-block flags
+    assert wire_bytes("two_shot", n, 8, "host") < ts
+
+
+def test_unknown_algorithm_is_refused():
+    with pytest.raises(ValueError, match="no wire model"):
+        wire_bytes("nccl", 1, 2, "p2p")
