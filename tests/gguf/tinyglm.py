@@ -189,6 +189,11 @@ def build(s: Shape, seed: int = 0):
                     gguf_tensors.append((f"blk.{layer}.{gname}", stored, qt))
                     for e in range(s.experts):
                         truth[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"] = t[e]
+            elif leaf == "embed_tokens.weight":  # the MTP block's copy of the shared embedding
+                gname, qt = table[leaf]
+                first = next(x for x in gguf_tensors if x[0] == "token_embd.weight")
+                gguf_tensors.append((f"blk.{layer}.{gname}", first[1], first[2]))
+                truth[hf] = truth["model.embed_tokens.weight"]
             else:
                 gname, qt = table[leaf]
                 put(hf, f"blk.{layer}.{gname}", qt, shapes[hf])

@@ -50,9 +50,10 @@ class GlmDsaGGUFAdapter(GGUFWeightsAdapter):
                         meta.arch)
             return super().prepare_loading(model_path, model_config)
         self._files = found
-        n_main = int(model_config.hf_config.num_hidden_layers)
+        self._main_layers = int(model_config.hf_config.num_hidden_layers)
+        self._part = weights.MTP if is_draft(model_config.hf_config) else weights.MAIN
         self.load_spec = GGUFLoadSpec(weights_source=[str(p) for p in found.shards],
-                                      unquantized_modules=unquantized_modules(meta, n_main))
+                                      unquantized_modules=unquantized_modules(meta, self._main_layers, self._part))
         logger.info("fastcomm: GLM-5 GGUF, %d shard(s), %d tensors; MTP blocks in the file: %d",
                     len(found.shards), len(meta.tensors), metadata.mtp_layers(meta))
         return self.load_spec
@@ -61,10 +62,16 @@ class GlmDsaGGUFAdapter(GGUFWeightsAdapter):
         if self._files is None:
             yield from super().prepare_weights(model_config)
             return
-        yield from weights.iter_weights(self._files, model_config.dtype)
+        yield from weights.iter_weights(self._files, model_config.dtype, self._part, self._main_layers)
 
 
-def unquantized_modules(meta: metadata.Meta, main_layers: int) -> list[str]:
+def is_draft(config) -> bool:
+    """The MTP draft's config: vLLM rewrites model_type to deepseek_mtp and names an MTP architecture."""
+    return getattr(config, "model_type", None) == "deepseek_mtp" or any(
+        "MTP" in a for a in (getattr(config, "architectures", None) or ()))
+
+
+def unquantized_modules(meta: metadata.Meta, main_layers: int, part: str | None = None) -> list[str]:
     """Modules whose weights arrive dense (float in the file, or dequantized by ``weights``): the plugin
     must give them vLLM's unquantized method. MTP-block modules are listed under both of their names."""
     out: set[str] = set()
@@ -72,7 +79,8 @@ def unquantized_modules(meta: metadata.Meta, main_layers: int) -> list[str]:
         tgt = names.target(name)
         if tgt is None or not tgt.hf.endswith(".weight"):
             continue
-        dense = tgt.how in (names.DENSE, names.KV_B_K, names.KV_B_V) or type_name in weights.FLOAT_TYPES
+        dense = tgt.how in (names.DENSE, names.KV_B_K, names.KV_B_V) or type_name in weights.FLOAT_TYPES \
+            or (part == weights.MTP and weights.dense_in_draft(tgt))
         if dense and tgt.how != names.EXPERTS:
             out.update(names.mtp_prefixes(tgt.hf.removesuffix(".weight"), main_layers))
     return sorted(out)

@@ -3,6 +3,9 @@
 ``register()`` is a ``vllm.general_plugins`` entry point (``fastcomm_gguf``), so it runs in the front end and
 in each worker, after or before the plugin's own ``gguf`` entry point (both orders work). Two hooks:
 - the adapter goes first in the plugin's adapter registry (workers: the loader picks it);
+- vLLM's ``ReplicatedLinear.weight_loader`` learns to store a GGUF parameter's blocks (vllm-gguf-plugin 0.0.5
+  gives a quantized ReplicatedLinear, e.g. GLM-5's indexer ``wq_b``, vLLM's plain loader, which asserts on
+  the still-empty parameter); every other parameter goes to vLLM's loader unchanged;
 - the plugin's config parser, which reads config.json from the GGUF's folder, reads the folder fastcomm
   derived from the file's metadata instead when the GGUF is GLM-5 and its folder has no config.json (front
   end: the MTP draft's config is parsed from the GGUF path, with no --hf-config-path to point elsewhere).
@@ -29,6 +32,7 @@ def register() -> None:
 
     if GlmDsaGGUFAdapter not in weights_adapter._ADAPTER_REGISTRY:
         weights_adapter._ADAPTER_REGISTRY.insert(0, GlmDsaGGUFAdapter)
+    _teach_replicated_linear()
     original = GGUFConfigParser._resolve_config_source
     if not getattr(original, "_fastcomm", False):
         GGUFConfigParser._resolve_config_source = staticmethod(_config_source(original))
@@ -37,6 +41,25 @@ def register() -> None:
     kernel = status()
     if not kernel.cuda:
         logger.warning("fastcomm: %s", kernel.warning())
+
+
+def _teach_replicated_linear() -> None:
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+
+    original = ReplicatedLinear.weight_loader
+    if getattr(original, "_fastcomm", False):
+        return
+
+    @functools.wraps(original)
+    def weight_loader(self, param, loaded_weight):
+        # The plugin's GGUF parameters (qweight, qweight_type) know how to take their data: _store.
+        if hasattr(param, "_store") and hasattr(param, "data_container"):
+            param._store(loaded_weight)
+            return
+        original(self, param, loaded_weight)
+
+    weight_loader._fastcomm = True
+    ReplicatedLinear.weight_loader = weight_loader
 
 
 def _config_source(original):

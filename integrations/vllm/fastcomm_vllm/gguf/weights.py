@@ -7,6 +7,7 @@ a quantization method. Shards of a fused projection come out in canonical order 
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import numpy as np
@@ -18,12 +19,37 @@ from .files import GgufFiles
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
-def iter_weights(files: GgufFiles, dtype) -> Iterator[tuple[str, "torch.Tensor"]]:  # noqa: F821
-    """Every tensor of every shard, mapped; raises GgufError on a tensor the GLM-5 mapping does not know."""
-    yield from _canonical(_mapped(files, dtype))
+MAIN, MTP = "main", "mtp"
 
 
-def _mapped(files: GgufFiles, dtype) -> Iterator[tuple[str, list]]:
+def iter_weights(files: GgufFiles, dtype, part: str | None = None, main_layers: int | None = None
+                 ) -> Iterator[tuple[str, "torch.Tensor"]]:  # noqa: F821
+    """The tensors of every shard, mapped; raises GgufError on a tensor the GLM-5 mapping does not know.
+
+    ``part`` MAIN leaves out the MTP blocks (layers >= ``main_layers``; vLLM's main model skips them anyway),
+    MTP leaves out what the MTP draft does not load (the main layers, the final norm and head), so neither
+    load copies the other's tensors. None streams everything.
+    """
+    yield from _canonical(_mapped(files, dtype, part, main_layers))
+
+
+def wanted(tgt: names.Target, part: str | None, main_layers: int | None) -> bool:
+    if part is None:
+        return True
+    in_mtp = tgt.layer is not None and tgt.layer >= main_layers
+    if part == MAIN:
+        return not in_mtp
+    return in_mtp or tgt.hf == "model.embed_tokens.weight"
+
+
+def dense_in_draft(tgt: names.Target) -> bool:
+    """vLLM's generic DeepSeek MTP model (0.25's, and the newest's off NVIDIA) builds its embedding without
+    a quantization method; the draft's embedding is therefore always handed over dense (and listed as an
+    unquantized module, so a quantization-aware embedding agrees)."""
+    return tgt.hf.endswith("embed_tokens.weight")
+
+
+def _mapped(files: GgufFiles, dtype, part, main_layers) -> Iterator[tuple[str, list]]:
     import gguf
     import torch
 
@@ -35,6 +61,10 @@ def _mapped(files: GgufFiles, dtype) -> Iterator[tuple[str, list]]:
             if tgt is None:
                 raise GgufError(f"{path.name}: tensor {t.name!r} has no place in vLLM's GLM-5 model "
                                 "(not a glm-dsa tensor fastcomm knows)")
+            if not wanted(tgt, part, main_layers):
+                continue
+            if part == MTP and dense_in_draft(tgt):
+                tgt = dataclasses.replace(tgt, how=names.DENSE)
             qtype = t.tensor_type
             quantized = qtype.name not in FLOAT_TYPES
             if tgt.how in (names.KV_B_K, names.KV_B_V):
