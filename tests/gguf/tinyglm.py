@@ -235,9 +235,16 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
-def write_gguf(out: Path, s: Shape = Shape(), *, seed: int = 0, shards: int = 3, name: str = "GLM-5-tiny-UD-Q4_K_XL"):
-    """Write the model as ``shards`` GGUF files; returns (first shard path, truth)."""
+def write_gguf(out: Path, s: Shape = Shape(), *, seed: int = 0, shards: int = 3, name: str = "GLM-5-tiny-UD-Q4_K_XL",
+               mtp_tensors: bool = True, extra: tuple = ()):
+    """Write the model as ``shards`` GGUF files; returns (first shard path, truth).
+
+    ``mtp_tensors=False`` keeps the metadata of the MTP block but drops its tensors (a converter run that
+    skipped them); ``extra`` appends (gguf_name, float32 array) tensors."""
     tensors, truth = build(s, seed)
+    if not mtp_tensors:
+        tensors = [t for t in tensors if not t[0].startswith(f"blk.{s.layers}.")]
+    tensors += [(n, a, Q.F32) for n, a in extra]
     out.mkdir(parents=True, exist_ok=True)
     per = -(-len(tensors) // shards)
     w = gguf.GGUFWriter(out / f"{name}.gguf", "glm-dsa", split_max_tensors=per)

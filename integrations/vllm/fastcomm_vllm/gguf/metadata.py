@@ -53,7 +53,14 @@ _BIG_ARRAYS = frozenset(f"tokenizer.ggml.{k}" for k in ("tokens", "merges", "tok
 
 
 def _decode(field) -> Any:
-    return field.contents()
+    value = field.contents()
+    if isinstance(value, float):
+        # GGUF stores float32: 1e-5 reads back as 9.99999974e-06. The shortest decimal that is the same
+        # float32 is what the converter was given.
+        import numpy as np
+
+        value = float(str(np.float32(value)))
+    return value
 
 
 @functools.lru_cache(maxsize=8)
