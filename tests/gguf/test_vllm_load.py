@@ -119,3 +119,20 @@ def test_dense_parameters_hold_the_truth(loaded, tiny):
     check(mtp, m + "eh_proj.weight", [truth[m + "eh_proj.weight"]])
     check(mtp, m + "mtp_block.self_attn.kv_b_proj.weight", [truth[m + "self_attn.kv_b_proj.weight"]])
     check(mtp, "model.embed_tokens.weight", [truth["model.embed_tokens.weight"]])
+
+
+def test_engine_config_for_target_and_mtp_draft(tiny):
+    """vLLM's own engine configuration of fastcomm's kwargs: the target reads the derived config and the
+    GGUF weights, and the MTP draft is built from the same GGUF, quantized the same way, as the MTP model."""
+    import json
+
+    first, _, shape = tiny
+    r = subprocess.run([sys.executable, str(WORKER.with_name("engine_config_worker.py")), str(first)],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    t, d = got["target"], got["draft"]
+    assert t["weights"] == str(first) and t["model"] == got["kwargs"]["hf_config_path"]
+    assert (t["model_type"], t["quantization"], t["layers"]) == ("glm_moe_dsa", "gguf", shape.layers)
+    assert d["method"] == "mtp" and d["model"] == str(first) and d["quantization"] == "gguf" and d["k"] == 1
+    assert d["model_type"] == "deepseek_mtp" and "MTP" in d["architectures"][0] and d["marker"] == "glm-dsa"
