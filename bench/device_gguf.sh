@@ -13,7 +13,9 @@
 #        echo /.gguf_stage/ >> "$(git rev-parse --git-path info/exclude)"
 #        bench/device_gguf.sh prepare .gguf_stage
 #    It downloads the plugin's sdist and gguf's wheel, and builds the plugin wheel for sm_90 against
-#    torch 2.11.0+cu130 (PyPI's torch 2.11.0 is that build) in a scratch venv. About 8 MB in all.
+#    torch 2.11.0+cu130 (PyPI's torch 2.11.0 is that build) in a scratch venv it removes afterwards
+#    (~3 GB of downloads, ~1 min of nvcc per arch). The folder holds ~1.3 MB. For other GPUs set
+#    TORCH_CUDA_ARCH_LIST (e.g. "9.0;10.0;12.0" for H100/H200, B200 and RTX PRO 6000).
 # 2. On the device, after vLLM 0.25.0 is staged (notes/VLLM_ON_DEVICE.md, calls 1-5), one call with
 #    carry [".gguf_stage", ".stage/install.sh"]:
 #        eval "$(bash .stage/install.sh)" && bash bench/device_gguf.sh run .gguf_stage
@@ -25,6 +27,12 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 PLUGIN=vllm-gguf-plugin==0.0.5
 GGUF=gguf==0.19.0
 
+cuda_home() {   # the toolkit holding nvcc and libcudart.so (an nvcc on PATH may be a wrapper script)
+  if [ -n "${CUDA_HOME:-}" ]; then echo "$CUDA_HOME"; return; fi
+  if [ -x /usr/local/cuda/bin/nvcc ]; then echo /usr/local/cuda; return; fi
+  dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")"
+}
+
 prepare() {
   set -e
   mkdir -p "$dir"
@@ -33,12 +41,12 @@ prepare() {
   # The sdist's metadata step imports torch: fetch it with a pip that has torch, without building.
   "$py" -m venv "$venv"
   "$venv/bin/pip" install -q "setuptools>=77,<81" wheel
-  "$venv/bin/pip" download -q --no-deps --only-binary=:all: --python-version "$("$venv/bin/python" -c 'import sys; print(f"{sys.version_info.major}{sys.version_info.minor}")')" -d "$venv/dl" torch==2.11.0
-  "$venv/bin/pip" install -q --no-deps "$venv"/dl/torch-2.11.0-*.whl
-  # torch's import needs its small dependencies; the CUDA libraries are not needed to build.
-  "$venv/bin/pip" install -q typing-extensions sympy networkx jinja2 fsspec filelock numpy
+  # The build imports torch, and torch's import loads its CUDA libraries (cuDNN, NCCL...): the whole
+  # torch 2.11.0 (+cu130 on PyPI) with its nvidia-* wheels, about 3 GB, in the scratch venv only.
+  "$venv/bin/pip" install -q torch==2.11.0 numpy
   "$venv/bin/pip" download -q --no-deps --no-binary=:all: --no-build-isolation -d "$dir" "$PLUGIN"
-  TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-4} \
+  # CUDA_HOME: nvcc's toolkit (with libcudart.so to link), not the nvidia-cuda-runtime wheel torch brought.
+  CUDA_HOME=$(cuda_home) TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-4} \
     "$venv/bin/pip" wheel -q --no-deps --no-build-isolation -w "$dir" "$dir"/vllm_gguf_plugin-0.0.5.tar.gz
   rm -rf "$venv"
   ls -l "$dir"
@@ -62,7 +70,7 @@ run() {
     python -m pip install -q --no-index --no-deps --force-reinstall "$wheel" || return 1
   else
     echo "== building the extension from the sdist (sm_90)"
-    TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python -m pip install -q --no-index --no-deps --no-build-isolation \
+    CUDA_HOME=$(cuda_home) TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python -m pip install -q --no-index --no-deps --no-build-isolation \
       --force-reinstall "$dir"/vllm_gguf_plugin-0.0.5.tar.gz || return 1
   fi
   echo "== plugin installed in $((SECONDS - t0)) s"

@@ -63,7 +63,7 @@ def plan(model: str, *, mtp: bool | None = None, num_speculative_tokens: int = 1
     if not glm:
         if mtp:
             raise GgufError(f"MTP needs a GLM-5 GGUF with its MTP block; {found.first.name} is {meta.arch!r}")
-        notes.append(f"not GLM-5: vllm-gguf-plugin loads it with its own mapping; MTP off")
+        notes.append("not GLM-5: vllm-gguf-plugin loads it with its own mapping; MTP off")
         return GgufPlan(found, meta.arch, False, 0, False, num_speculative_tokens, None, kwargs, tuple(notes))
     n_main, blocks = metadata.main_layers(meta), metadata.mtp_layers(meta)
     if mtp and blocks == 0:

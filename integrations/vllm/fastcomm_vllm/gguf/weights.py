@@ -23,7 +23,7 @@ MAIN, MTP = "main", "mtp"
 
 
 def iter_weights(files: GgufFiles, dtype, part: str | None = None, main_layers: int | None = None
-                 ) -> Iterator[tuple[str, "torch.Tensor"]]:  # noqa: F821
+                 ) -> Iterator[tuple[str, object]]:
     """The tensors of every shard, mapped; raises GgufError on a tensor the GLM-5 mapping does not know.
 
     ``part`` MAIN leaves out the MTP blocks (layers >= ``main_layers``; vLLM's main model skips them anyway),
