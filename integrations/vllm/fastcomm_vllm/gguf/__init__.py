@@ -90,6 +90,7 @@ def plan(model: str, *, mtp: bool | None = None, num_speculative_tokens: int = 1
         notes.append(f"config derived from the GGUF metadata: {config_dir / 'config.json'}")
     else:
         kwargs["hf_config_path"] = hf_config_path
+        notes.append(f"config from --hf-config-path {hf_config_path}")
     if tokenizer is not None:
         kwargs["tokenizer"] = tokenizer
     elif config_dir is not None and derive_tokenizer:

@@ -106,8 +106,11 @@ def target(gguf_name: str) -> Target | None:
 def fused_slot(hf_name: str) -> tuple[str, int, int] | None:
     """(group key, position, group size) when ``hf_name`` is a shard of a fused projection, else None.
 
-    The group key is the fused parameter's name, so shards of different layers never mix.
+    The group key is the fused parameter's name, so shards of different layers never mix. Routed experts
+    are not fused here: vLLM places their gate/up by shard name (w1/w3), so their order cannot matter.
     """
+    if ".mlp.experts." in hf_name:
+        return None
     module, _, leaf = hf_name.rpartition(".")
     parent, _, proj = module.rpartition(".")
     for fused, shards in FUSED.items():
