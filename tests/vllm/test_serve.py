@@ -1,4 +1,8 @@
-"""`fastcomm-serve`: the command it builds (--dry-run) and its errors."""
+"""`fastcomm-serve`: the command it builds (--dry-run) and its errors.
+
+Parsing, help and the errors found before vLLM is needed run anywhere; the dry runs need a real vLLM install
+(`serve.vllm_installed`, which a namespace package such as this tests/vllm folder on sys.path cannot fool).
+"""
 import os
 import shlex
 import subprocess
@@ -7,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm")
+from fastcomm_vllm import serve
 
-from fastcomm_vllm import serve  # noqa: E402
 
-pytestmark = pytest.mark.vllm
+
+def needs_vllm(test):
+    return pytest.mark.vllm(pytest.mark.skipif(not serve.vllm_installed(), reason="needs a real vLLM install")(test))
 
 
 @pytest.fixture()
@@ -39,6 +44,7 @@ def dry_run(capsys, argv):
     return env, argv_, err
 
 
+@needs_vllm
 def test_dry_run_defaults_tp_and_passes_vllm_args_untouched(capsys, clean_env, model):
     cc = '{"cudagraph_capture_sizes": [1, 2, 4, 8]}'
     vllm_args = [model, "--max-model-len", "4096", "--served-model-name", "glm-5", "--load-format", "dummy",
@@ -50,12 +56,14 @@ def test_dry_run_defaults_tp_and_passes_vllm_args_untouched(capsys, clean_env, m
     assert "--enforce-eager" not in argv and "tensor parallel 2" in err
 
 
+@needs_vllm
 @pytest.mark.parametrize("tp_args", [["-tp", "2"], ["--tensor-parallel-size=2"], ["--tensor_parallel_size", "2"]])
 def test_explicit_tp_is_kept(capsys, clean_env, model, tp_args):
     env, argv, _ = dry_run(capsys, ["--gpus", "4", model] + tp_args)
     assert argv[4:] == [model] + tp_args
 
 
+@needs_vllm
 def test_fastcomm_options_and_environment(capsys, clean_env, monkeypatch, model):
     monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver")
     env, argv, _ = dry_run(capsys, [model, "--fastcomm-transport", "host", "--gpus=2", "--enforce-eager"])
@@ -80,6 +88,7 @@ def test_fastcomm_options_and_environment(capsys, clean_env, monkeypatch, model)
         serve.build(*serve.split_args([model, "--no-fastcomm", "--fastcomm-fusion"]), {}, topo=_topology("nvlink", True))
 
 
+@needs_vllm
 def test_hugging_face_ids_are_not_paths(capsys, clean_env):
     env, argv, _ = dry_run(capsys, ["zai-org/GLM-5", "--gpus", "8"])
     assert argv[4:] == ["zai-org/GLM-5", "--tensor-parallel-size", "8"]
@@ -94,6 +103,7 @@ def _topology(link: str, p2p: bool, n: int = 2):
                     p2p=tuple(tuple(p2p for _ in range(n)) for _ in range(n)), source="recorded")
 
 
+@needs_vllm
 @pytest.mark.parametrize("link,p2p,expect", [("host_bridge", True, {"NCCL_P2P_LEVEL": "PHB"}),
                                              ("host_bridge", False, {}), ("cross_socket", True, {}),
                                              ("pcie_switch", True, {})])
@@ -110,7 +120,7 @@ def test_help_lists_own_flags(capsys):
     assert serve.main(["--help"]) == 0
     out = capsys.readouterr().out
     for flag in ("--dry-run", "--gpus", "--fastcomm-transport", "--fastcomm-fusion", "--no-fastcomm", "--no-nccl-env",
-                 "NCCL_P2P_LEVEL"):
+                 "--version", "--no-mtp", "--mtp-tokens", "NCCL_P2P_LEVEL", 'pip install -e ".[gguf]"'):
         assert flag in out
 
 
@@ -129,12 +139,14 @@ def error(capsys, argv):
     return err
 
 
+@needs_vllm
 def test_tp_larger_than_gpu_count(capsys, model):
     assert "--tensor-parallel-size 4 is larger than the 2 visible GPU(s)" in error(capsys, [model, "--gpus", "2", "-tp", "4"])
     assert "needs 4 GPUs" in error(capsys, [model, "--gpus", "2", "-tp", "2", "--pipeline-parallel-size", "2"])
     assert "positive integer" in error(capsys, [model, "--gpus", "2", "-tp", "two"])
 
 
+@needs_vllm
 def test_missing_model_path(capsys):
     assert "model path '/nonexistent/glm5' does not exist" in error(capsys, ["/nonexistent/glm5", "--gpus", "2"])
     assert "does not exist" in error(capsys, ["./no/such/model", "--gpus", "2"])
@@ -142,11 +154,32 @@ def test_missing_model_path(capsys):
 
 
 def test_bad_fastcomm_options(capsys, model):
-    assert "--fastcomm-transport must be one of" in error(capsys, [model, "--fastcomm-transport", "nvlink"])
-    assert "--gpus expects a number" in error(capsys, [model, "--gpus", "all"])
-    assert "--gpus needs a value" in error(capsys, [model, "--gpus"])
+    # Parsing fails before anything else is looked at, so these need no vLLM.
+    err = error(capsys, [model, "--fastcomm-transport", "nvlink"])
+    assert "--fastcomm-transport: invalid choice: 'nvlink'" in err and "auto" in err and len(err.strip().splitlines()) == 1
+    assert "--gpus: expects a number, got 'all'" in error(capsys, [model, "--gpus", "all"])
+    assert "--gpus: expected one argument" in error(capsys, [model, "--gpus"])
+    assert "--mtp-tokens: must be at least 1" in error(capsys, [model, "--mtp-tokens", "0"])
+    assert "--no-mtp and --mtp-tokens contradict" in error(capsys, [model, "--no-mtp", "--mtp-tokens", "2"])
 
 
+def test_unknown_options_pass_through_in_order():
+    # vLLM's own options, including ones that start like ours (--gpu-memory-utilization vs --gpus), values
+    # that look like options, and '='-joined forms, come back exactly as given.
+    vllm_args = ["m", "--gpu-memory-utilization", "0.8", "-tp", "2", "--max_model_len=4096",
+                 "--compilation-config", '{"level": 3}', "--no-enable-prefix-caching", "--served-model-name", "x"]
+    opts, rest = serve.split_args(vllm_args[:3] + ["--gpus", "4", "--dry-run"] + vllm_args[3:] + ["--no-mtp"])
+    assert rest == vllm_args
+    assert opts.gpus == 4 and opts.dry_run and opts.mtp is False and opts.fastcomm
+
+
+def test_version(capsys):
+    assert serve.main(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("fastcomm ") and "vllm " in out and "vllm-gguf-plugin " in out
+
+
+@needs_vllm
 def test_no_gpu(capsys, model):
     if serve.count_gpus(serve.probe_topology()) > 0:
         pytest.skip("this machine has GPUs")
@@ -164,3 +197,4 @@ def test_vllm_missing(model):
     r = subprocess.run([str(base), "-c", code, model, "--gpus", "2", "--dry-run"], capture_output=True, text=True,
                        timeout=120, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert r.returncode == 2 and "vLLM is not installed" in r.stderr, r.stderr
+    assert 'pip install -e ".[vllm]"' in r.stderr and "fastcomm[vllm]" not in r.stderr

@@ -4,13 +4,18 @@
 
 Detects the GPUs and their topology, defaults --tensor-parallel-size to the GPU count, leaves CUDA graphs
 on, sets the environment below, and execs `python -m vllm.entrypoints.cli.main serve` with every other
-argument exactly as given. Variables already set in your environment are never overridden.
+argument exactly as given (argparse's parse_known_args: what is not ours passes through in order). A GGUF
+model (a .gguf file, the first shard of a split, or their folder) goes through vllm-gguf-plugin, with
+fastcomm's GLM-5 mapping and, for a GLM-5 file carrying its MTP block, MTP speculative decoding on.
+Variables already set in your environment are never overridden.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.metadata
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -18,24 +23,11 @@ import subprocess
 import sys
 from typing import Mapping, Sequence
 
-HELP = """\
-usage: fastcomm-serve MODEL [fastcomm-serve options] [vllm serve options ...]
-
+DESCRIPTION = """\
 Runs `vllm serve` with fastcomm's all-reduce (the fastcomm vLLM plugin) active. Every argument that is
-not one of the options below goes to `vllm serve` unchanged (see `vllm serve --help`).
+not one of the options below goes to `vllm serve` unchanged (see `vllm serve --help`)."""
 
-fastcomm-serve options:
-  -h, --help            show this help and exit
-  --dry-run             print the exact command and environment, do not start vLLM
-  --gpus N              assume N visible GPUs instead of detecting them (e.g. for --dry-run elsewhere)
-  --fastcomm-transport {auto,p2p,host}
-                        FASTCOMM_TRANSPORT: peer GPU memory (p2p), pinned host memory (host, for GPUs
-                        without P2P), or the probe's choice (auto)
-  --fastcomm-fusion     FASTCOMM_VLLM_FUSION=1: also fuse all-reduce + RMSNorm into one fastcomm kernel.
-                        Off by default until an end-to-end run shows it faster than the all-reduce alone
-  --no-fastcomm         run the same command with FASTCOMM_VLLM=0 (vLLM's own all-reduce; a baseline)
-  --no-nccl-env         do not set the NCCL variables described below
-
+DEFAULTS = """\
 Defaults it applies:
   --tensor-parallel-size  the number of visible GPUs, unless you pass -tp / --tensor-parallel-size
   CUDA graphs             left on (it never adds --enforce-eager; fastcomm's gain is largest with graphs)
@@ -46,10 +38,19 @@ Defaults it applies:
                           stay on NCCL (prefill-sized ones, above fastcomm's range) through host shared
                           memory: two PCIe crossings and a copy instead of one direct write. Not set for
                           links across sockets, where P2P is often slower than host memory.
+
+GGUF models (install: pip install -e ".[gguf]" from a fastcomm checkout):
+  MODEL                   a .gguf file, the first shard of a split (-00001-of-0000N.gguf), or their folder;
+                          every shard must be there
+  GLM-5 (glm-dsa)         config (--hf-config-path) and tokenizer (--tokenizer) derived from the file's
+                          metadata unless you pass them; MTP speculative decoding with the file's MTP block
+                          on by default (--no-mtp, --mtp-tokens N); --dry-run says what it chose and why
+  other architectures     passed to vllm-gguf-plugin unchanged
 """
 
 VLLM_MAIN = "vllm.entrypoints.cli.main"
 TRANSPORTS = ("auto", "p2p", "host")
+VLLM_HINT = 'pip install -e ".[vllm]" (from a fastcomm checkout)'
 
 
 class ServeError(Exception):
@@ -65,6 +66,9 @@ class Options:
     fusion: bool = False
     nccl_env: bool = True
     help: bool = False
+    version: bool = False
+    mtp: bool | None = None           # None: on when a GLM-5 GGUF carries its MTP block
+    mtp_tokens: int | None = None     # draft tokens per step (None: 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,40 +88,60 @@ class Launch:
 
 # ---- parsing --------------------------------------------------------------------------------------------
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line through main's error path, not argparse's usage + exit
+        raise ServeError(message)
+
+
+def _count(value: str) -> int:
+    if not re.fullmatch(r"\d+", value):
+        raise argparse.ArgumentTypeError(f"expects a number, got {value!r}")
+    return int(value)
+
+
+def _positive(value: str) -> int:
+    n = _count(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value!r}")
+    return n
+
+
+def parser() -> argparse.ArgumentParser:
+    # allow_abbrev=False: vLLM's --gpu-memory-utilization must not read as an abbreviation of --gpus.
+    p = _Parser(prog="fastcomm-serve", usage="fastcomm-serve MODEL [fastcomm-serve options] [vllm serve options ...]",
+                description=DESCRIPTION, epilog=DEFAULTS, add_help=False, allow_abbrev=False,
+                formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, width=110, max_help_position=30))
+    g = p.add_argument_group("fastcomm-serve options")
+    g.add_argument("-h", "--help", action="store_true", help="show this help and exit")
+    g.add_argument("--version", action="store_true", help="print the versions of fastcomm and of what it runs, and exit")
+    g.add_argument("--dry-run", action="store_true", help="print the exact command and environment, do not start vLLM")
+    g.add_argument("--gpus", type=_count, metavar="N",
+                   help="assume N visible GPUs instead of detecting them (e.g. for --dry-run elsewhere)")
+    g.add_argument("--fastcomm-transport", dest="transport", choices=TRANSPORTS,
+                   help="FASTCOMM_TRANSPORT: peer GPU memory (p2p), pinned host memory (host, for GPUs without "
+                        "P2P), or the probe's choice (auto)")
+    g.add_argument("--fastcomm-fusion", dest="fusion", action="store_true",
+                   help="FASTCOMM_VLLM_FUSION=1: also fuse all-reduce + RMSNorm into one fastcomm kernel. Off by "
+                        "default until an end-to-end run shows it faster than the all-reduce alone")
+    g.add_argument("--no-fastcomm", dest="fastcomm", action="store_false",
+                   help="run the same command with FASTCOMM_VLLM=0 (vLLM's own all-reduce; a baseline)")
+    g.add_argument("--no-nccl-env", dest="nccl_env", action="store_false", help="do not set the NCCL variables described below")
+    g.add_argument("--no-mtp", dest="mtp", action="store_const", const=False,
+                   help="GGUF: serve a GLM-5 file without MTP speculative decoding (on by default when the file "
+                        "carries its MTP block)")
+    g.add_argument("--mtp-tokens", type=_positive, metavar="N",
+                   help="GGUF: MTP draft tokens per step (default 1); asks for MTP, so the file must carry the block")
+    return p
+
+
 def split_args(argv: Sequence[str]) -> tuple[Options, list[str]]:
     """fastcomm-serve's options, and everything else in its original order (for vLLM, untouched)."""
-    opts, rest, i = {}, [], 0
-    while i < len(argv):
-        arg = argv[i]
-        name, eq, inline = arg.partition("=")
-        if arg in ("-h", "--help"):
-            opts["help"] = True
-        elif arg == "--dry-run":
-            opts["dry_run"] = True
-        elif arg == "--no-fastcomm":
-            opts["fastcomm"] = False
-        elif arg == "--fastcomm-fusion":
-            opts["fusion"] = True
-        elif arg == "--no-nccl-env":
-            opts["nccl_env"] = False
-        elif name in ("--gpus", "--fastcomm-transport"):
-            if not eq:
-                if i + 1 >= len(argv):
-                    raise ServeError(f"{name} needs a value")
-                i += 1
-                inline = argv[i]
-            if name == "--gpus":
-                if not inline.isdigit():
-                    raise ServeError(f"--gpus expects a number, got {inline!r}")
-                opts["gpus"] = int(inline)
-            else:
-                if inline not in TRANSPORTS:
-                    raise ServeError(f"--fastcomm-transport must be one of {', '.join(TRANSPORTS)}, got {inline!r}")
-                opts["transport"] = inline
-        else:
-            rest.append(arg)
-        i += 1
-    return Options(**opts), rest
+    ns, rest = parser().parse_known_args(list(argv))
+    if ns.mtp is False and ns.mtp_tokens is not None:
+        raise ServeError("--no-mtp and --mtp-tokens contradict each other: pick one")
+    return Options(dry_run=ns.dry_run, gpus=ns.gpus, transport=ns.transport, fastcomm=ns.fastcomm, fusion=ns.fusion,
+                   nccl_env=ns.nccl_env, help=ns.help, version=ns.version,
+                   mtp=True if ns.mtp_tokens is not None else ns.mtp, mtp_tokens=ns.mtp_tokens), rest
 
 
 def _option_value(args: Sequence[str], names: Sequence[str]) -> str | None:
@@ -146,6 +170,22 @@ def _model(args: Sequence[str]) -> str:
     if model is None:
         raise ServeError("no model given: fastcomm-serve MODEL [options] (a local directory or a Hugging Face id)")
     return model
+
+
+def _replace_model(args: list[str], old: str, new: str) -> list[str]:
+    """``args`` with the model argument (positional first, or --model's value) set to ``new``."""
+    out = list(args)
+    if out and out[0] == old and not old.startswith("-"):
+        out[0] = new
+        return out
+    for i, arg in enumerate(out):
+        name, eq, inline = arg.partition("=")
+        if name == "--model":
+            if eq and inline == old:
+                out[i] = f"--model={new}"
+            elif not eq and i + 1 < len(out) and out[i + 1] == old:
+                out[i + 1] = new
+    return out
 
 
 def _looks_like_path(model: str) -> bool:
@@ -213,19 +253,29 @@ def nccl_env(topo, tp: int) -> list[tuple[str, str, str]]:
 def build(opts: Options, vllm_args: Sequence[str], environ: Mapping[str, str], *, topo=None,
           gpus: int | None = None) -> Launch:
     """The command and environment to run; raises ServeError for anything that would fail later."""
-    if importlib.util.find_spec("vllm") is None:
-        raise ServeError("vLLM is not installed in this Python environment "
-                         f"({sys.executable}); install it with: pip install 'fastcomm[vllm]'")
+    if not vllm_installed():
+        raise ServeError(f"vLLM is not installed in this Python environment ({sys.executable}); install it "
+                         f"with: {VLLM_HINT}")
     model = _model(vllm_args)
-    if _looks_like_path(model) and not os.path.exists(os.path.expanduser(model)):
-        raise ServeError(f"model path {model!r} does not exist")
+    args = list(vllm_args)
+    notes = []
+    env: list[tuple[str, str, str]] = []
+    plugins_needed = ["fastcomm"] if opts.fastcomm else []
+    if _is_gguf(model):
+        args, gguf_notes = _gguf_args(opts, model, args)
+        notes += gguf_notes
+        plugins_needed += ["gguf", GGUF_ENTRY_POINT]
+    else:
+        if opts.mtp is not None:
+            raise ServeError("--no-mtp / --mtp-tokens choose MTP for a GGUF model; for a checkpoint pass vLLM's "
+                             "--speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": N}'")
+        if _looks_like_path(model) and not os.path.exists(os.path.expanduser(model)):
+            raise ServeError(f"model path {model!r} does not exist")
     if gpus is None:
         gpus = count_gpus(topo)
     if gpus < 1:
         raise ServeError("no GPU found (fastcomm-serve needs CUDA GPUs; --gpus N overrides detection)")
 
-    args = list(vllm_args)
-    notes = []
     tp = _int_option(args, ("--tensor-parallel-size", "-tp"), "--tensor-parallel-size")
     pp = _int_option(args, ("--pipeline-parallel-size", "-pp"), "--pipeline-parallel-size") or 1
     if tp is None:
@@ -242,8 +292,6 @@ def build(opts: Options, vllm_args: Sequence[str], environ: Mapping[str, str], *
         notes.append("warning: --enforce-eager turns CUDA graphs off; fastcomm still runs, but decode "
                      "keeps vLLM's per-layer launch overhead")
 
-    env: list[tuple[str, str, str]] = []
-
     def put(name: str, value: str, why: str) -> None:
         if name in environ:  # the user's environment wins
             notes.append(f"keeping {name}={environ[name]} from the environment (fastcomm-serve would set {value})")
@@ -259,12 +307,15 @@ def build(opts: Options, vllm_args: Sequence[str], environ: Mapping[str, str], *
             raise ServeError("--fastcomm-fusion needs fastcomm: drop --no-fastcomm")
         put("FASTCOMM_VLLM_FUSION", "1", "--fastcomm-fusion")
     plugins = environ.get("VLLM_PLUGINS")
-    if opts.fastcomm and plugins is not None and "fastcomm" not in [p.strip() for p in plugins.split(",")]:
-        env.append(("VLLM_PLUGINS", ",".join(p for p in (plugins, "fastcomm") if p),
-                    "VLLM_PLUGINS restricts plugins; fastcomm's must load"))
+    if plugins is not None:
+        listed = [p.strip() for p in plugins.split(",") if p.strip()]
+        missing = [p for p in plugins_needed if p not in listed]
+        if missing:
+            env.append(("VLLM_PLUGINS", ",".join(listed + missing),
+                        f"VLLM_PLUGINS restricts plugins; {', '.join(missing)} must load"))
     if opts.fastcomm and not _plugin_installed():
         raise ServeError("fastcomm's vLLM plugin is not installed in this environment "
-                         "(pip install 'fastcomm[vllm]' registers the vllm.general_plugins entry point)")
+                         f"({VLLM_HINT} registers the vllm.general_plugins entry point)")
     if opts.nccl_env:
         for name, value, why in nccl_env(topo, tp):
             put(name, value, why)
@@ -272,9 +323,66 @@ def build(opts: Options, vllm_args: Sequence[str], environ: Mapping[str, str], *
     return Launch(argv=argv, env=tuple(env), notes=tuple(notes), gpus=gpus)
 
 
+def vllm_installed() -> bool:
+    # find_spec alone is fooled by a namespace package (e.g. a tests/vllm folder on sys.path).
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None
+
+
+def _is_gguf(model: str) -> bool:
+    from . import gguf
+
+    return model.endswith(".gguf") or gguf.is_gguf(model)
+
+
+GGUF_ENTRY_POINT = "fastcomm_gguf"
+
+
+def _gguf_args(opts: Options, model: str, args: list[str]) -> tuple[list[str], list[str]]:
+    """The vLLM arguments for a GGUF model, and what was decided (with why)."""
+    from . import gguf
+    from .gguf import kernels
+
+    user_spec = _option_value(args, ("--speculative-config",))
+    if user_spec is not None and opts.mtp is not None:
+        raise ServeError("--speculative-config and --no-mtp / --mtp-tokens both choose speculative decoding: pick one")
+    try:
+        plan = gguf.plan(model, mtp=False if user_spec is not None else opts.mtp,
+                         num_speculative_tokens=opts.mtp_tokens or 1,
+                         tokenizer=_option_value(args, ("--tokenizer",)),
+                         hf_config_path=_option_value(args, ("--hf-config-path",)))
+    except gguf.GgufError as e:
+        raise ServeError(str(e)) from None
+    notes = list(plan.notes)
+    if user_spec is not None:
+        notes = [n for n in notes if not n.startswith("MTP")] + ["speculative decoding as your --speculative-config says"]
+    args = _replace_model(args, model, plan.kwargs["model"])
+    if plan.glm:
+        if not _has_flag(args, "--hf-config-path"):
+            args += ["--hf-config-path", plan.kwargs["hf_config_path"]]
+        if not _has_flag(args, "--tokenizer") and "tokenizer" in plan.kwargs:
+            args += ["--tokenizer", plan.kwargs["tokenizer"]]
+        if plan.mtp and user_spec is None:
+            args += ["--speculative-config", json.dumps(plan.kwargs["speculative_config"], separators=(",", ":"))]
+        if not _gguf_adapter_installed():
+            raise ServeError(f"fastcomm's GGUF adapter entry point ({GGUF_ENTRY_POINT}) is not installed; "
+                             f"reinstall fastcomm: {gguf.errors.INSTALL_HINT}")
+    kernel = kernels.status()
+    notes.append(f"warning: {kernel.warning()}" if not kernel.cuda else
+                 f"K-quant kernels: vllm-gguf-plugin's CUDA extension ({kernel.detail})")
+    return args, notes
+
+
+def _entry_points() -> list[str]:
+    return [ep.name for ep in importlib.metadata.entry_points(group="vllm.general_plugins")]
+
+
 def _plugin_installed() -> bool:
-    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
-    return any(ep.name == "fastcomm" for ep in eps)
+    return "fastcomm" in _entry_points()
+
+
+def _gguf_adapter_installed() -> bool:
+    return GGUF_ENTRY_POINT in _entry_points()
 
 
 def describe_topology(topo, gpus: int) -> str:
@@ -288,12 +396,26 @@ def describe_topology(topo, gpus: int) -> str:
     return f"{gpus} GPU(s) {'/'.join(names)}: slowest link {worst.value}, {p2p} (via {topo.source})"
 
 
+def versions() -> str:
+    """fastcomm's version and those of the packages fastcomm-serve runs (or 'not installed')."""
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    return "  ".join(f"{d} {version(d)}" for d in ("fastcomm", "vllm", "torch", "vllm-gguf-plugin", "gguf"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         opts, vllm_args = split_args(argv)
         if opts.help:
-            print(HELP)
+            print(parser().format_help())
+            return 0
+        if opts.version:
+            print(versions())
             return 0
         topo = None if opts.gpus is not None else probe_topology()
         launch = build(opts, vllm_args, os.environ, topo=topo, gpus=opts.gpus)

@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# GLM-5 GGUF on the device (H200, torch 2.11.0+cu130, Python 3.12, nvcc, no network): install
+# vllm-gguf-plugin with its CUDA extension built for that torch, check the extension loads, time one K-quant
+# GEMV with the CUDA kernel and with the Triton fallback, and run the GGUF GPU test (tests/gguf/test_gguf_gpu.py:
+# prefill vs a bf16 reference with a swapped-shard control, greedy with and without MTP). Results under $OUT.
+#
+# Why a build: the PyPI wheel's extension (stable ABI, abi3) is built against torch 2.14's stable-ABI shim
+# and fails under torch 2.11 with `undefined symbol torch_exception_get_what_without_backtrace`; the plugin
+# then falls back to Triton without a word. Being abi3 (py_limited_api, cp310), an extension built against
+# torch 2.11.0's headers on ANY x86-64 Linux with Python >= 3.10 and nvcc 13 loads on the device's 3.12.
+#
+# 1. Here, once (no device time; needs pip's network and nvcc 13):
+#        echo /.gguf_stage/ >> "$(git rev-parse --git-path info/exclude)"
+#        bench/device_gguf.sh prepare .gguf_stage
+#    It downloads the plugin's sdist and gguf's wheel, and builds the plugin wheel for sm_90 against
+#    torch 2.11.0+cu130 (PyPI's torch 2.11.0 is that build) in a scratch venv it removes afterwards
+#    (~3 GB of downloads, ~1 min of nvcc per arch). The folder holds ~1.3 MB. For other GPUs set
+#    TORCH_CUDA_ARCH_LIST (e.g. "9.0;10.0;12.0" for H100/H200, B200 and RTX PRO 6000).
+# 2. On the device, after vLLM 0.25.0 is staged (notes/VLLM_ON_DEVICE.md, calls 1-5), one call with
+#    carry [".gguf_stage", ".stage/install.sh"]:
+#        eval "$(bash .stage/install.sh)" && bash bench/device_gguf.sh run .gguf_stage
+#    Without a prebuilt wheel in .gguf_stage it builds from the sdist there (TORCH_CUDA_ARCH_LIST=9.0).
+set -uo pipefail
+mode=${1:?usage: device_gguf.sh prepare|run DIR}
+dir=${2:?usage: device_gguf.sh prepare|run DIR}
+here=$(cd "$(dirname "$0")/.." && pwd)
+PLUGIN=vllm-gguf-plugin==0.0.5
+GGUF=gguf==0.19.0
+
+cuda_home() {   # the toolkit holding nvcc and libcudart.so (an nvcc on PATH may be a wrapper script)
+  if [ -n "${CUDA_HOME:-}" ]; then echo "$CUDA_HOME"; return; fi
+  if [ -x /usr/local/cuda/bin/nvcc ]; then echo /usr/local/cuda; return; fi
+  dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")"
+}
+
+prepare() {
+  set -e
+  mkdir -p "$dir"
+  local py=${PYTHON:-python3} venv="$dir/.build-venv"
+  "$py" -m pip download -q --no-deps --only-binary=:all: -d "$dir" "$GGUF"
+  # The sdist's metadata step imports torch: fetch it with a pip that has torch, without building.
+  "$py" -m venv "$venv"
+  "$venv/bin/pip" install -q "setuptools>=77,<81" wheel
+  # The build imports torch, and torch's import loads its CUDA libraries (cuDNN, NCCL...): the whole
+  # torch 2.11.0 (+cu130 on PyPI) with its nvidia-* wheels, about 3 GB, in the scratch venv only.
+  "$venv/bin/pip" install -q torch==2.11.0 numpy
+  "$venv/bin/pip" download -q --no-deps --no-binary=:all: --no-build-isolation -d "$dir" "$PLUGIN"
+  # CUDA_HOME: nvcc's toolkit (with libcudart.so to link), not the nvidia-cuda-runtime wheel torch brought.
+  CUDA_HOME=$(cuda_home) TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-4} \
+    "$venv/bin/pip" wheel -q --no-deps --no-build-isolation -w "$dir" "$dir"/vllm_gguf_plugin-0.0.5.tar.gz
+  rm -rf "$venv"
+  ls -l "$dir"
+}
+
+run() {
+  local out=${OUT:-$here/out}
+  mkdir -p "$out"
+  exec > >(tee "$out/device_gguf.log") 2>&1
+  cd "$here"
+  export PYTHONPATH="$here:$here/integrations/vllm${PYTHONPATH:+:$PYTHONPATH}"
+  export VLLM_USE_FLASHINFER_SAMPLER=0
+  echo "== $(date -u) $(git rev-parse --short HEAD 2>/dev/null || echo no-git) on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+  python -c 'import torch, sys; print("torch", torch.__version__, "python", sys.version.split()[0])'
+  python -m pip install -q --no-index --no-deps --find-links "$dir" "$GGUF" || return 1
+  local wheel
+  wheel=$(ls "$dir"/vllm_gguf_plugin-0.0.5-*.whl 2>/dev/null | head -1)
+  local t0=$SECONDS
+  if [ -n "$wheel" ]; then
+    echo "== installing the prebuilt $(basename "$wheel")"
+    python -m pip install -q --no-index --no-deps --force-reinstall "$wheel" || return 1
+  else
+    echo "== building the extension from the sdist (sm_90)"
+    CUDA_HOME=$(cuda_home) TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python -m pip install -q --no-index --no-deps --no-build-isolation \
+      --force-reinstall "$dir"/vllm_gguf_plugin-0.0.5.tar.gz || return 1
+  fi
+  echo "== plugin installed in $((SECONDS - t0)) s"
+  python - <<'PY' | tee "$out/kernels.txt"
+from fastcomm_vllm.gguf import kernels
+s = kernels.status()
+print("CUDA extension:", "loads" if s.cuda else "DOES NOT LOAD", "-", s.detail)
+PY
+  python - <<'PY' | tee "$out/gemv.txt"
+# One 6144 x 2048 Q4_K GEMV (the issue's shape), CUDA kernel vs the plugin's Triton fallback.
+import numpy as np, torch, gguf
+from vllm_gguf_plugin import ops
+rows, cols = 6144, 2048
+block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q4_K]
+rng = np.random.default_rng(0)
+raw = rng.integers(0, 256, size=(rows, cols // block, nbytes), dtype=np.uint8)
+raw[..., 0:2] = np.frombuffer(np.float16(1e-4).tobytes(), np.uint8)
+raw[..., 2:4] = np.frombuffer(np.float16(7.5e-4).tobytes(), np.uint8)
+w = torch.from_numpy(raw.reshape(rows, -1)).cuda()
+x = torch.randn(1, cols, dtype=torch.bfloat16, device="cuda")
+qt = int(gguf.GGMLQuantizationType.Q4_K)
+def timed(fn, n=200):
+    for _ in range(10): fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(n): fn()
+    b.record(); torch.cuda.synchronize()
+    return a.elapsed_time(b) / n * 1000
+ref = (x.float() @ torch.from_numpy(gguf.quants.dequantize(raw.reshape(rows, -1), gguf.GGMLQuantizationType.Q4_K)).cuda().T)
+tri = ops.ggml_mul_mat_a8_triton(w, x, qt, rows)
+print(f"triton  Q4_K GEMV {rows}x{cols}: {timed(lambda: ops.ggml_mul_mat_a8_triton(w, x, qt, rows)):.1f} us, "
+      f"rel err {float((tri.float() - ref).norm() / ref.norm()):.4f}")
+if hasattr(torch.ops, "_C_gguf") and hasattr(torch.ops._C_gguf, "ggml_mul_mat_vec_a8"):
+    cu = torch.ops._C_gguf.ggml_mul_mat_vec_a8(w, x, qt, rows)
+    print(f"CUDA    Q4_K GEMV {rows}x{cols}: {timed(lambda: torch.ops._C_gguf.ggml_mul_mat_vec_a8(w, x, qt, rows)):.1f} us, "
+          f"rel err {float((cu.float() - ref).norm() / ref.norm()):.4f}")
+else:
+    print("CUDA    kernel not available")
+print(f"weight bytes {w.numel() / 1e6:.1f} MB: {w.numel() / 4.8e12 * 1e6:.1f} us at 4.8 TB/s")
+PY
+  echo "== GGUF GPU test"
+  timeout 480 python tests/gguf/test_gguf_gpu.py "$out/gguf"
+  local rc=$?
+  rm -rf "$out/gguf/cache" "$out"/gguf/*/gguf "$out"/gguf/*/ref   # the models: regenerated from the seed
+  echo "== GPU test exit $rc; results: $out/gguf/gguf_gpu.json"
+  return $rc
+}
+
+case "$mode" in
+  prepare) prepare ;;
+  run) run ;;
+  *) echo "usage: device_gguf.sh prepare|run DIR" >&2; exit 2 ;;
+esac

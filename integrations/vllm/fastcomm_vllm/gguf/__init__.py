@@ -1,0 +1,113 @@
+"""GGUF models through vllm-gguf-plugin, with fastcomm's GLM-5 (``glm-dsa``) mapping and its MTP draft.
+
+The interface for ``fastcomm-serve`` and ``fastcomm bench-decode``:
+    is_gguf(model)          a .gguf file, any shard of a split, or a folder of shards
+    plan(model, ...)        what will be served and why (for --dry-run), with the engine kwargs
+    engine_kwargs(model, ...) the kwargs for ``vllm.LLM(...)`` / the ``vllm serve`` options
+    GgufError               a one-line user error
+Modules: files (split discovery), metadata (GGUF metadata -> config, MTP detection), names (GGUF -> vLLM
+names, fused shard order), weights (the weight stream), derive (the config/tokenizer folder), kernels (CUDA
+extension or Triton fallback), adapter + plugin (registration into vllm-gguf-plugin, in vLLM's processes).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+from .errors import GgufError, missing_package
+from .files import GgufFiles, looks_like_gguf
+
+__all__ = ["GgufError", "GgufPlan", "engine_kwargs", "is_gguf", "plan"]
+
+PLUGIN_ENTRY_POINT = "fastcomm_gguf"
+
+
+def is_gguf(model: str) -> bool:
+    """A .gguf file (single or a shard of a split) or a folder holding .gguf files."""
+    return looks_like_gguf(model)
+
+
+@dataclasses.dataclass(frozen=True)
+class GgufPlan:
+    files: GgufFiles
+    arch: str
+    glm: bool                      # fastcomm's GLM-5 mapping serves it (else the plugin's own, unchanged)
+    mtp_blocks: int                # MTP blocks present in the file
+    mtp: bool                      # speculative decoding with the MTP block on
+    num_speculative_tokens: int
+    config_dir: Path | None        # derived config (and tokenizer) folder, or None
+    kwargs: dict                   # for vllm.LLM(...)
+    notes: tuple[str, ...]         # what was chosen and why, one line each
+
+
+def require_packages() -> None:
+    for module, what in (("gguf", "the `gguf` package"), ("vllm_gguf_plugin", "vllm-gguf-plugin")):
+        if importlib.util.find_spec(module) is None:
+            raise missing_package(what)
+
+
+def plan(model: str, *, mtp: bool | None = None, num_speculative_tokens: int = 1, tokenizer: str | None = None,
+         hf_config_path: str | None = None, derive_tokenizer: bool = True) -> GgufPlan:
+    """Decide how to serve the GGUF ``model``; raises GgufError for anything that cannot work."""
+    from . import derive, files, metadata
+
+    require_packages()
+    if num_speculative_tokens < 1:
+        raise GgufError(f"the number of MTP draft tokens must be at least 1, got {num_speculative_tokens}")
+    found = files.discover(model)
+    meta = metadata.read(found)
+    notes = [f"GGUF {found.first.name}: {len(found.shards)} shard(s), architecture {meta.arch!r}"]
+    kwargs: dict = {"model": str(found.first), "quantization": "gguf", "load_format": "gguf"}
+    glm = metadata.is_glm_dsa(meta)
+    if not glm:
+        if mtp:
+            raise GgufError(f"MTP needs a GLM-5 GGUF with its MTP block; {found.first.name} is {meta.arch!r}")
+        notes.append("not GLM-5: vllm-gguf-plugin loads it with its own mapping; MTP off")
+        return GgufPlan(found, meta.arch, False, 0, False, num_speculative_tokens, None, kwargs, tuple(notes))
+    n_main, blocks = metadata.main_layers(meta), metadata.mtp_layers(meta)
+    if mtp and blocks == 0:
+        raise GgufError(f"MTP requested, but {found.first.name} has no MTP block (no blk.{n_main}.nextn.* "
+                        "tensors); serve it without MTP (--no-mtp)")
+    use_mtp = blocks > 0 if mtp is None else mtp
+    if use_mtp:
+        notes.append(f"MTP on: block {n_main} of the file drafts {num_speculative_tokens} token(s) per step"
+                     + (" (default for a GLM-5 GGUF carrying its MTP block; --no-mtp turns it off)" if mtp is None
+                        else ""))
+        kwargs["speculative_config"] = {
+            "method": "mtp", "num_speculative_tokens": num_speculative_tokens,
+            # Named explicitly: vLLM 0.25 would otherwise give the draft the config folder as its model.
+            "model": str(found.first), "quantization": "gguf"}
+    elif blocks == 0:
+        notes.append(f"MTP off: the file has no MTP block (blk.{n_main}.nextn.*)")
+    else:
+        notes.append("MTP off (--no-mtp)")
+    config_dir = None
+    if hf_config_path is None:
+        derive.check_writable(derive.cache_root())
+        config_dir = derive.derive(meta)
+        kwargs["hf_config_path"] = str(config_dir)
+        notes.append(f"config derived from the GGUF metadata: {config_dir / 'config.json'}")
+    else:
+        kwargs["hf_config_path"] = hf_config_path
+        notes.append(f"config from --hf-config-path {hf_config_path}")
+    if tokenizer is not None:
+        kwargs["tokenizer"] = tokenizer
+    elif config_dir is not None and derive_tokenizer:
+        if derive.has_tokenizer(config_dir):
+            kwargs["tokenizer"] = str(config_dir)
+            notes.append(f"tokenizer {derive.tokenizer_note(config_dir)} (--tokenizer zai-org/GLM-5 for the original)")
+        else:
+            raise GgufError(f"no tokenizer: {derive.tokenizer_note(config_dir)} (e.g. --tokenizer zai-org/GLM-5)")
+    return GgufPlan(found, meta.arch, True, blocks, use_mtp, num_speculative_tokens, config_dir, kwargs,
+                    tuple(notes))
+
+
+def engine_kwargs(model: str, *, mtp: bool | None = None, num_speculative_tokens: int = 1, **options) -> dict:
+    """kwargs for ``vllm.LLM(...)`` serving the GGUF ``model`` (options: tokenizer, hf_config_path,
+    derive_tokenizer). Registers fastcomm's GLM-5 adapter in this process too (in-process engines)."""
+    p = plan(model, mtp=mtp, num_speculative_tokens=num_speculative_tokens, **options)
+    from . import plugin
+
+    plugin.register()
+    return dict(p.kwargs)

@@ -1,0 +1,87 @@
+"""Registration of fastcomm's GLM-5 support into vllm-gguf-plugin, in every vLLM process.
+
+``register()`` is a ``vllm.general_plugins`` entry point (``fastcomm_gguf``), so it runs in the front end and
+in each worker, after or before the plugin's own ``gguf`` entry point (both orders work). Two hooks:
+- the adapter goes first in the plugin's adapter registry (workers: the loader picks it);
+- vLLM's ``ReplicatedLinear.weight_loader`` learns to store a GGUF parameter's blocks (vllm-gguf-plugin 0.0.5
+  gives a quantized ReplicatedLinear, e.g. GLM-5's indexer ``wq_b``, vLLM's plain loader, which asserts on
+  the still-empty parameter); every other parameter goes to vLLM's loader unchanged;
+- the plugin's config parser, which reads config.json from the GGUF's folder, reads the folder fastcomm
+  derived from the file's metadata instead when the GGUF is GLM-5 and its folder has no config.json (front
+  end: the MTP draft's config is parsed from the GGUF path, with no --hf-config-path to point elsewhere).
+Idempotent; a no-op when the plugin is not installed.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+from pathlib import Path
+
+logger = logging.getLogger("vllm.fastcomm.gguf")
+
+
+def register() -> None:
+    if importlib.util.find_spec("vllm_gguf_plugin") is None or importlib.util.find_spec("gguf") is None:
+        logger.debug("fastcomm: vllm-gguf-plugin or gguf not installed; GLM-5 GGUF support inactive")
+        return
+    from vllm_gguf_plugin import weights_adapter
+    from vllm_gguf_plugin.config_parser import GGUFConfigParser
+
+    from .adapter import GlmDsaGGUFAdapter
+
+    if GlmDsaGGUFAdapter not in weights_adapter._ADAPTER_REGISTRY:
+        weights_adapter._ADAPTER_REGISTRY.insert(0, GlmDsaGGUFAdapter)
+    _teach_replicated_linear()
+    original = GGUFConfigParser._resolve_config_source
+    if not getattr(original, "_fastcomm", False):
+        GGUFConfigParser._resolve_config_source = staticmethod(_config_source(original))
+    from .kernels import status
+
+    kernel = status()
+    if not kernel.cuda:
+        logger.warning("fastcomm: %s", kernel.warning())
+
+
+def _teach_replicated_linear() -> None:
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+
+    original = ReplicatedLinear.weight_loader
+    if getattr(original, "_fastcomm", False):
+        return
+
+    @functools.wraps(original)
+    def weight_loader(self, param, loaded_weight):
+        # The plugin's GGUF parameters (qweight, qweight_type) know how to take their data: _store.
+        if hasattr(param, "_store") and hasattr(param, "data_container"):
+            param._store(loaded_weight)
+            return
+        original(self, param, loaded_weight)
+
+    weight_loader._fastcomm = True
+    ReplicatedLinear.weight_loader = weight_loader
+
+
+def _config_source(original):
+    @functools.wraps(original)
+    def resolve(model):
+        source = original(model)
+        path = Path(str(model))
+        if path.suffix == ".gguf" and path.is_file() and not (Path(source) / "config.json").is_file():
+            derived = glm_folder(str(path))
+            if derived is not None:
+                return derived
+        return source
+
+    resolve._fastcomm = True
+    return resolve
+
+
+def glm_folder(gguf_path: str) -> Path | None:
+    """The derived folder for a GLM-5 GGUF, or None for any other GGUF (the plugin's default path)."""
+    from . import derive, files, metadata
+
+    meta = metadata.read(files.discover(gguf_path))
+    if not metadata.is_glm_dsa(meta):
+        return None
+    return derive.derive(meta)

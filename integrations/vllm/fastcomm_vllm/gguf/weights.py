@@ -1,0 +1,147 @@
+"""The GGUF tensors of a GLM-5 file as the (name, tensor) stream vLLM's ``load_weights`` takes.
+
+Quantized tensors go as the plugin's pair ``<module>.qweight_type`` (the GGML type) + ``<module>.qweight``
+(the raw blocks), so its K-quant kernels run on them; ``names.DENSE`` tensors and ``kv_b_proj`` are
+dequantized here (gguf-py's reference dequantizer, once at load) because vLLM builds those modules without
+a quantization method. Shards of a fused projection come out in canonical order whatever the file order.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import numpy as np
+
+from . import names
+from .errors import GgufError
+from .files import GgufFiles
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+MAIN, MTP = "main", "mtp"
+
+
+def iter_weights(files: GgufFiles, dtype, part: str | None = None, main_layers: int | None = None
+                 ) -> Iterator[tuple[str, object]]:
+    """The tensors of every shard, mapped; raises GgufError on a tensor the GLM-5 mapping does not know.
+
+    ``part`` MAIN leaves out the MTP blocks (layers >= ``main_layers``; vLLM's main model skips them anyway),
+    MTP leaves out what the MTP draft does not load (the main layers, the final norm and head), so neither
+    load copies the other's tensors. None streams everything.
+    """
+    yield from _canonical(_mapped(files, dtype, part, main_layers))
+
+
+def wanted(tgt: names.Target, part: str | None, main_layers: int | None) -> bool:
+    if part is None:
+        return True
+    in_mtp = tgt.layer is not None and tgt.layer >= main_layers
+    if part == MAIN:
+        return not in_mtp
+    return in_mtp or tgt.hf == "model.embed_tokens.weight"
+
+
+def dense_in_draft(tgt: names.Target) -> bool:
+    """vLLM's generic DeepSeek MTP model (0.25's, and the newest's off NVIDIA) builds its embedding without
+    a quantization method; the draft's embedding is therefore always handed over dense (and listed as an
+    unquantized module, so a quantization-aware embedding agrees)."""
+    return tgt.hf.endswith("embed_tokens.weight")
+
+
+def _mapped(files: GgufFiles, dtype, part, main_layers) -> Iterator[tuple[str, list]]:
+    import gguf
+    import torch
+
+    kv_b: dict[int, dict[str, np.ndarray]] = {}
+    for path in files.shards:
+        reader = gguf.GGUFReader(path)
+        for t in reader.tensors:
+            tgt = names.target(t.name)
+            if tgt is None:
+                raise GgufError(f"{path.name}: tensor {t.name!r} has no place in vLLM's GLM-5 model "
+                                "(not a glm-dsa tensor fastcomm knows)")
+            if not wanted(tgt, part, main_layers):
+                continue
+            if part == MTP and dense_in_draft(tgt):
+                tgt = dataclasses.replace(tgt, how=names.DENSE)
+            qtype = t.tensor_type
+            quantized = qtype.name not in FLOAT_TYPES
+            if tgt.how in (names.KV_B_K, names.KV_B_V):
+                parts = kv_b.setdefault(tgt.layer, {})
+                parts[tgt.how] = _dense(t)
+                if len(parts) == 2:
+                    del kv_b[tgt.layer]
+                    joined = names.join_kv_b(torch.from_numpy(parts[names.KV_B_K]),
+                                             torch.from_numpy(parts[names.KV_B_V]))
+                    yield tgt.hf, [(tgt.hf, joined.to(dtype).contiguous())]
+                continue
+            if tgt.how == names.EXPERTS:
+                data = np.asarray(t.data) if quantized else None
+                dense = None if quantized else _dense(t)
+                for e in range(int(t.shape[-1])):  # GGUF shape is reversed: experts last
+                    hf = tgt.hf.format(e=e)
+                    if quantized:
+                        yield hf, _quant_pair(hf, qtype, data[e])
+                    else:
+                        yield hf, [(hf, torch.from_numpy(dense[e].copy()).to(dtype))]
+                continue
+            if tgt.how == names.DENSE or (quantized and not tgt.hf.endswith(".weight")):
+                yield tgt.hf, [(tgt.hf, torch.from_numpy(_dense(t)).to(dtype))]
+            elif quantized:
+                yield tgt.hf, _quant_pair(tgt.hf, qtype, np.asarray(t.data))
+            else:
+                yield tgt.hf, [(tgt.hf, _float(t))]
+    if kv_b:
+        layer, parts = next(iter(kv_b.items()))
+        missing = "attn_v_b" if names.KV_B_K in parts else "attn_k_b"
+        raise GgufError(f"blk.{layer}.{missing}.weight is missing: kv_b_proj of layer {layer} needs both halves")
+
+
+def _canonical(units: Iterator[tuple[str, list]]) -> Iterator:
+    """Hold a fused shard until the shards before it (canonical order) have gone out."""
+    pending: dict[str, dict[int, list]] = {}
+    nxt: dict[str, int] = {}
+    for hf, unit in units:
+        slot = names.fused_slot(hf)
+        if slot is None:
+            yield from unit
+            continue
+        group, pos, size = slot
+        pending.setdefault(group, {})[pos] = unit
+        while nxt.get(group, 0) in pending[group]:
+            yield from pending[group].pop(nxt.get(group, 0))
+            nxt[group] = nxt.get(group, 0) + 1
+        if nxt.get(group) == size:
+            del pending[group], nxt[group]
+    for group, held in pending.items():
+        if held:
+            want = names.FUSED[group.rsplit(".", 2)[-2]][nxt.get(group, 0)]
+            raise GgufError(f"{group}: the file has a later shard but not {want!r}; the fused projection "
+                            "cannot be built")
+
+
+def _quant_pair(hf: str, qtype, data: np.ndarray) -> list:
+    import torch
+
+    base = hf.removesuffix(".weight")
+    return [(f"{base}.qweight_type", torch.tensor(int(qtype))),
+            (f"{base}.qweight", torch.from_numpy(np.array(data)))]  # a copy: the file stays mapped read-only
+
+
+def _dense(t) -> np.ndarray:
+    """float32 in numpy (checkpoint) shape."""
+    import gguf
+
+    if t.tensor_type.name in FLOAT_TYPES:
+        return np.asarray(_float(t).float().numpy())
+    return gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32)
+
+
+def _float(t):
+    import torch
+
+    data = np.asarray(t.data)
+    if t.tensor_type.name == "BF16":  # gguf-py hands BF16 over as raw uint16/uint8
+        return torch.from_numpy(data.view(np.uint16).copy()).view(torch.bfloat16).reshape(data.shape[:-1] + (-1,))
+    return torch.from_numpy(data.copy())

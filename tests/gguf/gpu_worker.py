@@ -1,0 +1,97 @@
+"""One vLLM engine per process, for test_gguf_gpu.py (run on a GPU machine with vLLM + vllm-gguf-plugin).
+
+    python gpu_worker.py MODE MODEL OUT_JSON [--tp N] [--swap] [--mtp K]
+
+MODE logits: the prompt log-probabilities (every vocabulary entry, every prompt position) of a fixed random
+128-token prompt. MODE greedy: 32 greedy tokens after the same prompt, and the MTP draft counters.
+MODEL: a GGUF (fastcomm's engine_kwargs) or a checkpoint folder (vLLM's normal loader). --swap hands layer 0's
+fused q_a / kv_a shards over under each other's names (the negative control).
+"""
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "integrations" / "vllm")]
+
+PROMPT_LEN = 128
+GREEDY_TOKENS = 32
+
+
+def prompt(vocab: int, seed: int = 1234) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(vocab - 8) for _ in range(PROMPT_LEN)]  # below GLM's special tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=("logits", "greedy"))
+    ap.add_argument("model")
+    ap.add_argument("out")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--swap", action="store_true")
+    ap.add_argument("--mtp", type=int, default=0)
+    a = ap.parse_args()
+    if a.tp == 1:
+        # One process: fastcomm's adapter (registered below) is then in the process that loads the weights
+        # even where the fastcomm_gguf entry point is not installed.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    from vllm import LLM, SamplingParams
+
+    from fastcomm_vllm import gguf as fg
+
+    kwargs = dict(tensor_parallel_size=a.tp, dtype="bfloat16", max_model_len=1024, max_num_seqs=4, seed=0,
+                  gpu_memory_utilization=0.35, enforce_eager=True, skip_tokenizer_init=True, disable_log_stats=False)
+    if fg.is_gguf(a.model):
+        kwargs.update(fg.engine_kwargs(a.model, mtp=a.mtp > 0, num_speculative_tokens=max(a.mtp, 1),
+                                       derive_tokenizer=False))
+        if a.swap:
+            from fastcomm_vllm.gguf import weights
+
+            original = weights.iter_weights
+
+            def swapped(*args, **kw):
+                a0, b0 = "model.layers.0.self_attn.q_a_proj.", "model.layers.0.self_attn.kv_a_proj_with_mqa."
+                for n, t in original(*args, **kw):
+                    yield (b0 + n[len(a0):] if n.startswith(a0) else a0 + n[len(b0):] if n.startswith(b0) else n), t
+
+            weights.iter_weights = swapped
+    else:
+        kwargs["model"] = a.model
+    vocab = json.loads(Path(kwargs.get("hf_config_path", a.model), "config.json").read_text())["vocab_size"]
+    kwargs["max_logprobs"] = vocab
+    t0 = time.time()
+    llm = LLM(**kwargs)
+    started = time.time() - t0
+    ids = prompt(vocab)
+    result = {"mode": a.mode, "model": a.model, "tp": a.tp, "mtp": a.mtp, "swap": a.swap, "start_s": started}
+    if a.mode == "logits":
+        sp = SamplingParams(max_tokens=1, prompt_logprobs=vocab, detokenize=False, temperature=0.0)
+        out = llm.generate([{"prompt_token_ids": ids}], sp)[0]
+        rows = []
+        for pos in out.prompt_logprobs[1:]:   # position 0 has none
+            row = [0.0] * vocab
+            for tok, lp in pos.items():
+                row[tok] = lp.logprob
+            rows.append(row)
+        result["prompt_logprobs"] = rows
+    else:
+        sp = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
+        out = llm.generate([{"prompt_token_ids": ids}], sp)[0]
+        result["tokens"] = list(out.outputs[0].token_ids)
+        counters = {}
+        for m in llm.get_metrics():
+            if m.name.startswith("vllm:spec_decode") and hasattr(m, "value"):
+                counters[m.name] = m.value
+        result["spec_decode"] = counters
+    Path(a.out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""`fastcomm-serve` with GGUF models: what --dry-run runs and says, and the one-line errors."""
+import json
+import shlex
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import installed, needs_gguf
+from fastcomm_vllm import serve
+
+pytestmark = [needs_gguf, pytest.mark.vllm,
+              pytest.mark.skipif(not (serve.vllm_installed() and installed("vllm_gguf_plugin")),
+                                 reason="needs vLLM and vllm-gguf-plugin")]
+
+
+@pytest.fixture(autouse=True)
+def env(monkeypatch):
+    for name in ("FASTCOMM_VLLM", "FASTCOMM_TRANSPORT", "VLLM_PLUGINS", "NCCL_P2P_LEVEL", "VLLM_GGUF_USE_CUDA"):
+        monkeypatch.delenv(name, raising=False)
+    # The entry point comes with the package's metadata (pyproject); this checkout's install may predate it.
+    monkeypatch.setattr(serve, "_gguf_adapter_installed", lambda: True)
+
+
+def dry(capsys, argv):
+    rc = serve.main(argv + ["--dry-run"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    words = shlex.split(out.strip().splitlines()[-1])
+    i = words.index(sys.executable)
+    return dict(w.split("=", 1) for w in words[:i]), words[i + 4:], err
+
+
+def opt(args, name):
+    return args[args.index(name) + 1] if name in args else None
+
+
+def test_glm5_with_mtp_block(capsys, tiny):
+    first, _, shape = tiny
+    env, args, err = dry(capsys, [str(first.parent), "--gpus", "2", "--max-model-len", "4096"])
+    assert args[0] == str(first) and args[1:3] == ["--max-model-len", "4096"]   # the folder -> its first shard
+    spec = json.loads(opt(args, "--speculative-config"))
+    assert spec == {"method": "mtp", "num_speculative_tokens": 1, "model": str(first), "quantization": "gguf"}
+    cfg = json.loads((__import__("pathlib").Path(opt(args, "--hf-config-path")) / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == shape.layers and cfg["num_nextn_predict_layers"] == 1
+    assert opt(args, "--tokenizer") == opt(args, "--hf-config-path")
+    assert opt(args, "--tensor-parallel-size") == "2" and env == {"FASTCOMM_VLLM": "1"}
+    assert "MTP on: block 2 of the file drafts 1 token(s) per step (default" in err
+    assert "3 shard(s), architecture 'glm-dsa'" in err and "K-quant kernels" in err
+
+
+def test_glm5_mtp_off_and_tokens(capsys, tiny):
+    first, _, _ = tiny
+    _, args, err = dry(capsys, [str(first), "--gpus", "1", "--no-mtp"])
+    assert "--speculative-config" not in args and "MTP off (--no-mtp)" in err
+    _, args, err = dry(capsys, ["--model", str(first), "--gpus", "1", "--mtp-tokens", "3", "--tokenizer", "zai-org/GLM-5"])
+    assert json.loads(opt(args, "--speculative-config"))["num_speculative_tokens"] == 3
+    assert args.count("--tokenizer") == 1 and opt(args, "--tokenizer") == "zai-org/GLM-5"
+    spec = '{"method": "mtp", "num_speculative_tokens": 2}'
+    _, args, err = dry(capsys, [str(first), "--gpus", "1", "--speculative-config", spec])
+    assert args.count("--speculative-config") == 1 and opt(args, "--speculative-config") == spec
+    assert "as your --speculative-config says" in err
+
+
+def test_glm5_without_mtp_block(capsys, tiny_no_mtp):
+    first, _, _ = tiny_no_mtp
+    _, args, err = dry(capsys, [str(first), "--gpus", "1"])
+    assert "--speculative-config" not in args and "MTP off: the file has no MTP block (blk.2.nextn.*)" in err
+    assert error(capsys, [str(first), "--gpus", "1", "--mtp-tokens", "2"]).startswith(
+        "fastcomm-serve: error: MTP requested, but")
+
+
+def test_other_architecture_passes_unchanged(capsys, tmp_path):
+    import gguf
+
+    path = tmp_path / "tiny-llama.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _, args, err = dry(capsys, [str(path), "--gpus", "2"])
+    assert args == [str(path), "--tensor-parallel-size", "2"] and "not GLM-5" in err
+
+
+def error(capsys, argv):
+    rc = serve.main(argv + ["--dry-run"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert len(err.strip().splitlines()) == 1, err
+    return err.strip()
+
+
+def test_errors(capsys, tiny, tmp_path, monkeypatch):
+    first, _, _ = tiny
+    shards = sorted(first.parent.glob("*.gguf"))
+    part = tmp_path / "part"
+    part.mkdir()
+    for s in (shards[0], shards[2]):
+        (part / s.name).symlink_to(s)
+    assert shards[1].name + " is missing" in error(capsys, [str(part / shards[0].name), "--gpus", "1"])
+    assert "does not exist" in error(capsys, ["no-such-model-00001-of-00002.gguf", "--gpus", "1"])
+    assert "both choose speculative decoding" in error(capsys, [str(first), "--gpus", "1", "--no-mtp",
+                                                                "--speculative-config", "{}"])
+    cfg = tmp_path / "hf"
+    cfg.mkdir()
+    (cfg / "config.json").write_text("{}")
+    assert "--no-mtp / --mtp-tokens choose MTP for a GGUF model" in error(capsys, [str(cfg), "--gpus", "1", "--no-mtp"])
+    monkeypatch.setattr(serve, "_gguf_adapter_installed", lambda: False)
+    assert "entry point (fastcomm_gguf) is not installed" in error(capsys, [str(first), "--gpus", "1"])
+
+
+def test_missing_plugin_names_the_extra(capsys, tiny, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "gguf" else real(n, *a))
+    err = error(capsys, [str(tiny[0]), "--gpus", "1"])
+    assert "the `gguf` package" in err and 'pip install -e ".[gguf]"' in err
+
+
+def test_plugins_restricted(capsys, tiny, monkeypatch):
+    monkeypatch.setenv("VLLM_PLUGINS", "fastcomm")
+    env, _, _ = dry(capsys, [str(tiny[0]), "--gpus", "1"])
+    assert env["VLLM_PLUGINS"] == "fastcomm,gguf,fastcomm_gguf"
+
+
+def test_slow_fallback_warns(capsys, tiny, monkeypatch):
+    monkeypatch.setenv("VLLM_GGUF_USE_CUDA", "0")
+    _, _, err = dry(capsys, [str(tiny[0]), "--gpus", "1"])
+    assert "warning: vllm-gguf-plugin will run its slow Triton fallback" in err

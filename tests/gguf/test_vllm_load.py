@@ -1,0 +1,138 @@
+"""fastcomm's GLM-5 weight stream into vLLM's own GLM-5 and MTP models (built on the CPU from the tiny
+config, with vllm-gguf-plugin's quantization config): every GGUF tensor lands in exactly one parameter of
+the model that loads it, every parameter is filled, and the fused projections hold their shards in
+canonical order -- which a swapped control run must break."""
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import installed, needs_gguf
+
+pytestmark = [needs_gguf, pytest.mark.vllm,
+              pytest.mark.skipif(not (installed("vllm") and installed("vllm_gguf_plugin")),
+                                 reason="needs vLLM and vllm-gguf-plugin")]
+
+WORKER = Path(__file__).with_name("vllm_load_worker.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _load(first, config_dir, out, swap=False):
+    import json
+
+    env = {**os.environ, "PORT": str(_free_port()), "VLLM_LOGGING_LEVEL": "WARNING"}
+    r = subprocess.run([sys.executable, str(WORKER), str(first), str(config_dir), str(out)] + (["swap"] if swap else []),
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(Path(out).read_text())
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny, tmp_path_factory):
+    from fastcomm_vllm import gguf as fg
+
+    first, truth, shape = tiny
+    plan = fg.plan(str(first))
+    d = tmp_path_factory.mktemp("load")
+    return _load(first, plan.config_dir, d / "ok.json"), _load(first, plan.config_dir, d / "swap.json", swap=True)
+
+
+def _row_sums(first, gguf_names):
+    import gguf
+
+    from fastcomm_vllm.gguf import files
+
+    want = {}
+    for p in files.discover(str(first)).shards:
+        for t in gguf.GGUFReader(p).tensors:
+            if t.name in gguf_names:
+                want[t.name] = np.asarray(t.data).astype(np.float64).sum(axis=1)
+    return np.concatenate([want[n] for n in gguf_names])
+
+
+def test_every_tensor_to_exactly_one_parameter_and_every_parameter_filled(loaded):
+    report, _ = loaded
+    for tag, m in report["models"].items():
+        assert m["params"], tag
+        assert sorted(set(m["params"]) - set(m["loaded"])) == [], f"{tag}: parameters left unfilled"
+        streamed = [n for t, n in report["stream"] if t == tag]
+        assert len(streamed) == len(set(streamed)), f"{tag}: a tensor streamed twice"
+        assert [n for n in streamed if n not in m["fed"]] == [], f"{tag}: tensors no parameter took"
+        assert {n: ps for n, ps in m["fed"].items() if len(ps) != 1} == {}, f"{tag}: a tensor went to 2 parameters"
+    assert report["models"]["main"]["arch"] == "GlmMoeDsaForCausalLM"
+    assert "MTP" in report["models"]["mtp"]["arch"]
+
+
+def test_fused_projections_hold_canonical_shard_order(loaded, tiny):
+    report, swapped = loaded
+    first, _, shape = tiny
+    fused = report["models"]["main"]["fused"]
+    for layer in range(shape.layers):
+        f = fused[f"model.layers.{layer}.self_attn.fused_qkv_a_proj"]
+        assert f["offsets"]["0"][:2] == [0, shape.q_lora]                       # q_a first ...
+        assert f["offsets"]["1"][:2] == [shape.q_lora, shape.q_lora + shape.kv_lora + shape.rope]  # ... then kv_a
+        want = _row_sums(first, [f"blk.{layer}.attn_q_a.weight", f"blk.{layer}.attn_kv_a_mqa.weight"])
+        np.testing.assert_array_equal(np.array(f["sum_rows"]), want)
+    dense_gate_up = fused["model.layers.0.mlp.gate_up_proj"]
+    np.testing.assert_array_equal(np.array(dense_gate_up["sum_rows"]),
+                                  _row_sums(first, ["blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"]))
+    mtp = report["models"]["mtp"]["fused"][f"model.layers.{shape.layers}.mtp_block.self_attn.fused_qkv_a_proj"]
+    np.testing.assert_array_equal(np.array(mtp["sum_rows"]), _row_sums(
+        first, [f"blk.{shape.layers}.attn_q_a.weight", f"blk.{shape.layers}.attn_kv_a_mqa.weight"]))
+    # Negative control: layer 0's q_a and kv_a handed over under each other's names. The plugin loads it
+    # without a word (it narrows kv_a's 576 rows to q_a's 256 and keeps q_a's 256 as the second shard),
+    # so only a check like this one sees it.
+    bad = swapped["models"]["main"]["fused"]["model.layers.0.self_attn.fused_qkv_a_proj"]
+    want = _row_sums(first, ["blk.0.attn_q_a.weight", "blk.0.attn_kv_a_mqa.weight"])
+    got = np.array(bad["sum_rows"])
+    assert got.shape != want.shape or not np.array_equal(got, want)
+
+
+def test_dense_parameters_hold_the_truth(loaded, tiny):
+    report, _ = loaded
+    _, truth, shape = tiny
+
+    def check(dense, name, arrays):
+        want = np.concatenate([a.astype(np.float64).ravel() for a in arrays])
+        got_sum, got_sq = dense[name]
+        assert got_sq == pytest.approx(float(np.square(want).sum()), rel=1e-2), name   # bf16 storage
+        assert got_sum == pytest.approx(float(want.sum()), abs=1e-2 * np.sqrt(float(np.square(want).sum()))), name
+
+    main = report["models"]["main"]["dense"]
+    for layer in range(shape.layers):
+        p = f"model.layers.{layer}.self_attn."
+        check(main, p + "kv_b_proj.weight", [truth[p + "kv_b_proj.weight"]])
+        check(main, p + "indexer.wk_weights_proj.weight",
+              [truth[p + "indexer.wk.weight"], truth[p + "indexer.weights_proj.weight"]])
+    check(main, "model.layers.1.mlp.gate.weight", [truth["model.layers.1.mlp.gate.weight"]])
+    mtp = report["models"]["mtp"]["dense"]
+    m = f"model.layers.{shape.layers}."
+    check(mtp, m + "eh_proj.weight", [truth[m + "eh_proj.weight"]])
+    check(mtp, m + "mtp_block.self_attn.kv_b_proj.weight", [truth[m + "self_attn.kv_b_proj.weight"]])
+    check(mtp, "model.embed_tokens.weight", [truth["model.embed_tokens.weight"]])
+
+
+def test_engine_config_for_target_and_mtp_draft(tiny):
+    """vLLM's own engine configuration of fastcomm's kwargs: the target reads the derived config and the
+    GGUF weights, and the MTP draft is built from the same GGUF, quantized the same way, as the MTP model."""
+    import json
+
+    first, _, shape = tiny
+    r = subprocess.run([sys.executable, str(WORKER.with_name("engine_config_worker.py")), str(first)],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    t, d = got["target"], got["draft"]
+    assert t["weights"] == str(first) and t["model"] == got["kwargs"]["hf_config_path"]
+    assert (t["model_type"], t["quantization"], t["layers"]) == ("glm_moe_dsa", "gguf", shape.layers)
+    assert d["method"] == "mtp" and d["model"] == str(first) and d["quantization"] == "gguf" and d["k"] == 1
+    assert d["model_type"] == "deepseek_mtp" and "MTP" in d["architectures"][0] and d["marker"] == "glm-dsa"
