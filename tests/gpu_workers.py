@@ -129,6 +129,18 @@ def _specials(ws):
             assert torch.isnan(out[0]) and torch.isposinf(out[1]) and torch.isnan(out[2]) and torch.isneginf(out[3]), \
                 f"{algo} {dtype}: specials {out[:4].tolist()}"
             assert _same_on_all_ranks(out)
+            # The one-shot's "not arrived" sentinel is the all-ones bit pattern (a NaN): an input that holds
+            # it must still arrive, as a NaN, whether one rank or every rank sends it.
+            raw = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}[dtype]
+            ones = torch.tensor([-1], dtype=raw).view(dtype).to(dev)
+            y = torch.ones(1001, dtype=dtype, device=dev)
+            y[5] = ones[0]
+            if rank == 0:
+                y[6] = ones[0]
+            out = fastcomm.all_reduce(y, ws, algo=algo)
+            world = dist.get_world_size()
+            assert torch.isnan(out[5]) and torch.isnan(out[6]) and bool((out[7:] == world).all()), \
+                f"{algo} {dtype}: sentinel-valued input {out[4:8].tolist()}"
 
 
 def _bad_inputs(ws):

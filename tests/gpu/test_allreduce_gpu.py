@@ -22,7 +22,7 @@ def _counts(world):
     GPU, whose kernels then run one rank at a time (time-slicing), each call taking several slices."""
     if resolve_backend("auto", world) == "nccl":
         return 10_000, 2_000
-    return (1_000, 500) if world <= 4 else (400, 200)
+    return (600, 300) if world <= 4 else (300, 150)
 
 
 @pytest.mark.parametrize("transport", ["p2p", "host"])

@@ -23,6 +23,8 @@ import subprocess
 import sys
 from typing import Mapping, Sequence
 
+from fastcomm.config import TRANSPORTS
+
 DESCRIPTION = """\
 Runs `vllm serve` with fastcomm's all-reduce (the fastcomm vLLM plugin) active. Every argument that is
 not one of the options below goes to `vllm serve` unchanged (see `vllm serve --help`)."""
@@ -49,7 +51,6 @@ GGUF models (install: pip install -e ".[gguf]" from a fastcomm checkout):
 """
 
 VLLM_MAIN = "vllm.entrypoints.cli.main"
-TRANSPORTS = ("auto", "p2p", "host")
 VLLM_HINT = 'pip install -e ".[vllm]" (from a fastcomm checkout)'
 
 
