@@ -366,17 +366,18 @@ def _check(opts) -> str | None:
     if any(x < 1 for x in extra):
         return "--extra-sizes: sizes must be at least 1 byte"
     Config.from_env(max_bytes=opts.workspace_bytes)  # ConfigError (one line, from main) on a bad setting
-    if opts.plot:  # asked for by name: without matplotlib, say so before the run, not after
-        import importlib.util
-
-        if importlib.util.find_spec("matplotlib") is None:
-            return '--plot: matplotlib is not installed (pip install -e ".[plot]")'
-    elif opts.json:  # beside the JSON, where matplotlib is installed (the run says so when it is not)
+    named_plot = bool(opts.plot)
+    if opts.json and not opts.plot:  # beside the JSON, where matplotlib is installed (the run says when not)
         opts.plot = str(Path(opts.json).with_suffix(".png"))
     for flag, path in (("--json", opts.json), ("--plot", opts.plot)):
         why = path and writable_file(path)
         if why:
             return f"{flag}: {why}"
+    if named_plot:  # asked for by name: without matplotlib, say so before the run, not after
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            return '--plot: matplotlib is not installed (pip install -e ".[plot]")'
     return None
 
 

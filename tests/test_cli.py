@@ -243,3 +243,14 @@ def test_bench_prints_the_header_before_the_run_and_rows_as_they_come(run, monke
     assert lines[2] == B.table_row(row, 2) and lines.count(B.table_row(row, 2)) == 1
     assert f"wrote {tmp_path / 'r.json'}" in out and f"wrote {tmp_path / 'r.png'}" in out
     assert json.loads((tmp_path / "r.json").read_text())["rows"] == [row]
+
+
+def test_compile_without_the_nvrtc_library_is_one_line(run, monkeypatch, tmp_path):
+    # CuPy installed beside a CPU-only torch: CuPy's binding is there, libnvrtc is not.
+    def missing(*a, **k):
+        raise RuntimeError('Failure finding "libnvrtc.so.13 or libnvrtc.so.12": No such file')
+    monkeypatch.setattr(jit, "cached_cubin", missing)
+    monkeypatch.setattr(A, "cupy_missing", lambda: None)
+    rc, _, err = run("compile", "--arch", "sm_90", "--cache-dir", str(tmp_path))
+    line = one_line(err)
+    assert rc == 1 and "the NVRTC library is missing" in line and "nvidia-cuda-nvrtc" in line

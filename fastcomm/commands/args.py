@@ -181,6 +181,14 @@ def compile_with_notice(arch: str, cache_dir: Path, stream=None) -> tuple[Path, 
     notice.start()
     try:
         path = jit.cached_cubin(arch, Path(cache_dir))
+    except jit.CompileError:
+        raise
+    except (OSError, RuntimeError) as e:
+        if "nvrtc" not in str(e).lower():
+            raise
+        # CuPy is there but not the NVRTC library (a CPU-only torch brings none; a CUDA torch does).
+        raise jit.CompileError(f"the NVRTC library is missing ({str(e).splitlines()[0][:160]}): install "
+                               f"a CUDA torch, the CUDA toolkit, or pip install 'nvidia-cuda-nvrtc>=13,<14'") from None
     finally:
         notice.cancel()
     return path, time.monotonic() - t0

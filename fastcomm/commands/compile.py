@@ -40,6 +40,8 @@ def run(args) -> int:
             path, seconds = compile_with_notice(arch, cache)
         except jit.CompileError as e:
             lines = str(e).splitlines()
-            return fail(PROG, f"{lines[0]} ({len(lines) - 1} lines of NVRTC log follow)\n" + "\n".join(lines[1:41]), 1)
+            log = f" (NVRTC log, first 40 of {len(lines) - 1} lines, follows)\n" + "\n".join(lines[1:41]) \
+                if len(lines) > 1 else ""
+            return fail(PROG, lines[0] + log, 1)
         print(f"{arch}: {path} ({path.stat().st_size} bytes, {seconds:.1f} s)")
     return 0
