@@ -316,6 +316,10 @@ def ratios(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _token_counts(text: str) -> list[int]:
+    return [positive_int_arg(t) for t in text.split(",") if t.strip()] or [positive_int_arg(text)]
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-b", "--minbytes", dest="min_bytes", type=positive_size_arg, default=KB,
                    help="smallest message (default 1K)")
@@ -341,9 +345,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interleave", action="store_true",
                    help="also time each all-reduce right after a hidden x hidden GEMM (--interleave-tokens): "
                         "the cost it adds to a step, launch and graph-node effects included")
-    p.add_argument("--interleave-tokens", type=lambda v: [int(t) for t in v.split(",")], default=[1, 8],
+    p.add_argument("--interleave-tokens", type=_token_counts, default=[1, 8],
                    help="token counts of the --interleave rows (64: a 64-request decode step's 768 KB)")
-    p.add_argument("--hidden", type=int, default=6144)
+    p.add_argument("--hidden", type=positive_int_arg, default=6144)
     p.add_argument("--only", action="append", help="only impls whose name contains this (repeatable)")
     p.add_argument("--json", help="write rows and metadata here, and the plot beside it (same name, .png)")
     p.add_argument("--plot", help="write the PNG plot here (default: beside --json)")
@@ -365,7 +369,10 @@ def _check(opts) -> str | None:
         return f"-b/-e/-f/--extra-sizes: {e}"
     if any(x < 1 for x in extra):
         return "--extra-sizes: sizes must be at least 1 byte"
-    Config.from_env(max_bytes=opts.workspace_bytes)  # ConfigError (one line, from main) on a bad setting
+    # The ranks' workspaces, configured here first: a bad setting is one ConfigError line (run() prints it).
+    Config.from_env(max_bytes=opts.workspace_bytes)
+    if "host" in opts.transports:
+        Config.from_env(max_bytes=min(opts.workspace_bytes, opts.host_workspace_bytes))
     named_plot = bool(opts.plot)
     if opts.json and not opts.plot:  # beside the JSON, where matplotlib is installed (the run says when not)
         opts.plot = str(Path(opts.json).with_suffix(".png"))

@@ -8,11 +8,11 @@
 Importing the package is cheap and needs no torch: the GPU parts load on first use, so `fastcomm topo`
 and the policy work on machines without torch or GPUs.
 """
-from .config import Config
+from .config import Config, ConfigError
 from .errors import FastcommError, FastcommTimeoutError
 from .policy import Algo, Transport
 
-__all__ = ["Config", "FastcommError", "FastcommTimeoutError", "Workspace", "all_reduce", "try_all_reduce",
+__all__ = ["Config", "ConfigError", "FastcommError", "FastcommTimeoutError", "Workspace", "all_reduce", "try_all_reduce",
            "fused_all_reduce_rmsnorm", "register_torch_ops", "Algo", "Transport"]
 __version__ = "0.1.0"
 

@@ -254,3 +254,9 @@ def test_compile_without_the_nvrtc_library_is_one_line(run, monkeypatch, tmp_pat
     rc, _, err = run("compile", "--arch", "sm_90", "--cache-dir", str(tmp_path))
     line = one_line(err)
     assert rc == 1 and "the NVRTC library is missing" in line and "nvidia-cuda-nvrtc" in line
+
+
+def test_bench_checks_the_settings_of_every_workspace_it_will_build(run, no_gpus):
+    rc, _, err = run("bench", "--transports", "p2p,host", "--host-workspace-bytes", "512K",
+                     env={"FASTCOMM_ONE_SHOT_MAX_BYTES": "1M"})
+    assert rc == 2 and "FASTCOMM_ONE_SHOT_MAX_BYTES" in one_line(err) and "524288" in one_line(err)
