@@ -1,18 +1,22 @@
 """All-reduce microbenchmark: fastcomm against NCCL and the other baselines, as rows of the same run.
 
-Prints an nccl-tests-shaped table (time per call inside a CUDA graph of -G back-to-back calls, median of
-replays; and eager) and writes JSON beside it. Run on N local GPUs:
+Prints an nccl-tests-shaped table row by row (time per call inside a CUDA graph of -G back-to-back calls,
+median of replays; and eager), and with --json writes the rows and a PNG plot (latency against size per
+implementation, log-log; needs matplotlib: the `plot` extra) beside it. Run on N local GPUs:
 
-    fastcomm bench -b 1K -e 64M -f 2 --world 2 --json results.json
+    fastcomm bench -b 1K -e 64M -f 2 --world 2 --json results.json     # also writes results.png
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import sys
 import time
+from pathlib import Path
 
-from fastcomm.commands.args import parse_size_arg
+from fastcomm.commands.args import fail, nonneg_int_arg, positive_float_arg, positive_int_arg, positive_size_arg, \
+    prepare_gpus, transports_arg, writable_file
 from fastcomm.measure import check_exact, sizes, timers
 from fastcomm.units import KiB as KB
 from fastcomm.units import MiB as MB
@@ -31,20 +35,20 @@ def _impls(torch, rank, world, gloo, opts):
     workspaces = []
     if "p2p" in opts.transports:
         try:
-            ws = fastcomm.Workspace(gloo, rank, transport="p2p", max_bytes=opts.max_bytes)
+            ws = fastcomm.Workspace(gloo, rank, transport="p2p", max_bytes=opts.workspace_bytes)
             workspaces.append(ws)
             for algo in ("one_shot", "two_shot", "auto"):
                 impls[f"fastcomm-{algo}"] = (ws, algo)
         except fastcomm.FastcommError as e:
             print(f"[rank {rank}] no P2P workspace: {e}")
     if "host" in opts.transports:
-        ws = fastcomm.Workspace(gloo, rank, transport="host", max_bytes=min(opts.max_bytes, opts.host_max_bytes))
+        ws = fastcomm.Workspace(gloo, rank, transport="host", max_bytes=min(opts.workspace_bytes, opts.host_workspace_bytes))
         workspaces.append(ws)
         for algo in ("one_shot", "two_shot", "auto"):
             impls[f"fastcomm-host-{algo}"] = (ws, algo)
     if opts.islands and "p2p" in opts.transports:
         isl = tuple((r,) for r in range(world)) if world == 2 else (tuple(range(world // 2)), tuple(range(world // 2, world)))
-        ws = fastcomm.Workspace(gloo, rank, transport="p2p", max_bytes=opts.max_bytes, islands=isl)
+        ws = fastcomm.Workspace(gloo, rank, transport="p2p", max_bytes=opts.workspace_bytes, islands=isl)
         workspaces.append(ws)
         impls["fastcomm-islands-one_shot"] = (ws, "one_shot")
     impls["nccl"] = ("nccl", None)
@@ -59,7 +63,7 @@ def _impls(torch, rank, world, gloo, opts):
 
             def symm_buf(dtype):
                 if dtype not in symm:
-                    t = symm_mem.empty(opts.max_bytes // torch.tensor([], dtype=dtype).element_size(), dtype=dtype,
+                    t = symm_mem.empty(opts.workspace_bytes // torch.tensor([], dtype=dtype).element_size(), dtype=dtype,
                                        device=torch.device("cuda", rank))
                     symm_mem.rendezvous(t, group_name)
                     symm[dtype] = t
@@ -72,7 +76,7 @@ def _impls(torch, rank, world, gloo, opts):
         try:  # vLLM's own custom all-reduce, where vLLM is installed (it needs only a CPU group)
             from vllm.distributed.device_communicators.custom_all_reduce import CustomAllreduce
 
-            vllm_ca = CustomAllreduce(gloo, torch.device("cuda", rank), max_size=min(opts.max_bytes, 8 << 20))
+            vllm_ca = CustomAllreduce(gloo, torch.device("cuda", rank), max_size=min(opts.workspace_bytes, 8 << 20))
             if vllm_ca.disabled:
                 print(f"[rank {rank}] vLLM custom all-reduce is disabled on this machine")
                 vllm_ca = None
@@ -94,7 +98,7 @@ def _impls(torch, rank, world, gloo, opts):
                 return None
             return (lambda: vllm_ca.custom_all_reduce(x)), None, x
         if kind == "symm":
-            if symm_buf is None or nbytes > opts.max_bytes:
+            if symm_buf is None or nbytes > opts.workspace_bytes:
                 return None
             buf = symm_buf(dtype)[:n]
             if algo == "one_shot":
@@ -145,6 +149,7 @@ def bench_rank(rank, world, gloo, opts):
             t_eager = timers(torch, fn, opts.graph_calls, max(3, opts.iters // 4), 2, graph=False)
             rows.append(dict(size=n * elem, count=n, type=opts.dtype, redop="sum", impl=name,
                              graph_us=t_graph, eager_us=t_eager, wrong=wrong))
+            _show(rows[-1], rank, world)
     if opts.interleave:
         rows += _bench_interleaved(torch, rank, gloo, names, setup, capture, opts)
     if opts.fused:
@@ -191,6 +196,7 @@ def _bench_interleaved(torch, rank, gloo, names, setup, capture, opts):
             rows.append(dict(size=tokens * hidden * a.element_size(), count=tokens * hidden, type=opts.dtype,
                              redop="gemm+", impl=f"{name} {tokens}x{hidden}", graph_us=t_both - t_gemm,
                              eager_us=float("nan"), gemm_us=t_gemm, wrong=-1))
+            _show(rows[-1], rank, dist.get_world_size())
     return rows
 
 
@@ -230,24 +236,66 @@ def _bench_fused(torch, rank, world, gloo, workspaces, opts):
                 rows.append(dict(size=tokens * hidden * x.element_size(), count=tokens * hidden, type=opts.dtype,
                                  redop="fused", impl=f"{name} {tokens}x{hidden}", graph_us=t_graph, eager_us=t_eager,
                                  wrong=-1))
+                _show(rows[-1], rank, world)
     return rows
 
 
 # ---- reporting -----------------------------------------------------------------------------------------
 
+def _show(row: dict, rank: int, world: int) -> None:
+    """Rank 0 prints each row as soon as it is measured (nccl-tests does): a long sweep shows progress."""
+    if rank == 0:
+        print(table_row(row, world), flush=True)
+
+
+def table_header(world: int) -> list[str]:
+    return [f"# fastcomm all-reduce benchmark, {world} ranks; time = us per call (graph: median of replays of "
+            "G back-to-back calls; eager: same loop without a graph)",
+            f"#{'size':>12} {'count':>10} {'type':>8} {'redop':>6} {'impl':>28} {'graph us':>9} {'algbw':>7} "
+            f"{'busbw':>7} {'eager us':>9} {'#wrong':>7}"]
+
+
+def table_row(r: dict, world: int) -> str:
+    # An interleaved row's time is a difference and can be ~0 (fully hidden): no bandwidth then.
+    algbw = r["size"] / (r["graph_us"] * 1e-6) / 1e9 if r["graph_us"] > 0 else float("nan")
+    busbw = algbw * 2 * (world - 1) / world
+    return (f" {r['size']:>12} {r['count']:>10} {r['type']:>8} {r['redop']:>6} {r['impl']:>28} "
+            f"{r['graph_us']:>9.2f} {algbw:>7.2f} {busbw:>7.2f} {r['eager_us']:>9.2f} "
+            f"{('n/a' if r['wrong'] < 0 else r['wrong']):>7}")
+
+
 def table(rows: list[dict], world: int) -> str:
-    lines = [f"# fastcomm all-reduce benchmark, {world} ranks; time = us per call (graph: median of replays of "
-             "G back-to-back calls; eager: same loop without a graph)",
-             f"#{'size':>12} {'count':>10} {'type':>8} {'redop':>6} {'impl':>28} {'graph us':>9} {'algbw':>7} "
-             f"{'busbw':>7} {'eager us':>9} {'#wrong':>7}"]
+    return "\n".join(table_header(world) + [table_row(r, world) for r in rows])
+
+
+def plot(rows: list[dict], world: int, path: str | Path, title: str = "") -> Path:
+    """Graph-mode latency against message size, one line per implementation (back-to-back rows), log-log.
+    Raises ImportError without matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    by: dict[str, list[tuple[int, float]]] = {}
     for r in rows:
-        # An interleaved row's time is a difference and can be ~0 (fully hidden): no bandwidth then.
-        algbw = r["size"] / (r["graph_us"] * 1e-6) / 1e9 if r["graph_us"] > 0 else float("nan")
-        busbw = algbw * 2 * (world - 1) / world
-        lines.append(f" {r['size']:>12} {r['count']:>10} {r['type']:>8} {r['redop']:>6} {r['impl']:>28} "
-                     f"{r['graph_us']:>9.2f} {algbw:>7.2f} {busbw:>7.2f} {r['eager_us']:>9.2f} "
-                     f"{('n/a' if r['wrong'] < 0 else r['wrong']):>7}")
-    return "\n".join(lines)
+        if r["redop"] == "sum" and r["graph_us"] > 0:
+            by.setdefault(r["impl"], []).append((r["size"], r["graph_us"]))
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for impl, pts in sorted(by.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, label=impl)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("us per call (CUDA graph)")
+    ax.set_title(title or f"all-reduce latency, {world} ranks")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def ratios(rows: list[dict]) -> str:
@@ -268,20 +316,28 @@ def ratios(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _token_counts(text: str) -> list[int]:
+    return [positive_int_arg(t) for t in text.split(",") if t.strip()] or [positive_int_arg(text)]
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-b", "--minbytes", dest="min_bytes", type=parse_size_arg, default=KB)
-    p.add_argument("-e", "--maxbytes", dest="max_size", type=parse_size_arg, default=64 * MB)
-    p.add_argument("-f", "--stepfactor", dest="factor", type=float, default=2.0)
-    p.add_argument("-n", "--iters", type=int, default=50, help="timed graph replays (eager: a quarter)")
-    p.add_argument("-w", "--warmup_iters", dest="warmup", type=int, default=5)
-    p.add_argument("-G", "--graph-calls", dest="graph_calls", type=int, default=20,
+    p.add_argument("-b", "--minbytes", dest="min_bytes", type=positive_size_arg, default=KB,
+                   help="smallest message (default 1K)")
+    p.add_argument("-e", "--maxbytes", dest="max_size", type=positive_size_arg, default=64 * MB,
+                   help="largest message (default 64M)")
+    p.add_argument("-f", "--stepfactor", dest="factor", type=positive_float_arg, default=2.0)
+    p.add_argument("-n", "--iters", type=positive_int_arg, default=50, help="timed graph replays (eager: a quarter)")
+    p.add_argument("-w", "--warmup_iters", dest="warmup", type=nonneg_int_arg, default=5)
+    p.add_argument("-G", "--graph-calls", dest="graph_calls", type=positive_int_arg, default=20,
                    help="back-to-back calls captured in one graph (per-call time = replay / G)")
     p.add_argument("--extra-sizes", default="12K", help="comma list of sizes added to the sweep (12K: GLM-5 decode)")
     p.add_argument("-d", "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--world", type=int, default=0, help="ranks (default: all visible GPUs)")
-    p.add_argument("--transports", default="p2p", help="comma list of p2p,host")
-    p.add_argument("--max-bytes", dest="max_bytes", type=parse_size_arg, default=64 * MB, help="workspace size")
-    p.add_argument("--host-max-bytes", dest="host_max_bytes", type=parse_size_arg, default=4 * MB)
+    p.add_argument("--world", type=nonneg_int_arg, default=0, help="ranks (default: all visible GPUs)")
+    p.add_argument("--transports", type=transports_arg, default=["p2p"], help="comma list of p2p,host (default p2p)")
+    p.add_argument("--workspace-bytes", dest="workspace_bytes", type=positive_size_arg, default=64 * MB,
+                   help="P2P workspace size: fastcomm rows stop above it (default 64M)")
+    p.add_argument("--host-workspace-bytes", dest="host_workspace_bytes", type=positive_size_arg, default=4 * MB,
+                   help="host-transport workspace size (default 4M)")
     p.add_argument("--no-symm", dest="symm", action="store_false", help="skip torch symmetric memory rows")
     p.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip vLLM's custom all-reduce row")
     p.add_argument("--islands", action="store_true", help="add forced-island (hierarchical) one-shot rows")
@@ -289,33 +345,74 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interleave", action="store_true",
                    help="also time each all-reduce right after a hidden x hidden GEMM (--interleave-tokens): "
                         "the cost it adds to a step, launch and graph-node effects included")
-    p.add_argument("--interleave-tokens", type=lambda v: [int(t) for t in v.split(",")], default=[1, 8],
+    p.add_argument("--interleave-tokens", type=_token_counts, default=[1, 8],
                    help="token counts of the --interleave rows (64: a 64-request decode step's 768 KB)")
-    p.add_argument("--hidden", type=int, default=6144)
+    p.add_argument("--hidden", type=positive_int_arg, default=6144)
     p.add_argument("--only", action="append", help="only impls whose name contains this (repeatable)")
-    p.add_argument("--json", help="write rows and metadata here")
+    p.add_argument("--json", help="write rows and metadata here, and the plot beside it (same name, .png)")
+    p.add_argument("--plot", help="write the PNG plot here (default: beside --json)")
     p.add_argument("--label", default="", help="free text stored in the JSON (machine, env)")
-    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--timeout", type=positive_float_arg, default=900)
+
+
+PROG = "fastcomm bench"
+
+
+def _check(opts) -> str | None:
+    """Everything that can be wrong before the run, as one line (None: go)."""
+    from fastcomm.config import Config
+
+    try:
+        extra = [parse_size(x) for x in opts.extra_sizes.split(",") if x.strip()]
+        sizes(opts.min_bytes, opts.max_size, opts.factor)
+    except ValueError as e:
+        return f"-b/-e/-f/--extra-sizes: {e}"
+    if any(x < 1 for x in extra):
+        return "--extra-sizes: sizes must be at least 1 byte"
+    # The ranks' workspaces, configured here first: a bad setting is one ConfigError line (run() prints it).
+    Config.from_env(max_bytes=opts.workspace_bytes)
+    if "host" in opts.transports:
+        Config.from_env(max_bytes=min(opts.workspace_bytes, opts.host_workspace_bytes))
+    named_plot = bool(opts.plot)
+    if opts.json and not opts.plot:  # beside the JSON, where matplotlib is installed (the run says when not)
+        opts.plot = str(Path(opts.json).with_suffix(".png"))
+    for flag, path in (("--json", opts.json), ("--plot", opts.plot)):
+        why = path and writable_file(path)
+        if why:
+            return f"{flag}: {why}"
+    if named_plot:  # asked for by name: without matplotlib, say so before the run, not after
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            return '--plot: matplotlib is not installed (pip install -e ".[plot]")'
+    return None
 
 
 def run(opts) -> int:
+    from fastcomm.config import Config, ConfigError
+
+    try:
+        why = _check(opts)
+    except ConfigError as e:
+        why = str(e)
+    if why:
+        return fail(PROG, why)
+    world, why = prepare_gpus(opts.world, Config.from_env().cache_dir)
+    if why:
+        return fail(PROG, why)
     import torch
 
     from fastcomm.spawn import run_ranks
 
-    world = opts.world or torch.cuda.device_count()
-    if world < 2:
-        raise SystemExit("fastcomm bench needs at least 2 GPUs")
-    opts.transports = [t.strip() for t in opts.transports.split(",") if t.strip()]
     t0 = time.time()
+    print("\n".join(table_header(world)), flush=True)
     results = run_ranks(bench_rank, world, opts, timeout=opts.timeout)
     bad = {r: v for r, (s, v) in results.items() if s != "ok"}
     if bad:
         for r, v in sorted(bad.items()):
-            print(f"--- rank {r} failed:\n{v}")
+            print(f"--- rank {r} failed:\n{v}", file=sys.stderr)
         return 1
     rows = results[0][1]
-    print(table(rows, world))
     print(ratios(rows))
     if opts.json:
         meta = dict(world=world, label=opts.label, seconds=round(time.time() - t0, 1), torch=torch.__version__,
@@ -324,6 +421,12 @@ def run(opts) -> int:
                     args={k: v for k, v in vars(opts).items() if k != "func"})
         with open(opts.json, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        print(f"wrote {opts.json}")
+    if opts.plot:
+        try:
+            print(f"wrote {plot(rows, world, opts.plot, title=opts.label)}")
+        except ImportError:
+            print(f"{PROG}: no plot (matplotlib is not installed: pip install -e \".[plot]\")", file=sys.stderr)
     return 0
 
 

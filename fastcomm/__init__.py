@@ -8,16 +8,16 @@
 Importing the package is cheap and needs no torch: the GPU parts load on first use, so `fastcomm topo`
 and the policy work on machines without torch or GPUs.
 """
-from .config import Config
+from .config import Config, ConfigError
 from .errors import FastcommError, FastcommTimeoutError
 from .policy import Algo, Transport
 
-__all__ = ["Config", "FastcommError", "FastcommTimeoutError", "Workspace", "all_reduce", "try_all_reduce",
-           "fused_all_reduce_rmsnorm", "register_torch_ops", "translate_error", "Algo", "Transport"]
+__all__ = ["Config", "ConfigError", "FastcommError", "FastcommTimeoutError", "Workspace", "all_reduce",
+           "try_all_reduce", "fused_all_reduce_rmsnorm", "register_torch_ops", "translate_error", "Algo", "Transport"]
 __version__ = "0.1.0"
 
-_LAZY = {"Workspace": "workspace", "translate_error": "workspace", "all_reduce": "ops", "try_all_reduce": "ops", "fused_all_reduce_rmsnorm": "ops",
-         "register_torch_ops": "ops"}
+_LAZY = {"Workspace": "workspace", "translate_error": "workspace", "all_reduce": "ops", "try_all_reduce": "ops",
+         "fused_all_reduce_rmsnorm": "ops", "register_torch_ops": "ops"}
 
 
 def __getattr__(name):

@@ -1,151 +1,319 @@
-"""Every FASTCOMM_* environment variable, read in one place.
+"""Every FASTCOMM_* environment variable, read and validated in one place.
 
 Constructor arguments override the environment; nothing else in the package reads ``os.environ``
 for fastcomm settings, and no op reads it on the hot path: a ``Config`` is resolved once per workspace.
+A bad value raises ``ConfigError`` with one line naming the variable (or the constructor argument), the
+value and what was expected, before anything is built. ``fastcomm env`` shows the same verdicts.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
-MiB = 1 << 20
+from .errors import FastcommError
+from .units import MiB, parse_size
 
+MAX_RANKS = 8  # abi.MAX_WORLD; ranks named in settings are below it
+
+
+class ConfigError(FastcommError, ValueError):
+    """A FASTCOMM_* variable (or constructor argument) with a value fastcomm cannot use."""
+
+
+# ---- value parsers: text -> value, or ValueError with the reason (the caller adds name and value) ---------
+
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise ValueError("not a number of seconds") from None
+    if not math.isfinite(v) or v <= 0:
+        raise ValueError("must be a finite number of seconds > 0")
+    return v
+
+
+def _bytes(text: str) -> int:
+    v = parse_size(text)  # its message names the accepted forms
+    if v <= 0:
+        raise ValueError("must be a positive size")
+    return v
+
+
+def _count(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise ValueError("not a whole number") from None
+    if v < 0:
+        raise ValueError("must be >= 0")
+    return v
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in _TRUE:
+        return True
+    if t in _FALSE:
+        return False
+    raise ValueError("not a boolean (use 0/1, true/false, yes/no, on/off)")
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        t = text.strip().lower()
+        if t not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}")
+        return t
+    return parse
+
+
+def _path(text: str) -> Path:
+    return Path(text).expanduser()
+
+
+def _islands(text: str) -> tuple[tuple[int, ...], ...] | None:
+    """'0,1;2,3' -> ((0, 1), (2, 3)): equal-sized groups that together hold ranks 0..N-1 once each."""
+    groups = [g.strip() for g in text.split(";")]
+    if any(not g for g in groups):
+        raise ValueError("an island is empty (expected ranks like '0,1;2,3')")
+    try:
+        isl = tuple(tuple(int(r) for r in g.split(",")) for g in groups)
+    except ValueError:
+        raise ValueError("expected comma-separated ranks per island, islands separated by ';' (e.g. '0,1;2,3')") \
+            from None
+    return _check_islands(isl)
+
+
+def _check_islands(isl) -> tuple[tuple[int, ...], ...]:
+    isl = tuple(tuple(int(r) for r in g) for g in isl)
+    flat = [r for g in isl for r in g]
+    if len(set(flat)) != len(flat):
+        raise ValueError("a rank appears twice")
+    if sorted(flat) != list(range(len(flat))):
+        raise ValueError(f"the islands must hold ranks 0..{len(flat) - 1}, each once")
+    if len(flat) > MAX_RANKS:
+        raise ValueError(f"at most {MAX_RANKS} ranks")
+    if len({len(g) for g in isl}) != 1:
+        raise ValueError("islands must all have the same size (rank i of each island is a partner)")
+    return isl
+
+
+def _rank_pair(text: str) -> tuple[int, int] | None:
+    """'0-1' -> (0, 1): writes from rank 0 to rank 1 (for the P2P check's test switch)."""
+    parts = text.strip().split("-")
+    try:
+        a, b = (int(p) for p in parts)
+    except ValueError:
+        raise ValueError("expected two ranks like '0-1' (writer-reader)") from None
+    return _check_pair((a, b))
+
+
+def _check_pair(pair) -> tuple[int, int]:
+    a, b = (int(r) for r in pair)
+    if a == b or not (0 <= a < MAX_RANKS and 0 <= b < MAX_RANKS):
+        raise ValueError(f"expected two different ranks in 0..{MAX_RANKS - 1}")
+    return a, b
+
+
+# ---- the single list of variables (also printed by `fastcomm env`) -------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class Var:
     name: str
-    default: str
+    field: str                      # Config attribute it sets
+    default: str                    # as text, the way a user would write it
     meaning: str
+    parse: Callable[[str], Any] = dataclasses.field(repr=False, compare=False)
 
 
-# The single list of variables (also printed by `fastcomm env`).
 VARIABLES: tuple[Var, ...] = (
-    Var("FASTCOMM_TIMEOUT_S", "30", "Bound on every device-side wait; a peer that does not arrive in time "
-        "aborts the kernel with an error naming rank, peer and step."),
-    Var("FASTCOMM_MAX_BYTES", str(8 * MiB), "Largest message the workspace serves; larger ones are refused "
-        "(the vLLM integration sends them to NCCL)."),
-    Var("FASTCOMM_ONE_SHOT_MAX_BYTES", str(1 * MiB), "Largest message the one-shot (flag-in-data) buffers hold; "
-        "also caps the fused all-reduce + RMSNorm."),
-    Var("FASTCOMM_TRANSPORT", "auto", "auto | p2p | host: peer GPU memory or shared pinned host memory."),
-    Var("FASTCOMM_ALGO", "auto", "auto | one_shot | two_shot: force an algorithm for every call."),
-    Var("FASTCOMM_ISLANDS", "", "Force a hierarchical island layout, e.g. '0,1;2,3' (ranks per island)."),
-    Var("FASTCOMM_MAX_BLOCKS", "0", "Cap on thread blocks per kernel; 0 picks from the device."),
-    Var("FASTCOMM_CACHE_DIR", "~/.cache/fastcomm", "Where compiled kernels (cubins) are cached."),
-    Var("FASTCOMM_TUNE_FILE", "", "Tuning cache written by `fastcomm tune`; read at workspace start if set "
-        "or present at the default path under FASTCOMM_CACHE_DIR."),
-    Var("FASTCOMM_VLLM", "1", "0 turns the vLLM plugin off (vLLM then runs unchanged)."),
-    Var("FASTCOMM_VLLM_FUSION", "0", "1 also fuses all-reduce + RMSNorm in vLLM (compile pass and GLM-5 helper "
-        "routing). Opt-in until an end-to-end run shows it faster than the all-reduce alone (bench/RESULTS.md)."),
-    Var("FASTCOMM_LOG", "info", "Log level of the 'fastcomm' logger."),
-    Var("FASTCOMM_P2P_CHECK", "1", "Check every pair's P2P writes at workspace build (falls back to the host "
-        "transport, with a warning naming the pair, when a pair drops them); 0 trusts the driver."),
-    Var("FASTCOMM_TEST_MODE", "0", "Marks a test run; the FASTCOMM_TEST_* switches are refused without it."),
-    Var("FASTCOMM_TEST_SHARED_GPU", "0", "Test only: ranks may share a GPU (each rank a process)."),
-    Var("FASTCOMM_TEST_BREAK_P2P", "", "Test only: e.g. '0-1': the build-time P2P check loses rank 0's writes "
-        "to rank 1."),
+    Var("FASTCOMM_TIMEOUT_S", "timeout_s", "30", "Bound on every device-side wait, seconds; a peer that does not "
+        "arrive in time aborts the kernel with an error naming rank, peer and step.", _seconds),
+    Var("FASTCOMM_MAX_BYTES", "max_bytes", "8M", "Largest message the workspace serves (e.g. 8M); larger ones are "
+        "refused (the vLLM integration sends them to NCCL).", _bytes),
+    Var("FASTCOMM_ONE_SHOT_MAX_BYTES", "one_shot_max_bytes", "1M", "Largest message the one-shot (flag-in-data) "
+        "buffers hold; also caps the fused all-reduce + RMSNorm. Unset: 1M or FASTCOMM_MAX_BYTES if smaller; "
+        "set above FASTCOMM_MAX_BYTES: an error.", _bytes),
+    Var("FASTCOMM_TRANSPORT", "transport", "auto", "auto | p2p | host: peer GPU memory or shared pinned host memory.",
+        _choice("auto", "p2p", "host")),
+    Var("FASTCOMM_ALGO", "algo", "auto", "auto | one_shot | two_shot: force an algorithm for every call.",
+        _choice("auto", "one_shot", "two_shot")),
+    Var("FASTCOMM_ISLANDS", "islands", "", "Force a hierarchical island layout, e.g. '0,1;2,3' (equal-sized groups "
+        "of ranks 0..N-1).", _islands),
+    Var("FASTCOMM_MAX_BLOCKS", "max_blocks", "0", "Cap on thread blocks per kernel; 0 picks from the device.", _count),
+    Var("FASTCOMM_CACHE_DIR", "cache_dir", "~/.cache/fastcomm", "Where compiled kernels (cubins) are cached.", _path),
+    Var("FASTCOMM_TUNE_FILE", "tune_file", "", "Tuning cache written by `fastcomm tune`; read at workspace start if "
+        "set (it must then be valid) or present at the default path under FASTCOMM_CACHE_DIR.", _path),
+    Var("FASTCOMM_P2P_CHECK", "p2p_check", "1", "1 checks at workspace build that every pair's P2P writes arrive "
+        "(0 skips the check).", _bool),
+    Var("FASTCOMM_VLLM", "vllm_enabled", "1", "0 turns the vLLM plugin off (vLLM then runs unchanged).", _bool),
+    Var("FASTCOMM_VLLM_FUSION", "vllm_fusion", "0", "1 also fuses all-reduce + RMSNorm in vLLM (compile pass and "
+        "GLM-5 helper routing). Opt-in until an end-to-end run shows it faster than the all-reduce alone "
+        "(bench/RESULTS.md).", _bool),
+    Var("FASTCOMM_LOG", "log_level", "warning", "debug | info | warning | error | off: level of the 'fastcomm' "
+        "logger; info prints the transport and policy each workspace chose (like NCCL_DEBUG=INFO).",
+        _choice("debug", "info", "warning", "error", "off")),
+    Var("FASTCOMM_TEST_MODE", "test_mode", "0", "1 marks a test run; required by the FASTCOMM_TEST_* switches.", _bool),
+    Var("FASTCOMM_TEST_SHARED_GPU", "test_shared_gpu", "0", "Tests only (needs FASTCOMM_TEST_MODE=1): 1 lets ranks "
+        "share a GPU.", _bool),
+    Var("FASTCOMM_TEST_BREAK_P2P", "test_break_p2p", "", "Tests only (needs FASTCOMM_TEST_MODE=1): e.g. '0-1' makes "
+        "the build-time P2P check treat writes from rank 0 to rank 1 as lost.", _rank_pair),
 )
 _BY_NAME = {v.name: v for v in VARIABLES}
+_BY_FIELD = {v.field: v for v in VARIABLES}
 
 TRANSPORTS = ("auto", "p2p", "host")
 ALGOS = ("auto", "one_shot", "two_shot")
+LOG_LEVELS = ("debug", "info", "warning", "error", "off")
 
 
-def _get(env: Mapping[str, str], name: str) -> str:
+def _raw(env: Mapping[str, str], name: str) -> str | None:
+    """The variable's text, or None when unset (an empty value counts as unset)."""
     raw = env.get(name)
-    return _BY_NAME[name].default if raw is None or raw == "" else raw
+    return None if raw is None or raw.strip() == "" else raw
 
 
-def _flag(text: str) -> bool:
-    return text.strip().lower() not in ("0", "false", "off", "no")
-
-
-def _parse_islands(text: str) -> tuple[tuple[int, ...], ...] | None:
-    text = text.strip()
-    if not text:
+def read(name: str, env: Mapping[str, str] | None = None):
+    """One variable's value (its default when unset), validated alone: for commands that need one setting
+    (``fastcomm compile`` needs only the cache directory) and must not fail on an unrelated bad one."""
+    var = _BY_NAME[name]
+    env = os.environ if env is None else env
+    raw = _raw(env, name)
+    text = var.default if raw is None else raw
+    if text == "":
         return None
     try:
-        return tuple(tuple(int(r) for r in part.split(",") if r.strip()) for part in text.split(";") if part.strip())
+        return var.parse(text)
     except ValueError as e:
-        raise ValueError(f"FASTCOMM_ISLANDS={text!r}: expected ranks like '0,1;2,3'") from e
-
-
-def _parse_pair(text: str) -> tuple[int, int] | None:
-    text = text.strip()
-    if not text:
-        return None
-    try:
-        a, b = (int(p) for p in text.split("-"))
-    except ValueError:
-        raise ValueError(f"FASTCOMM_TEST_BREAK_P2P={text!r}: expected two ranks like '0-1'") from None
-    return a, b
+        raise ConfigError(f"{name}={text!r}: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     timeout_s: float = 30.0
     max_bytes: int = 8 * MiB
-    one_shot_max_bytes: int = 1 * MiB
+    one_shot_max_bytes: int | None = None   # None: 1 MiB, or max_bytes if smaller
     transport: str = "auto"
     algo: str = "auto"
     islands: tuple[tuple[int, ...], ...] | None = None
     max_blocks: int = 0
     cache_dir: Path = Path("~/.cache/fastcomm").expanduser()
     tune_file: Path | None = None
+    p2p_check: bool = True
     vllm_enabled: bool = True
     vllm_fusion: bool = False  # opt-in, see FASTCOMM_VLLM_FUSION
-    log_level: str = "info"
-    p2p_check: bool = True
+    log_level: str = "warning"
     test_mode: bool = False
     test_shared_gpu: bool = False
     test_break_p2p: tuple[int, int] | None = None
 
     def __post_init__(self):
-        if (self.test_shared_gpu or self.test_break_p2p) and not self.test_mode:
-            raise ValueError("FASTCOMM_TEST_SHARED_GPU / FASTCOMM_TEST_BREAK_P2P are test-only switches: "
-                             "they are refused unless FASTCOMM_TEST_MODE=1")
+        # Constructor arguments get the same checks as the environment, named by argument.
+        def bad(field: str, why: str):
+            raise ConfigError(f"{field}={getattr(self, field)!r}: {why}")
+
         if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+            bad("transport", f"must be one of {', '.join(TRANSPORTS)}")
         if self.algo not in ALGOS:
-            raise ValueError(f"algo must be one of {ALGOS}, got {self.algo!r}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
-        if self.max_bytes <= 0 or self.one_shot_max_bytes <= 0:
-            raise ValueError("max_bytes and one_shot_max_bytes must be positive")
-        if self.max_blocks < 0:
-            raise ValueError("max_blocks must be >= 0")
+            bad("algo", f"must be one of {', '.join(ALGOS)}")
+        if self.log_level not in LOG_LEVELS:
+            bad("log_level", f"must be one of {', '.join(LOG_LEVELS)}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
+                or not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
+            bad("timeout_s", "must be a finite number of seconds > 0")
+        for field in ("max_bytes", "one_shot_max_bytes"):
+            v = getattr(self, field)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                bad(field, "must be a positive whole number of bytes")
+        if self.one_shot_max_bytes is None:
+            object.__setattr__(self, "one_shot_max_bytes", min(1 * MiB, self.max_bytes))
+        elif self.one_shot_max_bytes > self.max_bytes:
+            raise ConfigError(f"one-shot limit {self.one_shot_max_bytes} B (FASTCOMM_ONE_SHOT_MAX_BYTES) is above "
+                              f"the workspace limit {self.max_bytes} B (FASTCOMM_MAX_BYTES); lower it or leave it unset")
+        if isinstance(self.max_blocks, bool) or not isinstance(self.max_blocks, int) or self.max_blocks < 0:
+            bad("max_blocks", "must be a whole number >= 0")
+        if self.islands is not None:
+            try:
+                object.__setattr__(self, "islands", _check_islands(self.islands))
+            except (ValueError, TypeError) as e:
+                bad("islands", str(e))
+        if self.test_break_p2p is not None:
+            try:
+                object.__setattr__(self, "test_break_p2p", _check_pair(self.test_break_p2p))
+            except (ValueError, TypeError) as e:
+                bad("test_break_p2p", str(e))
+        object.__setattr__(self, "cache_dir", Path(self.cache_dir).expanduser())
+        if self.tune_file is not None:
+            object.__setattr__(self, "tune_file", Path(self.tune_file).expanduser())
+        if not self.test_mode:
+            for field in ("test_shared_gpu", "test_break_p2p"):
+                if getattr(self, field):
+                    raise ConfigError(f"{_BY_FIELD[field].name} ({field}) is a test switch: it needs "
+                                      "FASTCOMM_TEST_MODE=1")
 
     def agreed(self) -> tuple:
         """The settings every rank of a workspace must share (compared at build)."""
         return (self.max_bytes, self.one_shot_max_bytes, self.transport, self.algo, self.islands, self.timeout_s,
-                self.p2p_check, self.test_shared_gpu, self.test_break_p2p)
+                self.p2p_check, self.test_mode, self.test_shared_gpu, self.test_break_p2p)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> "Config":
-        """Resolve the environment, then apply explicit ``overrides`` (constructor arguments win)."""
+        """Resolve the environment, then apply explicit ``overrides`` (constructor arguments win; None means
+        'not given'). Raises ConfigError naming the first bad variable."""
         env = os.environ if env is None else env
-        tune = _get(env, "FASTCOMM_TUNE_FILE")
-        values = dict(
-            timeout_s=float(_get(env, "FASTCOMM_TIMEOUT_S")),
-            max_bytes=int(_get(env, "FASTCOMM_MAX_BYTES")),
-            one_shot_max_bytes=int(_get(env, "FASTCOMM_ONE_SHOT_MAX_BYTES")),
-            transport=_get(env, "FASTCOMM_TRANSPORT").lower(),
-            algo=_get(env, "FASTCOMM_ALGO").lower(),
-            islands=_parse_islands(_get(env, "FASTCOMM_ISLANDS")),
-            max_blocks=int(_get(env, "FASTCOMM_MAX_BLOCKS")),
-            cache_dir=Path(_get(env, "FASTCOMM_CACHE_DIR")).expanduser(),
-            tune_file=Path(tune).expanduser() if tune else None,
-            vllm_enabled=_flag(_get(env, "FASTCOMM_VLLM")),
-            vllm_fusion=_flag(_get(env, "FASTCOMM_VLLM_FUSION")),
-            log_level=_get(env, "FASTCOMM_LOG").lower(),
-            p2p_check=_flag(_get(env, "FASTCOMM_P2P_CHECK")),
-            test_mode=_flag(_get(env, "FASTCOMM_TEST_MODE")),
-            test_shared_gpu=_flag(_get(env, "FASTCOMM_TEST_SHARED_GPU")),
-            test_break_p2p=_parse_pair(_get(env, "FASTCOMM_TEST_BREAK_P2P")),
-        )
+        unknown = set(overrides) - set(_BY_FIELD)
+        if unknown:
+            raise TypeError(f"unknown fastcomm setting(s): {', '.join(sorted(unknown))}")
+        values = {}
+        for var in VARIABLES:
+            if overrides.get(var.field) is not None:
+                continue
+            raw = _raw(env, var.name)
+            if raw is None:
+                continue  # the dataclass default (which may depend on other fields) applies
+            try:
+                values[var.field] = var.parse(raw)
+            except ValueError as e:
+                raise ConfigError(f"{var.name}={raw!r}: {e}") from None
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True)
+class Status:
+    """One variable as `fastcomm env` shows it."""
+
+    var: Var
+    raw: str | None      # None: unset (the default applies)
+    error: str | None    # None: valid
+
+
+def check_environment(env: Mapping[str, str] | None = None) -> list[Status]:
+    """Every variable's current text and verdict, each checked alone and then together (a rule between
+    variables, such as the one-shot limit above the workspace limit, is reported on the variables it names)."""
+    env = os.environ if env is None else env
+    out = []
+    for var in VARIABLES:
+        raw = _raw(env, var.name)
+        try:
+            read(var.name, env)
+            error = None
+        except ConfigError as e:
+            error = str(e)
+        out.append(Status(var, raw, error))
+    if not any(s.error for s in out):
+        try:
+            Config.from_env(env)
+        except ConfigError as e:
+            named = [s for s in out if s.var.name in str(e)] or out[:1]
+            out = [dataclasses.replace(s, error=str(e)) if s in named else s for s in out]
+    return out
 
 
 def describe_variables() -> str:

@@ -6,15 +6,24 @@ import contextlib
 import statistics
 
 
+MAX_POINTS = 1000  # a sweep longer than this is a typo (-f 1.0001), and would run for days
+
+
 def sizes(lo: int, hi: int, factor: float) -> list[int]:
-    """lo, lo*factor, ... up to hi (factor <= 1: lo, 2lo, 3lo, ...). Refuses sizes that would never end."""
+    """lo, lo*factor, ... up to hi (factor <= 1: lo, 2lo, 3lo, ...). Refuses sweeps that would never end
+    (lo < 1 never grows) or that hold more than MAX_POINTS sizes."""
     if lo < 1 or hi < lo:
         raise ValueError(f"size range {lo}..{hi}: need 1 <= min <= max")
-    if factor <= 0:
-        raise ValueError(f"step factor {factor} must be positive")
+    if not 0 < factor < float("inf"):
+        raise ValueError(f"step factor {factor} must be a finite number > 0")
+    if 1 < factor < 1.01:  # below this the float product barely moves and the sweep crawls
+        raise ValueError(f"step factor {factor}: use at least 1.01 (or <= 1 for steps of min)")
     out, s = [], lo
     while s <= hi:
-        out.append(int(s))
+        if not out or int(s) != out[-1]:
+            out.append(int(s))
+        if len(out) > MAX_POINTS:
+            raise ValueError(f"sizes {lo}..{hi} with step factor {factor} make more than {MAX_POINTS} points")
         s = s * factor if factor > 1 else s + lo
     return out
 

@@ -77,15 +77,32 @@ class Fingerprint:
                    cuda=_str(data, "cuda", where), fastcomm=_str(data, "fastcomm", where))
 
 
+def cuda_version() -> str | None:
+    """The CUDA version torch was built with (known without a GPU), or None without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return str(torch.version.cuda)
+
+
+def fingerprint_for(gpu_name: str, world_size: int, transport: Transport, link: LinkType) -> Fingerprint | None:
+    """The fingerprint a run on these GPUs would have (``fastcomm topo`` builds it from the probe), or None
+    when torch, whose CUDA version is part of it, is not installed."""
+    from . import __version__
+
+    cuda = cuda_version()
+    if cuda is None:
+        return None
+    return Fingerprint(gpu_name=gpu_name, gpu_count=world_size, transport=Transport(transport), link=LinkType(link),
+                       cuda=cuda, fastcomm=__version__)
+
+
 def fingerprint_here(transport: Transport, link: LinkType, world_size: int, device_index: int = 0) -> Fingerprint:
     """This process's fingerprint (touches CUDA through torch; the rest of the module does not)."""
     import torch
 
-    from . import __version__
-
-    return Fingerprint(gpu_name=torch.cuda.get_device_name(device_index), gpu_count=world_size,
-                       transport=Transport(transport), link=LinkType(link), cuda=str(torch.version.cuda),
-                       fastcomm=__version__)
+    return fingerprint_for(torch.cuda.get_device_name(device_index), world_size, transport, link)
 
 
 @dataclasses.dataclass(frozen=True)

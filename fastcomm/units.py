@@ -15,6 +15,8 @@ def parse_size(text: str) -> int:
     """'12K' -> 12288, '8M', '1.5M', '4096', '64KiB', '2MB' (binary units). Raises ValueError for anything
     else, including negative sizes."""
     m = _SIZE.fullmatch(str(text).strip())
+    if m is None and _SIZE.fullmatch(str(text).strip().lstrip("-")):
+        raise ValueError(f"not a size: {text!r} (sizes cannot be negative)")
     if m is None:
         raise ValueError(f"not a size: {text!r} (expected e.g. 4096, 12K, 8M, 1G)")
     value = float(m.group(1)) * _MULT[m.group(2).upper()]

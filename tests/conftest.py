@@ -4,7 +4,11 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+# The helper modules the suites import by bare name (gpu_workers, numerics, spawn_bodies) live in a folder of
+# their own: never put tests/ itself on sys.path (see tests/__init__.py). Spawned ranks inherit sys.path.
+HELPERS = os.path.join(ROOT, "tests", "helpers")
+if HELPERS not in sys.path:
+    sys.path.insert(0, HELPERS)
 
 
 def gpu_count() -> int:

@@ -1,6 +1,8 @@
 """The microbenchmark's report (table and ratios) on CPU, from rows as the ranks return them."""
 import math
 
+import pytest
+
 from fastcomm_bench import bench_allreduce as B
 
 
@@ -32,3 +34,36 @@ def test_interleave_flag():
     p = argparse.ArgumentParser()
     B.add_arguments(p)
     assert p.parse_args(["--interleave"]).interleave and not p.parse_args([]).interleave
+
+
+def test_plot_renders_a_png_from_rows(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [_row(impl, us, size=size) for size in (4096, 12288, 1 << 20)
+            for impl, us in (("fastcomm-auto", 4.0 + size / 1e5), ("nccl", 8.0 + size / 1e5))]
+    rows.append(_row("fastcomm-auto 1x6144", 3.0, "gemm+"))  # not a size sweep: left out of the plot
+    path = B.plot(rows, 2, tmp_path / "r.png")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_no_matplotlib_is_an_import_error_the_command_reports(monkeypatch, tmp_path):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_mpl(name, *a, **k):
+        if name.split(".")[0] == "matplotlib":
+            raise ImportError("no matplotlib")
+        return real(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    with pytest.raises(ImportError):
+        B.plot([_row("nccl", 8.0)], 2, tmp_path / "r.png")
+    assert not (tmp_path / "r.png").exists()
+
+
+def test_table_rows_print_one_by_one(capsys):
+    row = _row("nccl", 8.0)
+    B._show(row, 0, 2)
+    B._show(row, 1, 2)
+    assert capsys.readouterr().out == B.table_row(row, 2) + "\n"
+    assert B.table([row], 2).splitlines() == [*B.table_header(2), B.table_row(row, 2)]

@@ -304,12 +304,18 @@ def _fake_ranks(rows):
     return run_ranks
 
 
+@pytest.fixture(autouse=False)
+def gpus_ready(monkeypatch):
+    """Two GPUs and compiled kernels, as far as the command's checks before the spawn are concerned."""
+    monkeypatch.setattr(TC, "prepare_gpus", lambda world, cache_dir: (world or 2, None))
+
+
 def _tune_args(out):
     return cli.build_parser().parse_args(["tune", "--world", "2", "-b", "1K", "-e", "1M", "-f", "1024",
                                           "--out", str(out)])
 
 
-def test_tune_decides_and_writes_on_rank_0_timings(tmp_path, monkeypatch, capsys):
+def test_tune_decides_and_writes_on_rank_0_timings(tmp_path, monkeypatch, capsys, gpus_ready):
     import fastcomm.spawn
 
     data = rows({1 * KB: (3, 7, 6), 1 * MB: (12, 10, 14)})
@@ -324,13 +330,13 @@ def test_tune_decides_and_writes_on_rank_0_timings(tmp_path, monkeypatch, capsys
     assert "1 KiB < size <= 1 MiB: two_shot" in capsys.readouterr().out
 
 
-def test_tune_refuses_wrong_results(tmp_path, monkeypatch, capsys):
+def test_tune_refuses_wrong_results(tmp_path, monkeypatch, capsys, gpus_ready):
     import fastcomm.spawn
 
     data = [dict(r, wrong=int(r["algo"] == "two_shot")) for r in rows({1 * KB: (3, 7, 6)})]
     monkeypatch.setattr(fastcomm.spawn, "run_ranks", _fake_ranks(data))
     assert TC.tune(_tune_args(tmp_path / "tune.json")) == 1
-    assert not (tmp_path / "tune.json").exists() and "wrong results" in capsys.readouterr().out
+    assert not (tmp_path / "tune.json").exists() and "wrong results" in capsys.readouterr().err
 
 
 @pytest.mark.gpu

@@ -22,6 +22,7 @@ def external_commands() -> dict[str, importlib.metadata.EntryPoint]:
 
 def build_parser(external: dict | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fastcomm", description="fastcomm: fast all-reduce for PCIe tensor parallelism")
+    p.add_argument("--version", action="version", version=version_text())
     sub = p.add_subparsers(dest="command", required=True)
     for module in (compile_cmd, env_cmd, topo_cmd, tune_cmd):
         module.add_parser(sub)
@@ -31,10 +32,26 @@ def build_parser(external: dict | None = None) -> argparse.ArgumentParser:
     return p
 
 
+def version_text() -> str:
+    from .. import __version__
+
+    return f"fastcomm {__version__}"
+
+
 def main(argv=None) -> int:
+    from ..config import ConfigError
+    from ..errors import FastcommError
+
     argv = sys.argv[1:] if argv is None else list(argv)
     external = external_commands()
     if argv and argv[0] in external:
         return int(external[argv[0]].load()(argv[1:]) or 0)
     args = build_parser(external).parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as e:  # a bad FASTCOMM_* setting: the user's to fix, so one line and no traceback
+        print(f"fastcomm {args.command}: {e}", file=sys.stderr)
+        return 2
+    except FastcommError as e:  # a setup fastcomm refuses (it says why); not a bug to trace
+        print(f"fastcomm {args.command}: {e}", file=sys.stderr)
+        return 1

@@ -1,25 +1,47 @@
-"""`fastcomm compile`: compile (and cache) the kernels for GPU architectures; needs no GPU."""
+"""`fastcomm compile`: compile (and cache) the kernels for GPU architectures; needs no GPU, only CuPy (NVRTC)."""
 from __future__ import annotations
 
 from pathlib import Path
 
+from .args import MIN_ARCH, arch_arg, compile_with_notice, cupy_missing, fail, writable_dir
+
 DEFAULT_ARCHS = ("sm_80", "sm_90", "sm_120")
+PROG = "fastcomm compile"
 
 
 def add_parser(sub) -> None:
-    c = sub.add_parser("compile", help="compile (and cache) the kernels for GPU architectures; no GPU needed")
-    c.add_argument("--arch", action="append", default=None,
-                   help=f"e.g. sm_90 (repeatable; default {' '.join(DEFAULT_ARCHS)})")
-    c.add_argument("--cache-dir", default=None)
+    c = sub.add_parser("compile", help="compile (and cache) the kernels for GPU architectures; no GPU needed",
+                       description=__doc__)
+    c.add_argument("--arch", action="append", default=None, type=arch_arg,
+                   help=f"e.g. sm_90 (repeatable; sm_{MIN_ARCH} or newer; default {' '.join(DEFAULT_ARCHS)})")
+    c.add_argument("--cache-dir", default=None, help="default: FASTCOMM_CACHE_DIR")
     c.set_defaults(func=run)
 
 
 def run(args) -> int:
     from .. import jit
-    from ..config import Config
+    from ..config import ConfigError, read
 
-    cache = Path(args.cache_dir) if args.cache_dir else Config.from_env().cache_dir
+    if args.cache_dir:
+        cache, where = Path(args.cache_dir).expanduser(), "--cache-dir"
+    else:
+        try:  # only the cache directory: an unrelated bad FASTCOMM_* setting must not stop a compile
+            cache, where = read("FASTCOMM_CACHE_DIR"), "FASTCOMM_CACHE_DIR"
+        except ConfigError as e:
+            return fail(PROG, str(e))
+    why = writable_dir(cache)
+    if why:
+        return fail(PROG, f"{where}: {why}")
+    why = cupy_missing()
+    if why:
+        return fail(PROG, why)
     for arch in args.arch or DEFAULT_ARCHS:
-        path = jit.cached_cubin(arch, cache)
-        print(f"{arch}: {path} ({path.stat().st_size} bytes)")
+        try:
+            path, seconds = compile_with_notice(arch, cache)
+        except jit.CompileError as e:
+            lines = str(e).splitlines()
+            log = f" (NVRTC log, first 40 of {len(lines) - 1} lines, follows)\n" + "\n".join(lines[1:41]) \
+                if len(lines) > 1 else ""
+            return fail(PROG, lines[0] + log, 1)
+        print(f"{arch}: {path} ({path.stat().st_size} bytes, {seconds:.1f} s)")
     return 0

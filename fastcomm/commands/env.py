@@ -1,14 +1,33 @@
-"""`fastcomm env`: every FASTCOMM_* variable and its meaning."""
+"""`fastcomm env`: every FASTCOMM_* variable: its current value (or default), whether it is valid, its meaning.
+Exits 1 when any is invalid, so scripts can check a setup before starting anything."""
 from __future__ import annotations
+
+import sys
 
 
 def add_parser(sub) -> None:
-    e = sub.add_parser("env", help="list every FASTCOMM_* variable and its meaning")
+    e = sub.add_parser("env", help="every FASTCOMM_* variable: current value, valid or not, meaning",
+                       description=__doc__)
     e.set_defaults(func=run)
 
 
-def run(args) -> int:
-    from ..config import describe_variables
+def render(statuses) -> list[str]:
+    lines = []
+    for s in statuses:
+        value = f"{s.raw!r}" if s.raw is not None else f"unset (default {s.var.default!r})"
+        verdict = "ok" if s.error is None else f"INVALID: {s.error}"
+        lines += [f"{s.var.name} = {value}  [{verdict}]", f"    {s.var.meaning}"]
+    return lines
 
-    print(describe_variables())
+
+def run(args) -> int:
+    from ..config import check_environment
+
+    statuses = check_environment()
+    print("\n".join(render(statuses)))
+    bad = [s for s in statuses if s.error]
+    if bad:
+        print(f"fastcomm env: {len(bad)} invalid setting{'s' if len(bad) > 1 else ''}: "
+              + "; ".join(s.var.name for s in bad), file=sys.stderr)
+        return 1
     return 0

@@ -2,11 +2,13 @@
 
 Prints the link and P2P matrices, each GPU's NUMA node and PCIe link, the islands for the hierarchical mode,
 what could not be read, and the plan: the transport and the algorithm for each message-size range, from the
-same policy table and configuration that a workspace would use.
+same policy table, tune cache and configuration that a workspace would use. On 0 or 1 GPUs there is no plan:
+fastcomm has nothing to do there.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -38,12 +40,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        topo = load(args.from_file, getattr(args, "p2p_file", None))
         config = Config.from_env()
-    except (OSError, ValueError) as e:  # unreadable file, unparsable table, bad FASTCOMM_* value
+        topo = load(args.from_file, getattr(args, "p2p_file", None))
+    except (OSError, ValueError) as e:  # unreadable file, unparsable table, bad FASTCOMM_* value (ConfigError)
         print(f"fastcomm topo: {e}", file=sys.stderr)
         return 2
-    plan, why_none = make_plan(topo, config)
+    plan, why_none = make_plan(topo, config, tuned=True)
     if args.json:
         print(json.dumps(to_json(topo, plan, why_none, config), indent=2))
     else:
@@ -71,15 +73,35 @@ def facts_from(topo: Topology) -> policy.Facts:
                         probed_islands=isl if len(isl) > 1 else None)
 
 
-def make_plan(topo: Topology, config: Config) -> tuple[policy.Plan | None, str | None]:
-    """(plan, None) for what a workspace on all of ``topo``'s GPUs would run, or (None, why there is none)."""
+def make_plan(topo: Topology, config: Config, tuned: bool = False) -> tuple[policy.Plan | None, str | None]:
+    """(plan, None) for what a workspace on all of ``topo``'s GPUs would run, or (None, why there is none).
+    With ``tuned``, the rules come from the tune cache where one applies (as at workspace build)."""
     n = len(topo.gpus)
     if n < 2:
         return None, f"nothing to do on {n} GPU{'' if n == 1 else 's'} (fastcomm needs at least 2)"
+    facts = facts_from(topo)
     try:
-        return policy.make_plan(facts_from(topo), config), None
-    except FastcommError as e:
+        plan = policy.make_plan(facts, config)
+        if tuned:
+            rules, source = tuned_rules(topo, plan, config)
+            plan = policy.make_plan(dataclasses.replace(facts, tuned_rules=rules, rules_source=source), config)
+        return plan, None
+    except FastcommError as e:  # settings the facts forbid, or an explicit FASTCOMM_TUNE_FILE that is unusable
         return None, str(e)
+
+
+def tuned_rules(topo: Topology, plan: policy.Plan, config: Config) -> tuple[tuple[policy.Rule, ...] | None, str]:
+    """The tune cache's rules for this plan, as a workspace on these GPUs would read them, or (None, why not).
+    The fingerprint is built from the probe (GPU name and count) and the plan (transport, link)."""
+    from .. import tunecache
+
+    names = {g.name for g in topo.gpus}
+    if len(names) != 1 or None in names:
+        return None, "defaults (GPU names not read, so no tune cache can be matched)"
+    fp = tunecache.fingerprint_for(names.pop(), plan.world_size, plan.transport, plan.link)
+    if fp is None:
+        return None, "defaults (torch is not installed, so no tune cache can be matched)"
+    return tunecache.rules_from_file(config, fp)
 
 
 def to_json(topo: Topology, plan: policy.Plan | None, why_none: str | None, config: Config) -> dict:
@@ -137,17 +159,24 @@ def render(topo: Topology, plan: policy.Plan | None, why_none: str | None, confi
         out += ["", *_matrix("link", n, lambda i, j: _CODES[topo.link[i][j]], per_gpu), *_LEGEND]
     if n > 1:
         out += ["", *_matrix("p2p w", n, lambda i, j: {True: "OK", False: "no", None: "?"}[topo.p2p[i][j]])]
-        isl = policy.islands(topo.link)
-        shown = " ".join("[" + " ".join(map(str, i)) + "]" for i in isl)
-        how = ("hierarchical: reduce inside each island, exchange once across, broadcast back" if len(isl) > 1
-               else "flat: one island")
-        out += ["", f"islands: {shown}  ({how})"]
+        out += ["", _islands_line(topo, plan)]
         if config.islands:
             out.append(f"  FASTCOMM_ISLANDS overrides this with {list(map(list, config.islands))}")
     if topo.notes:
         out += ["", "could not read / notes:", *(f"  - {note}" for note in topo.notes)]
     out += ["", *_render_plan(plan, why_none, config)]
     return out
+
+
+def _islands_line(topo: Topology, plan: policy.Plan | None) -> str:
+    isl = policy.islands(topo.link)
+    shown = " ".join("[" + " ".join(map(str, i)) + "]" for i in isl)
+    if len(isl) > 1 and plan is not None and plan.transport is policy.Transport.HOST:
+        # The workspace refuses islands on the host transport (it is flat): do not propose them.
+        return f"islands: {shown} by links, not used: the host transport is flat"
+    how = ("hierarchical: reduce inside each island, exchange once across, broadcast back" if len(isl) > 1
+           else "flat: one island")
+    return f"islands: {shown}  ({how})"
 
 
 def _render_plan(plan: policy.Plan | None, why_none: str | None, config: Config) -> list[str]:
