@@ -406,7 +406,7 @@ def run(opts) -> int:
 
     t0 = time.time()
     print("\n".join(table_header(world)), flush=True)
-    results = run_ranks(bench_rank, world, opts, timeout=opts.timeout)
+    results = run_ranks(bench_rank, world, opts, timeout=opts.timeout, backend="nccl")
     bad = {r: v for r, (s, v) in results.items() if s != "ok"}
     if bad:
         for r, v in sorted(bad.items()):

@@ -105,7 +105,7 @@ def tune(opts) -> int:
     from ..spawn import run_ranks
 
     print(table_header(world), flush=True)
-    results = run_ranks(_tune_rank, world, opts, sweep, timeout=opts.timeout)
+    results = run_ranks(_tune_rank, world, opts, sweep, timeout=opts.timeout, backend="nccl")
     bad = {r: v for r, (s, v) in results.items() if s != "ok"}
     if bad:
         for r, v in sorted(bad.items()):
