@@ -148,7 +148,8 @@ def bench_rank(rank, world, gloo, opts):
                               capture_ctx=capture.get(name))
             t_eager = timers(torch, fn, opts.graph_calls, max(3, opts.iters // 4), 2, graph=False)
             rows.append(dict(size=n * elem, count=n, type=opts.dtype, redop="sum", impl=name,
-                             graph_us=t_graph, eager_us=t_eager, wrong=wrong))
+                             graph_us=t_graph, eager_us=t_eager, wrong=wrong,
+                             wire_bytes=wire_for(impls[name], n * elem, world)))
             _show(rows[-1], rank, world)
     if opts.interleave:
         rows += _bench_interleaved(torch, rank, gloo, names, setup, capture, opts)
@@ -248,11 +249,28 @@ def _show(row: dict, rank: int, world: int) -> None:
         print(table_row(row, world), flush=True)
 
 
+def wire_for(impl, nbytes: int, world: int) -> int | None:
+    """Bytes each GPU sends per call: fastcomm's from its layout (``policy.wire_bytes``), NCCL's ring
+    all-reduce from its schedule (2 (n-1)/n of the message); None where no model is kept (other baselines)."""
+    from fastcomm import Algo, policy
+
+    kind, algo = impl
+    if kind == "nccl":
+        return 2 * (world - 1) * nbytes // world
+    if not hasattr(kind, "plan"):
+        return None
+    chosen = kind.algo_for(nbytes, algo)
+    if chosen is Algo.NCCL:
+        return None
+    return policy.wire_bytes(chosen.value, nbytes, world, kind.transport.value,
+                             islands=len(kind.islands) if kind.islands else 1)
+
+
 def table_header(world: int) -> list[str]:
     return [f"# fastcomm all-reduce benchmark, {world} ranks; time = us per call (graph: median of replays of "
             "G back-to-back calls; eager: same loop without a graph)",
             f"#{'size':>12} {'count':>10} {'type':>8} {'redop':>6} {'impl':>28} {'graph us':>9} {'algbw':>7} "
-            f"{'busbw':>7} {'eager us':>9} {'#wrong':>7}"]
+            f"{'busbw':>7} {'eager us':>9} {'#wrong':>7} {'wire B/GPU':>11}"]
 
 
 def table_row(r: dict, world: int) -> str:
@@ -261,7 +279,8 @@ def table_row(r: dict, world: int) -> str:
     busbw = algbw * 2 * (world - 1) / world
     return (f" {r['size']:>12} {r['count']:>10} {r['type']:>8} {r['redop']:>6} {r['impl']:>28} "
             f"{r['graph_us']:>9.2f} {algbw:>7.2f} {busbw:>7.2f} {r['eager_us']:>9.2f} "
-            f"{('n/a' if r['wrong'] < 0 else r['wrong']):>7}")
+            f"{('n/a' if r['wrong'] < 0 else r['wrong']):>7} "
+            f"{('-' if r.get('wire_bytes') is None else r['wire_bytes']):>11}")
 
 
 def table(rows: list[dict], world: int) -> str:

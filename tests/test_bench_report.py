@@ -67,3 +67,20 @@ def test_table_rows_print_one_by_one(capsys):
     B._show(row, 1, 2)
     assert capsys.readouterr().out == B.table_row(row, 2) + "\n"
     assert B.table([row], 2).splitlines() == [*B.table_header(2), B.table_row(row, 2)]
+
+
+def test_wire_column_comes_from_the_layout():
+    # 12 KB at 8 ranks: fastcomm's one-shot writes 7 payload copies (no flag bytes); NCCL's ring 2 (n-1)/n.
+    from fastcomm.policy import Algo, Transport
+
+    class Workspace:  # the three things wire_for reads off a real one
+        plan, transport, islands = object(), Transport.P2P, None
+
+        def algo_for(self, nbytes, algo):
+            return Algo.ONE_SHOT
+
+    assert B.wire_for((Workspace(), "auto"), 12288, 8) == 7 * 12288
+    assert B.wire_for(("nccl", None), 12288, 8) == 2 * 7 * 12288 // 8
+    assert B.wire_for(("symm", "one_shot"), 12288, 8) is None
+    line = B.table_row(dict(_row("fastcomm-auto", 4.0), wire_bytes=86016), 8)
+    assert line.split()[-1] == "86016" and B.table_row(_row("symm-one_shot", 5.0), 8).split()[-1] == "-"

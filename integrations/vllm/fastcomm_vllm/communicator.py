@@ -110,7 +110,9 @@ class FastcommCudaCommunicator(CudaCommunicator):
             return f"device {self.device} is not CUDA"
         for module in ("fastcomm", "cupy"):
             if importlib.util.find_spec(module) is None:
-                return f"{module} is not installed (from a checkout: pip install -e \".[cuda12]\" or \".[cuda13]\")"
+                from fastcomm.commands.args import CUPY_HINT
+
+                return f"{module} is not installed ({CUPY_HINT})"
         try:
             import fastcomm
 
