@@ -63,11 +63,12 @@ def _mtp_config(mtp: int | None) -> dict:
 
 def _gguf():
     """(fastcomm_vllm.gguf, None), or (None, why it does not import) (GGUF support is part of the vLLM extra)."""
-    try:
-        from fastcomm_vllm import gguf
+    import importlib
+
+    try:  # through sys.modules (not the package attribute), so what is registered there is what runs
+        return importlib.import_module("fastcomm_vllm.gguf"), None
     except ImportError as e:
         return None, str(e)
-    return gguf, None
 
 
 def _looks_gguf(name: str) -> bool:

@@ -225,7 +225,8 @@ def test_bench_prints_the_header_before_the_run_and_rows_as_they_come(run, monke
     row = dict(size=12288, count=6144, type="bfloat16", redop="sum", impl="nccl", graph_us=8.0, eager_us=9.0,
                wrong=0)
 
-    def fake_ranks(fn, world, opts, timeout):
+    def fake_ranks(fn, world, opts, timeout, backend):
+        assert backend == "nccl"  # the benchmark compares with NCCL: one GPU per rank
         assert fn is B.bench_rank
         B._show(row, 0, world)  # what rank 0 does after each measurement
         B._show(row, 1, world)  # other ranks print nothing
