@@ -148,9 +148,9 @@ class Workspace:
     def __init__(self, group: Any = None, device: torch.device | int | None = None, *,
                  config: Config | None = None, **overrides):
         self.config = config if config is not None else Config.from_env(**overrides)
-        from . import log
+        from . import log as log_setup
 
-        log.setup(self.config)  # FASTCOMM_LOG: the build's one-line summary reaches stderr outside vLLM
+        log_setup.setup(self.config)  # FASTCOMM_LOG: the build's one-line summary reaches stderr outside vLLM
         self.group = group if group is not None else dist.group.WORLD
         self._hs = Handshake(self.group)
         self.rank, self.world_size = self._hs.rank, self._hs.world_size

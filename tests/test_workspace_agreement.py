@@ -18,3 +18,13 @@ def test_a_local_failure_is_raised_on_every_rank():
         assert failed[0] == "default" and "ZeroDivisionError" in failed[1]
         assert ok == [0, 10]
         assert err is not None and "allocating device memory failed on rank 1" in err and "out of device memory" in err
+
+
+def test_a_failed_build_reports_its_cause_not_the_cleanups():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without a usable CUDA driver")
+    got = check_all_ok(run_ranks(spawn_bodies.failed_build, 2, backend="gloo", timeout=120))
+    for msg in got:
+        assert msg != "built" and "InsufficientDriver" not in msg and "cudaError" not in msg, msg

@@ -39,3 +39,15 @@ def handshake_steps(rank, world, group):
     except FastcommError as e:
         err = str(e)
     return ok, err, decided, failed
+
+
+def failed_build(rank, world, group):
+    """A workspace build that fails (here: no CUDA driver on a CPU machine) must raise its own cause, not
+    whatever the cleanup after it raises (CuPy's cudaErrorInsufficientDriver, once)."""
+    import fastcomm
+
+    try:
+        fastcomm.Workspace(group, device=0)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "built"
