@@ -1,5 +1,5 @@
 // Device primitives shared by every fastcomm kernel: sizes, the peer table, flag loads/stores at system
-// scope, flag-in-data packets, dtype conversions, bounded waits and the per-launch epoch.
+// scope, readiness-in-data (sentinel) slots, dtype conversions, bounded waits and the per-launch epoch.
 //
 // No CUDA headers are included, so the same text compiles under NVRTC (at first use, and in CI for
 // sm_80/90/120) and under nvcc.
@@ -91,17 +91,6 @@ struct FcTable {
 };
 
 // ---- memory operations ---------------------------------------------------------------------------------
-
-// 16-byte packet store; volatile so it is neither cached nor split. Readiness is in the data, so no fence.
-// No "memory" clobber on packet loads/stores: they order nothing but themselves, and a clobber would stop
-// the compiler from issuing the row's other loads (residual, weight) ahead of the spin-wait.
-__device__ __forceinline__ void fc_store_packet(char* p, u32 d0, u32 f0, u32 d1, u32 f1) {
-  asm volatile("st.volatile.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(d0), "r"(f0), "r"(d1), "r"(f1));
-}
-
-__device__ __forceinline__ void fc_load_packet(const char* p, u32& d0, u32& f0, u32& d1, u32& f1) {
-  asm volatile("ld.volatile.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(d0), "=r"(f0), "=r"(d1), "=r"(f1) : "l"(p));
-}
 
 // Flag release: every write this thread (and, through the preceding __syncthreads, its block) made before
 // becomes visible to whoever acquires the flag, at system scope (peer GPUs and host memory).
@@ -233,51 +222,6 @@ struct FcF32 {
   static __device__ __forceinline__ raw from_f(float f) { return __float_as_uint(f); }
 };
 
-// 8 payload bytes as elements of D.
-template <class D>
-struct FcPayload {
-  static constexpr int N = 8 / sizeof(typename D::raw);
-  __device__ static __forceinline__ void unpack(uint2 v, float* out) {
-    typename D::raw r[N];
-    *reinterpret_cast<uint2*>(r) = v;
-#pragma unroll
-    for (int i = 0; i < N; ++i) out[i] = D::to_f(r[i]);
-  }
-  __device__ static __forceinline__ uint2 pack(const float* in) {
-    typename D::raw r[N];
-#pragma unroll
-    for (int i = 0; i < N; ++i) r[i] = D::from_f(in[i]);
-    return *reinterpret_cast<uint2*>(r);
-  }
-};
-
-// Payload i of a byte range [base, base+limit): 8 bytes when whole and aligned; else byte by byte with
-// zero padding (the tail of a message, or rows whose start is not 8-byte aligned).
-__device__ __forceinline__ uint2 fc_load_payload(const char* base, u64 i, u64 limit) {
-  u64 off = i * FC_PACKET_PAYLOAD;
-  const char* p = base + off;
-  if (off + FC_PACKET_PAYLOAD <= limit && ((reinterpret_cast<u64>(p) & 7u) == 0)) {
-    return *reinterpret_cast<const uint2*>(p);
-  }
-  uint2 v = make_uint2(0u, 0u);
-  char* d = reinterpret_cast<char*>(&v);
-  u64 n = limit - off < FC_PACKET_PAYLOAD ? limit - off : FC_PACKET_PAYLOAD;
-  for (u64 b = 0; b < n; ++b) d[b] = p[b];
-  return v;
-}
-
-__device__ __forceinline__ void fc_store_payload(char* base, u64 i, u64 limit, uint2 v) {
-  u64 off = i * FC_PACKET_PAYLOAD;
-  char* p = base + off;
-  if (off + FC_PACKET_PAYLOAD <= limit && ((reinterpret_cast<u64>(p) & 7u) == 0)) {
-    *reinterpret_cast<uint2*>(p) = v;
-    return;
-  }
-  const char* s = reinterpret_cast<const char*>(&v);
-  u64 n = limit - off < FC_PACKET_PAYLOAD ? limit - off : FC_PACKET_PAYLOAD;
-  for (u64 b = 0; b < n; ++b) p[b] = s[b];
-}
-
 // ---- Lamport one-shot: readiness in the data itself ------------------------------------------------------
 //
 // A slot element "has not arrived" while it holds the sentinel: all ones (0xFFFF for bf16/fp16,
@@ -289,9 +233,10 @@ __device__ __forceinline__ void fc_store_payload(char* base, u64 i, u64 limit, u
 // of it is the sentinel, and an element, once written, keeps its value until a clear in a later call.
 //
 // Buffers and clears. Counting only the calls that use these slots (one-shot and fused, which share
-// them), call c of a group uses buffer c mod 3 (state[2], in device memory so graph replays advance it). Every slot starts as the sentinel (fastcomm.layout sentinel_regions: the workspace fills
-// them with 0xFF) and is put back to the sentinel, over the bytes the call wrote (state[3]), one call
-// later, in call c+1, by the only rank that may:
+// them), call c of a group uses buffer c mod 3 (state[2], in device memory so graph replays advance it).
+// Every slot starts as the sentinel (fastcomm.layout sentinel_regions: the workspace fills them with 0xFF)
+// and is put back to the sentinel, over the bytes the call wrote (state[3]), one call later, in call c+1,
+// by the only rank that may:
 //  - P2P (slots in the receiver's memory, each read only by their owner): the receiver clears its receive
 //    slots of buffer (c-1) mod 3 at the start of call c: its own call c-1 kernel, the only reader, has
 //    finished (stream order). The next write into that buffer is some peer's call c+2, which the peer
