@@ -15,10 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-from fastcomm.commands.args import fail, nonneg_int_arg, positive_float_arg, positive_int_arg, positive_size_arg, \
-    prepare_gpus, transports_arg, writable_file
+from fastcomm.commands.args import add_sweep_arguments, fail, nonneg_int_arg, positive_float_arg, positive_int_arg, \
+    positive_size_arg, prepare_gpus, transports_arg, writable_file
 from fastcomm.measure import check_exact, sizes, timers
-from fastcomm.units import KiB as KB
 from fastcomm.units import MiB as MB
 from fastcomm.units import format_size, parse_size
 
@@ -340,15 +339,7 @@ def _token_counts(text: str) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-b", "--minbytes", dest="min_bytes", type=positive_size_arg, default=KB,
-                   help="smallest message (default 1K)")
-    p.add_argument("-e", "--maxbytes", dest="max_size", type=positive_size_arg, default=64 * MB,
-                   help="largest message (default 64M)")
-    p.add_argument("-f", "--stepfactor", dest="factor", type=positive_float_arg, default=2.0)
-    p.add_argument("-n", "--iters", type=positive_int_arg, default=50, help="timed graph replays (eager: a quarter)")
-    p.add_argument("-w", "--warmup_iters", dest="warmup", type=nonneg_int_arg, default=5)
-    p.add_argument("-G", "--graph-calls", dest="graph_calls", type=positive_int_arg, default=20,
-                   help="back-to-back calls captured in one graph (per-call time = replay / G)")
+    add_sweep_arguments(p, iters=50, max_help="largest message (default 64M)")
     p.add_argument("--extra-sizes", default="12K", help="comma list of sizes added to the sweep (12K: GLM-5 decode)")
     p.add_argument("-d", "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--world", type=nonneg_int_arg, default=0, help="ranks (default: all visible GPUs)")

@@ -202,3 +202,16 @@ def nonneg_int_arg(text: str) -> int:
     if n < 0:
         raise argparse.ArgumentTypeError(f"{text!r}: must be >= 0")
     return n
+
+
+def add_sweep_arguments(p: argparse.ArgumentParser, *, iters: int, max_help: str) -> None:
+    """The nccl-tests-shaped sweep flags that `fastcomm tune` and `fastcomm bench` share."""
+    p.add_argument("-b", "--minbytes", dest="min_bytes", type=positive_size_arg, default=1 << 10,
+                   help="smallest message (default 1K)")
+    p.add_argument("-e", "--maxbytes", dest="max_size", type=positive_size_arg, default=64 << 20, help=max_help)
+    p.add_argument("-f", "--stepfactor", dest="factor", type=positive_float_arg, default=2.0)
+    p.add_argument("-n", "--iters", type=positive_int_arg, default=iters,
+                   help=f"timed graph replays per point (default {iters})")
+    p.add_argument("-w", "--warmup_iters", dest="warmup", type=nonneg_int_arg, default=5)
+    p.add_argument("-G", "--graph-calls", dest="graph_calls", type=positive_int_arg, default=20,
+                   help="back-to-back calls captured in one graph (per-call time = replay / G)")

@@ -11,8 +11,7 @@ from ..measure import check_exact, sizes, timers
 from ..policy import Algo, PolicyKey, render_ranges, size_ranges
 from ..tunecache import DEFAULT_MARGIN, FASTCOMM_ALGOS, SCHEMA_VERSION, Fingerprint, TuneCache, default_path, \
     fingerprint_here, rules_from_measurements
-from .args import fail, nonneg_int_arg, positive_float_arg, positive_int_arg, positive_size_arg, prepare_gpus, \
-    writable_file
+from .args import add_sweep_arguments, fail, nonneg_int_arg, positive_float_arg, prepare_gpus, writable_file
 
 PROG = "fastcomm tune"
 
@@ -23,15 +22,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--world", type=nonneg_int_arg, default=0, help="ranks (default: all visible GPUs)")
     p.add_argument("--transport", choices=("auto", "p2p", "host"), default="auto",
                    help="transport to tune (auto: what a workspace would pick here)")
-    p.add_argument("-b", "--minbytes", dest="min_bytes", type=positive_size_arg, default=1 << 10,
-                   help="smallest size measured (default 1K)")
-    p.add_argument("-e", "--maxbytes", dest="max_size", type=positive_size_arg, default=64 << 20,
-                   help="largest size measured (default 64M; also the tuning workspace's size)")
-    p.add_argument("-f", "--stepfactor", dest="factor", type=positive_float_arg, default=2.0)
-    p.add_argument("-n", "--iters", type=positive_int_arg, default=30, help="timed graph replays per point")
-    p.add_argument("-w", "--warmup_iters", dest="warmup", type=nonneg_int_arg, default=5)
-    p.add_argument("-G", "--graph-calls", dest="graph_calls", type=positive_int_arg, default=20,
-                   help="back-to-back calls captured in one graph (per-call time = replay / G)")
+    add_sweep_arguments(p, iters=30, max_help="largest size measured (default 64M; also the tuning workspace's size)")
     p.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="fraction by which fastcomm must beat NCCL")
     p.add_argument("--out", default=None, help="cache file (default: tune.json under FASTCOMM_CACHE_DIR)")
     p.add_argument("--timeout", type=positive_float_arg, default=900, help="deadline for the whole measurement, seconds")
