@@ -16,7 +16,7 @@ import itertools
 import logging
 import os
 import secrets
-import time
+import threading
 import types
 import weakref
 from pathlib import Path
@@ -102,8 +102,13 @@ class _Resources:
         self.host_size = 0
         self.host_registered = False
         self.shm_path: Path | None = None
+        self.watchers: list[threading.Thread] = []
+        self.stop = threading.Event()  # set first on release: watchers stop reading the record before it is freed
 
     def release(self) -> None:
+        self.stop.set()
+        for t in self.watchers:
+            t.join(timeout=2.0)
         try:
             import cupy
 
@@ -398,17 +403,12 @@ class Workspace:
         device-side timeout. The record is pinned host memory, readable while the CUDA context is dead, so
         the message naming rank, peer and step reaches the log even when CUDA's own error surfaces elsewhere
         (a later sync, another library) as a generic launch failure."""
-        import threading
-
-        def loop() -> None:
-            while not self.closed:
-                msg = describe(self._err, self.config.timeout_s)
-                if msg is not None:
-                    callback(msg)
-                    return
-                time.sleep(interval_s)
-
-        threading.Thread(target=loop, name=f"fastcomm-watch-{self.id}", daemon=True).start()
+        if self.closed:
+            return
+        t = threading.Thread(target=watch_record, args=(self._err, self.config.timeout_s, self._res.stop, callback,
+                                                         interval_s), name=f"fastcomm-watch-{self.id}", daemon=True)
+        self._res.watchers.append(t)
+        t.start()
 
     def describe(self) -> str:
         return self.plan.describe() + (f"; {self._p2p_note}" if self._p2p_note else "")
@@ -433,6 +433,18 @@ class Workspace:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def watch_record(err: ErrorRecord, timeout_s: float, stop: threading.Event, callback, interval_s: float) -> None:
+    """The watcher's loop: ``callback(message)`` once when ``err`` records a timeout; returns when ``stop`` is
+    set (release sets it, and waits for this loop, before the record's memory is freed). Holds no reference
+    to the workspace, so a forgotten workspace is still collected and released."""
+    while not stop.is_set():
+        msg = describe(err, timeout_s)
+        if msg is not None:
+            callback(msg)
+            return
+        stop.wait(interval_s)
 
 
 def translate_error(exc: BaseException | None = None) -> FastcommTimeoutError | None:

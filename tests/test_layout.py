@@ -161,3 +161,25 @@ def test_sentinel_regions_cover_exactly_the_one_shot_slots_of_every_group():
     assert len(lay.sentinel_regions) == len(lay.groups)
     for (off, n), g in zip(lay.sentinel_regions, lay.groups):
         assert (off, n) == (g.lp_off, g.rs_off - g.lp_off) and off % 16 == 0 and off + n <= lay.shared_bytes
+
+
+def test_the_watcher_reports_once_and_stops_before_release():
+    # Workspace.watch's loop on a plain record: one callback when the record says timeout, and it returns as
+    # soon as the stop event (set by release, before the pinned record is freed) is set.
+    import threading
+
+    from fastcomm.workspace import watch_record
+
+    rec, stop, got = abi.ErrorRecord(), threading.Event(), []
+    t = threading.Thread(target=watch_record, args=(rec, 3.0, stop, got.append, 0.01), daemon=True)
+    t.start()
+    rec.rank, rec.peer, rec.step, rec.code = 2, 5, abi.STEP_ONE_SHOT, 1
+    t.join(5)
+    assert not t.is_alive() and len(got) == 1 and "rank 2 timed out" in got[0] and "peer rank 5" in got[0]
+    idle = threading.Thread(target=watch_record, args=(abi.ErrorRecord(), 3.0, stop, got.append, 10.0), daemon=True)
+    idle.start()
+    idle.join(0.2)
+    assert idle.is_alive()  # nothing recorded: still watching
+    stop.set()  # what release does first
+    idle.join(2)
+    assert not idle.is_alive() and len(got) == 1  # woke at once on stop, reported nothing
