@@ -262,16 +262,9 @@ def test_plan_mtp_choices(tiny, tiny_no_mtp, plugin_present):
 
 
 def test_plan_other_architecture_passes_unchanged(tmp_path, plugin_present):
-    import gguf
+    import tinyglm
 
-    w = gguf.GGUFWriter(tmp_path / "tiny-llama.gguf", "llama")
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    p = fg.plan(str(tmp_path / "tiny-llama.gguf"))
+    p = fg.plan(str(tinyglm.write_other_arch(tmp_path / "tiny-llama.gguf")))
     assert not p.glm and not p.mtp and p.kwargs == {"model": str(tmp_path / "tiny-llama.gguf"),
                                                       "quantization": "gguf", "load_format": "gguf"}
     with pytest.raises(fg.GgufError, match="MTP needs a GLM-5 GGUF"):

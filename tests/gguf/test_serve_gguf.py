@@ -3,7 +3,6 @@ import json
 import shlex
 import sys
 
-import numpy as np
 import pytest
 
 from conftest import installed, needs_gguf
@@ -71,16 +70,9 @@ def test_glm5_without_mtp_block(capsys, tiny_no_mtp):
 
 
 def test_other_architecture_passes_unchanged(capsys, tmp_path):
-    import gguf
+    import tinyglm
 
-    path = tmp_path / "tiny-llama.gguf"
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = tinyglm.write_other_arch(tmp_path / "tiny-llama.gguf")
     _, args, err = dry(capsys, [str(path), "--gpus", "2"])
     assert args == [str(path), "--tensor-parallel-size", "2"] and "not GLM-5" in err
 

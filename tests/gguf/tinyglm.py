@@ -331,3 +331,15 @@ def write_reference(out: Path, truth: dict, s: Shape = Shape()) -> Path:
               str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(hf_config(s), indent=1))
     return out
+
+
+def write_other_arch(path: Path) -> Path:
+    """A one-tensor GGUF of another architecture (llama): what fastcomm must pass to the plugin unchanged."""
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
