@@ -22,6 +22,7 @@ from . import abi, jit
 from .config import Config
 from .errors import FastcommError
 from .policy import Facts, LinkType, islands, worst_link
+from .policy.plan import choose_transport
 
 log = logging.getLogger("fastcomm")
 
@@ -116,8 +117,9 @@ def gather_facts(hs: Handshake, device_index: int, config: Config) -> Facts:
             all_p2p = False
             check_note = f"P2P writes lost for {pairs}: host transport"
     link, probed = _probe_links(hs, [i["uuid"] for i in infos])
-    transport = "p2p" if all_p2p and config.transport != "host" else "host"
-    tuned, source = _read_tune_cache(hs, config, transport, link, device_index)
+    # The tune cache is keyed by the transport the plan will pick: the same decision, asked early.
+    tuned, source = _read_tune_cache(hs, config, choose_transport(all_p2p, config.transport).value, link,
+                                     device_index)
     return Facts(world_size=hs.world_size, all_p2p=all_p2p, link=link, probed_islands=probed,
                  num_sms=min(i["sms"] for i in infos), tuned_rules=tuned, rules_source=source, p2p_note=check_note)
 

@@ -105,6 +105,11 @@ def scale_one_shot(rules: tuple[Rule, ...], copies: int) -> tuple[Rule, ...]:
     return tuple(out)
 
 
+def choose_transport(all_p2p: bool, requested: str) -> Transport:
+    """P2P where every pair reaches the other and the settings do not ask for host memory; else host."""
+    return Transport.P2P if all_p2p and requested != "host" else Transport.HOST
+
+
 def make_plan(facts: Facts, config: Config) -> Plan:
     """The plan for these facts; raises FastcommError when the settings ask for what the facts forbid."""
     world = facts.world_size
@@ -112,7 +117,7 @@ def make_plan(facts: Facts, config: Config) -> Plan:
         raise FastcommError(f"fastcomm needs 2..{MAX_WORLD} ranks, group has {world}")
     if config.transport == "p2p" and not facts.all_p2p:
         raise FastcommError("FASTCOMM_TRANSPORT=p2p but some GPU pairs cannot reach each other by P2P")
-    transport = Transport.P2P if facts.all_p2p and config.transport != "host" else Transport.HOST
+    transport = choose_transport(facts.all_p2p, config.transport)
     islands = config.islands or (facts.probed_islands if transport is Transport.P2P else None)
     if islands:
         try:
