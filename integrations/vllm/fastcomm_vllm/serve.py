@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 from typing import Mapping, Sequence
 
@@ -217,25 +216,15 @@ def probe_topology():
 
 
 def count_gpus(topo) -> int:
-    """Visible GPUs: the probe, else torch, else `nvidia-smi -L` (filtered by CUDA_VISIBLE_DEVICES)."""
+    """Visible GPUs: the probe's (NVML, else nvidia-smi, CUDA_VISIBLE_DEVICES applied), else torch's."""
     if topo is not None:
         return len(topo.gpus)
     try:
         import torch
 
-        if torch.cuda.is_available():
-            return torch.cuda.device_count()
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception:
-        pass
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
         return 0
-    n = sum(1 for line in out.splitlines() if line.startswith("GPU "))
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        n = min(n, len([v for v in visible.split(",") if v.strip()]))
-    return n
 
 
 def nccl_env(topo, tp: int) -> list[tuple[str, str, str]]:
