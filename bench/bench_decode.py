@@ -15,6 +15,7 @@ decode_report (the table).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -88,6 +89,9 @@ def parse_args(argv):
     p.add_argument("--dummy", action="store_true",
                    help="vLLM's dummy (random) weights for a checkpoint or Hugging Face id: no weights loaded; "
                         "config-only models always run with them")
+    p.add_argument("--quantization", default=None, metavar="METHOD",
+                   help="vLLM's --quantization for a checkpoint, config or Hugging Face model, e.g. fp8 (dummy "
+                        "weights are quantized as they load); a GGUF file brings its own")
     mtp = p.add_mutually_exclusive_group()
     mtp.add_argument("--mtp", type=int, default=None, metavar="N",
                      help="speculative decoding with the model's MTP layers, N draft tokens per step; the report "
@@ -198,6 +202,10 @@ def _main(argv) -> int:
         model = decode_models.resolve(args.model, dummy=args.dummy, mtp=args.mtp)
     except decode_models.ModelError as e:
         raise UsageError(str(e)) from None
+    if args.quantization:
+        if model.source == "gguf":
+            raise UsageError(f"--quantization {args.quantization}: a GGUF file brings its own quantization")
+        model = dataclasses.replace(model, engine={**model.engine, "quantization": args.quantization})
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = writable_out(Path(args.out) if args.out else Path.cwd() / f"decode-{model.label}-{stamp}.json")
     problem = why_not_runnable(any(BACKENDS[n].fastcomm for n in names))
@@ -211,7 +219,7 @@ def _main(argv) -> int:
                 repeats=args.repeats, max_model_len=args.max_model_len, seed=args.seed, mtp=model.mtp,
                 gpu_memory_utilization=args.gpu_memory_utilization, profile_dir=args.profile_dir,
                 profile_tokens=args.profile_tokens, profile_concurrency=args.profile_concurrency,
-                fastcomm_env=fastcomm_env or None)
+                fastcomm_env=fastcomm_env or None, quantization=model.engine.get("quantization"))
     # The record names the model as given (no absolute path of this machine) and the commit it ran.
     meta = {**{k: v for k, v in spec.items() if k not in ("engine", "gguf")}, "model": model.record_name, "model_source": model.source,
             "weights": model.weights, "configs": names, "rounds": args.rounds, "started": stamp,

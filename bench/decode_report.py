@@ -55,6 +55,7 @@ def header(meta: dict) -> str:
             f"capture sizes {meta.get('capture_sizes') or 'vLLM default'}"
             + (f"  max_num_seqs {meta['max_num_seqs']}" if meta.get("max_num_seqs") else "")
             + ("  weights: vLLM dummy (random, same seed in every row)" if weights == "dummy" else "  weights: real")
+            + (f"  quantization {meta['quantization']}" if meta.get("quantization") else "")
             + (f"  MTP {meta['mtp']} draft tokens" if meta.get("mtp") else "")
             + (f"  fastcomm rows with {env_text(meta['fastcomm_env'])}" if meta.get("fastcomm_env") else ""))
 

@@ -22,6 +22,7 @@ def main(model: str) -> None:
 
     load_general_plugins()
     kwargs = fg.engine_kwargs(model, derive_tokenizer=False)
+    shown = json.loads(json.dumps(kwargs))  # vLLM 0.25 adds its config objects to the speculative_config dict
     vc = EngineArgs(**kwargs, skip_tokenizer_init=True, max_model_len=1024, enforce_eager=True).create_engine_config()
     target, draft = vc.model_config, vc.speculative_config.draft_model_config
     print(json.dumps({
@@ -31,7 +32,7 @@ def main(model: str) -> None:
                   "architectures": draft.hf_config.architectures, "quantization": draft.quantization,
                   "marker": getattr(draft.hf_config, "fastcomm_gguf_arch", None),
                   "k": vc.speculative_config.num_speculative_tokens},
-        "kwargs": kwargs}))
+        "kwargs": shown}))
 
 
 if __name__ == "__main__":

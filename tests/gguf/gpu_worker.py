@@ -5,7 +5,8 @@
 MODE logits: the prompt log-probabilities (every vocabulary entry, every prompt position) of a fixed random
 128-token prompt. MODE greedy: 32 greedy tokens after the same prompt, and the MTP draft counters.
 MODEL: a GGUF (fastcomm's engine_kwargs) or a checkpoint folder (vLLM's normal loader). --swap hands layer 0's
-fused q_a / kv_a shards over under each other's names (the negative control).
+fused gate / up shards (the dense MLP's gate_up_proj: the same shape and type, so a wrong order loads and
+runs, silently wrong) over under each other's names (the negative control).
 """
 import argparse
 import json
@@ -57,7 +58,7 @@ def main() -> None:
             original = weights.iter_weights
 
             def swapped(*args, **kw):
-                a0, b0 = "model.layers.0.self_attn.q_a_proj.", "model.layers.0.self_attn.kv_a_proj_with_mqa."
+                a0, b0 = "model.layers.0.mlp.gate_proj.", "model.layers.0.mlp.up_proj."
                 for n, t in original(*args, **kw):
                     yield (b0 + n[len(a0):] if n.startswith(a0) else a0 + n[len(b0):] if n.startswith(b0) else n), t
 

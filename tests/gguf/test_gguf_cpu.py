@@ -105,7 +105,7 @@ VLLM_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermedia
 
 
 def test_metadata_to_config(tiny):
-    import tinyglm
+    from fastcomm_bench import glm5_gguf as tinyglm
 
     first, _, shape = tiny
     cfg = metadata.hf_config(metadata.read(files.discover(str(first))))
@@ -129,7 +129,7 @@ def test_derived_config_loads_in_transformers(tiny):
 
 
 def test_mtp_detection(tiny, tiny_no_mtp, tmp_path):
-    import tinyglm
+    from fastcomm_bench import glm5_gguf as tinyglm
 
     assert metadata.mtp_layers(metadata.read(files.discover(str(tiny[0])))) == 1
     assert metadata.mtp_layers(metadata.read(files.discover(str(tiny_no_mtp[0])))) == 0
@@ -203,7 +203,7 @@ def test_stream_parts(tiny):
 
 
 def test_unknown_tensor_is_named(tmp_path):
-    import tinyglm
+    from fastcomm_bench import glm5_gguf as tinyglm
 
     first, _ = tinyglm.write_gguf(tmp_path, tinyglm.Shape(), shards=1,
                                   extra=(("blk.0.attn_sinks.weight", np.zeros(16, np.float32)),))
@@ -262,7 +262,7 @@ def test_plan_mtp_choices(tiny, tiny_no_mtp, plugin_present):
 
 
 def test_plan_other_architecture_passes_unchanged(tmp_path, plugin_present):
-    import tinyglm
+    from fastcomm_bench import glm5_gguf as tinyglm
 
     p = fg.plan(str(tinyglm.write_other_arch(tmp_path / "tiny-llama.gguf")))
     assert not p.glm and not p.mtp and p.kwargs == {"model": str(tmp_path / "tiny-llama.gguf"),
@@ -278,3 +278,29 @@ def test_missing_packages_name_the_extra(monkeypatch, tiny):
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "vllm_gguf_plugin" else real(n, *a))
     with pytest.raises(fg.GgufError, match=r'vllm-gguf-plugin is not installed.*pip install -e "\.\[gguf\]"'):
         fg.plan(str(tiny[0]))
+
+
+@needs_gguf
+def test_benchmark_model_is_the_shipped_config_as_gguf(tmp_path):
+    """The full-width benchmark file has the shapes of bench/models/glm5-78L-16E (so GGUF and FP8 rows serve
+    the same model), and its truth-less fast mode writes the same tensors as the tested mode."""
+    import dataclasses
+    import json
+
+    from fastcomm_bench import glm5_gguf as g
+    from fastcomm_bench.decode_models import SHIPPED_DIR
+
+    shipped = json.loads((SHIPPED_DIR / "glm5-78L-16E" / "config.json").read_text())
+    ours = g.hf_config(g.FULL)
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+            "first_k_dense_replace", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+            "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "num_experts_per_tok", "index_topk",
+            "index_head_dim", "index_n_heads")
+    assert {k: ours[k] for k in keys} == {k: shipped[k] for k in keys}
+    small = dataclasses.replace(g.Shape(), layers=3)
+    full, truth = g.build(small, truth=True)
+    fast, none = g.build(small, truth=False)
+    assert none == {} and truth
+    assert [(n, a.shape, a.dtype, q) for n, a, q in full] == [(n, a.shape, a.dtype, q) for n, a, q in fast]
+    experts = [a for n, a, q in fast if n.endswith("ffn_up_exps.weight")]
+    assert len(experts) == 3 and all(e is experts[0] for e in experts)  # 2 MoE layers + MTP; shared bytes: the 41 GB file writes at disk speed

@@ -70,7 +70,7 @@ def test_glm5_without_mtp_block(capsys, tiny_no_mtp):
 
 
 def test_other_architecture_passes_unchanged(capsys, tmp_path):
-    import tinyglm
+    from fastcomm_bench import glm5_gguf as tinyglm
 
     path = tinyglm.write_other_arch(tmp_path / "tiny-llama.gguf")
     _, args, err = dry(capsys, [str(path), "--gpus", "2"])

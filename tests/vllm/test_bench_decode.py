@@ -418,3 +418,23 @@ def test_worker_engine_arguments():
     assert kw["disable_custom_all_reduce"] and kw["compilation_config"] == {"cudagraph_capture_sizes": [1, 2]}
     plain = decode_worker.engine_kwargs({**spec, "mtp": 0, "engine": {"model": "m"}}, decode_backends.BACKENDS["vllm"])
     assert "disable_log_stats" not in plain and "load_format" not in plain and not plain["disable_custom_all_reduce"]
+
+
+def test_quantization_reaches_the_engine_and_the_record(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(B, "why_not_runnable", lambda fastcomm_rows: None)
+    seen = []
+
+    def run_backend(backend, spec, log_dir, timeout, tag=""):
+        seen.append(spec)
+        return result(backend.name, list(range(64)))
+
+    monkeypatch.setattr(B, "run_backend", run_backend)
+    assert B.main(["--configs", "vllm", "--tp", "1", "--quantization", "fp8", "--max-tokens", "64",
+                   "--out", str(tmp_path / "r.json")]) == 0
+    assert seen[0]["engine"]["quantization"] == "fp8" and seen[0]["engine"]["load_format"] == "dummy"
+    assert json.loads((tmp_path / "r.json").read_text())["meta"]["quantization"] == "fp8"
+    assert "quantization fp8" in capsys.readouterr().out
+    gguf = decode_models.Model("gguf", "m", "real", 0, {"model": "m.gguf"})
+    monkeypatch.setattr(decode_models, "resolve", lambda *a, **k: gguf)
+    one_line_error(capsys, ["--model", "m.gguf", "--quantization", "fp8"], "a GGUF file brings its own quantization")

@@ -8,7 +8,9 @@ in each worker, after or before the plugin's own ``gguf`` entry point (both orde
   the still-empty parameter); every other parameter goes to vLLM's loader unchanged;
 - the plugin's config parser, which reads config.json from the GGUF's folder, reads the folder fastcomm
   derived from the file's metadata instead when the GGUF is GLM-5 and its folder has no config.json (front
-  end: the MTP draft's config is parsed from the GGUF path, with no --hf-config-path to point elsewhere).
+  end: the MTP draft's config is parsed from the GGUF path, with no --hf-config-path to point elsewhere);
+- vLLM <= 0.25 asks transformers for the image processor of every model, the MTP draft's too, whose model is
+  the GGUF file: transformers takes a file path for a Hub repo id and raises. A GGUF file has none: {}.
 Idempotent; a no-op when the plugin is not installed.
 """
 from __future__ import annotations
@@ -33,6 +35,7 @@ def register() -> None:
     if GlmDsaGGUFAdapter not in weights_adapter._ADAPTER_REGISTRY:
         weights_adapter._ADAPTER_REGISTRY.insert(0, GlmDsaGGUFAdapter)
     _teach_replicated_linear()
+    _no_image_processor_for_gguf_files()
     original = GGUFConfigParser._resolve_config_source
     if not getattr(original, "_fastcomm", False):
         GGUFConfigParser._resolve_config_source = staticmethod(_config_source(original))
@@ -60,6 +63,23 @@ def _teach_replicated_linear() -> None:
 
     weight_loader._fastcomm = True
     ReplicatedLinear.weight_loader = weight_loader
+
+
+def _no_image_processor_for_gguf_files() -> None:
+    from vllm.config import model as model_module
+
+    original = getattr(model_module, "get_hf_image_processor_config", None)  # newer vLLM probes multimodal only
+    if original is None or getattr(original, "_fastcomm", False):
+        return
+
+    @functools.wraps(original)
+    def probe(model, *args, **kwargs):
+        if str(model).endswith(".gguf") and Path(str(model)).is_file():
+            return {}
+        return original(model, *args, **kwargs)
+
+    probe._fastcomm = True
+    model_module.get_hf_image_processor_config = probe
 
 
 def _config_source(original):

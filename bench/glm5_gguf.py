@@ -1,4 +1,11 @@
-"""A tiny GLM-5-shaped model written the way llama.cpp writes GLM-5 GGUFs, plus its float "truth".
+"""GLM-5-shaped models written the way llama.cpp writes GLM-5 GGUFs, plus their float "truth".
+
+Two uses: the tests' tiny model (``Shape()``, with its truth, for the mapping and logits checks), and the
+benchmark's full-width one (``FULL``: GLM-5's widths, 78 layers + the MTP block, 16 routed experts with
+top-8 kept, so each token reads the real model's bytes; ~41 GB, one H200). For the benchmark no truth is
+kept and one random array per (type, shape) is reused by every layer, so writing it is disk-bound:
+
+    python -m fastcomm_bench.glm5_gguf OUT_DIR --full [--no-mtp] [--shards N]
 
 Shapes keep what the sparse-MLA kernels fix (kv_lora 512, rope 64, indexer 32 heads x 128, qk_nope 192,
 v_head 256) and shrink the rest. Tensor types mix what an Unsloth UD-Q4_K_XL file mixes (Q4_K, Q5_K, Q6_K,
@@ -41,6 +48,10 @@ class Shape:
     experts: int = 8
     top_k: int = 2
     mtp: bool = True
+
+
+FULL = Shape(hidden=6144, vocab=154880, layers=78, dense=3, heads=64, q_lora=2048, ffn=12288, moe_ffn=2048,
+             experts=16, top_k=8)  # bench/models/glm5-78L-16E's shapes
 
 
 # HF leaf name -> (llama.cpp GGUF leaf, type). Types follow a UD-Q4_K_XL file's mix; q_a and kv_a differ on
@@ -155,16 +166,36 @@ def make_tensor(rng, qtype: Q, shape: tuple, *, norm: bool = False) -> tuple[np.
 
 # ---- the model ---------------------------------------------------------------------------------------------
 
-def build(s: Shape, seed: int = 0):
-    """(GGUF tensors in llama.cpp's write order as (gguf_name, stored, qtype), HF truth {name: float32})."""
+class _Reuse:
+    """make_tensor without truth, one stored array per (type, shape, norm): the benchmark model's layers
+    share their bytes (what is read per token is what matters there, not what the values are)."""
+
+    def __init__(self, rng):
+        self.rng, self.seen = rng, {}
+
+    def __call__(self, qtype: Q, shape: tuple, *, norm: bool = False):
+        key = (qtype, shape, norm)
+        if key not in self.seen:
+            if qtype in (Q.F32, Q.Q8_0):
+                self.seen[key] = make_tensor(self.rng, qtype, shape, norm=norm)[0]
+            else:
+                self.seen[key] = _kquant_blocks(self.rng, qtype, shape[:-1], shape[-1], 1.0 / np.sqrt(shape[-1]))
+        return self.seen[key], None
+
+
+def build(s: Shape, seed: int = 0, *, truth: bool = True):
+    """(GGUF tensors in llama.cpp's write order as (gguf_name, stored, qtype), HF truth {name: float32});
+    ``truth=False``: no truth (empty), and arrays are reused across layers (_Reuse)."""
     rng = np.random.default_rng(seed)
     gguf_tensors: list[tuple[str, np.ndarray, Q]] = []
-    truth: dict[str, np.ndarray] = {}
+    truth_of: dict[str, np.ndarray] = {}
+    make = (lambda qtype, shape, norm=False: make_tensor(rng, qtype, shape, norm=norm)) if truth else _Reuse(rng)
 
     def put(hf: str, gname: str, qtype: Q, shape: tuple):
-        stored, t = make_tensor(rng, qtype, shape, norm=hf.endswith("norm.weight") and "indexer" not in hf)
+        stored, t = make(qtype, shape, norm=hf.endswith("norm.weight") and "indexer" not in hf)
         gguf_tensors.append((gname, stored, qtype))
-        truth[hf] = t
+        if truth:
+            truth_of[hf] = t
 
     for hf, (g, qt) in TOP.items():
         if hf != "lm_head.weight":
@@ -180,34 +211,37 @@ def build(s: Shape, seed: int = 0):
         for hf in hf_names:
             leaf = hf.split(f"model.layers.{layer}.", 1)[1]
             if leaf == "self_attn.kv_b_proj.weight":
-                _put_kv_b(rng, s, layer, gguf_tensors, truth)
+                _put_kv_b(make, s, layer, gguf_tensors, truth_of if truth else None)
             elif leaf == "mlp.experts":
                 for proj in sorted(EXPERTS):
                     gname, qt = EXPERTS[proj]
                     out_in = (s.moe_ffn, s.hidden) if proj != "down_proj" else (s.hidden, s.moe_ffn)
-                    stored, t = make_tensor(rng, qt, (s.experts, *out_in))
+                    stored, t = make(qt, (s.experts, *out_in))
                     gguf_tensors.append((f"blk.{layer}.{gname}", stored, qt))
-                    for e in range(s.experts):
-                        truth[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"] = t[e]
+                    for e in range(s.experts if truth else 0):
+                        truth_of[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"] = t[e]
             elif leaf == "embed_tokens.weight":  # the MTP block's copy of the shared embedding
                 gname, qt = table[leaf]
                 first = next(x for x in gguf_tensors if x[0] == "token_embd.weight")
                 gguf_tensors.append((f"blk.{layer}.{gname}", first[1], first[2]))
-                truth[hf] = truth["model.embed_tokens.weight"]
+                if truth:
+                    truth_of[hf] = truth_of["model.embed_tokens.weight"]
             else:
                 gname, qt = table[leaf]
                 put(hf, f"blk.{layer}.{gname}", qt, shapes[hf])
     put("lm_head.weight", "output.weight", TOP["lm_head.weight"][1], (s.vocab, s.hidden))
-    return gguf_tensors, truth
+    return gguf_tensors, truth_of
 
 
-def _put_kv_b(rng, s: Shape, layer: int, gguf_tensors, truth):
+def _put_kv_b(make, s: Shape, layer: int, gguf_tensors, truth):
     kt, vt = KV_B_TYPES
     # As llama.cpp stores them: attn_k_b [heads, kv_lora, qk_nope] (k transposed), attn_v_b [heads, v_head, kv_lora]
-    k_stored, k_b = make_tensor(rng, kt, (s.heads, s.kv_lora, s.qk_nope))
-    v_stored, v_b = make_tensor(rng, vt, (s.heads, s.v_head, s.kv_lora))
+    k_stored, k_b = make(kt, (s.heads, s.kv_lora, s.qk_nope))
+    v_stored, v_b = make(vt, (s.heads, s.v_head, s.kv_lora))
     gguf_tensors.append((f"blk.{layer}.attn_k_b.weight", k_stored, kt))
     gguf_tensors.append((f"blk.{layer}.attn_v_b.weight", v_stored, vt))
+    if truth is None:
+        return
     kv_b = np.empty((s.heads, s.qk_nope + s.v_head, s.kv_lora), np.float32)
     for h in range(s.heads):  # per head: the k rows (un-transposed), then the v rows
         kv_b[h, :s.qk_nope] = k_b[h].T
@@ -236,12 +270,12 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def write_gguf(out: Path, s: Shape = Shape(), *, seed: int = 0, shards: int = 3, name: str = "GLM-5-tiny-UD-Q4_K_XL",
-               mtp_tensors: bool = True, extra: tuple = ()):
+               mtp_tensors: bool = True, extra: tuple = (), truth: bool = True):
     """Write the model as ``shards`` GGUF files; returns (first shard path, truth).
 
     ``mtp_tensors=False`` keeps the metadata of the MTP block but drops its tensors (a converter run that
-    skipped them); ``extra`` appends (gguf_name, float32 array) tensors."""
-    tensors, truth = build(s, seed)
+    skipped them); ``extra`` appends (gguf_name, float32 array) tensors; ``truth=False``: see build."""
+    tensors, truth = build(s, seed, truth=truth)
     if not mtp_tensors:
         tensors = [t for t in tensors if not t[0].startswith(f"blk.{s.layers}.")]
     tensors += [(n, a, Q.F32) for n, a in extra]
@@ -343,3 +377,24 @@ def write_other_arch(path: Path) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m fastcomm_bench.glm5_gguf", description=__doc__.split("\n\n")[0])
+    p.add_argument("out", type=Path, help="folder for the GGUF shards")
+    p.add_argument("--full", action="store_true", help="GLM-5's widths, 78 layers, 16 experts (top-8): ~41 GB")
+    p.add_argument("--no-mtp", action="store_true", help="without the MTP block")
+    p.add_argument("--shards", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    shape = dataclasses.replace(FULL if a.full else Shape(), mtp=not a.no_mtp)
+    name = "GLM-5-78L-16E-UD-Q4_K_XL" if a.full else "GLM-5-tiny-UD-Q4_K_XL"
+    first, _ = write_gguf(a.out, shape, seed=a.seed, shards=a.shards, name=name, truth=not a.full)
+    total = sum(f.stat().st_size for f in a.out.glob(f"{name}*.gguf"))
+    print(f"{first} ({total / 2**30:.1f} GiB in {a.shards} shard(s))")
+
+
+if __name__ == "__main__":
+    main()
