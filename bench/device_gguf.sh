@@ -20,8 +20,16 @@
 #    carry [".gguf_stage", ".stage/install.sh"]:
 #        eval "$(bash .stage/install.sh)" && bash bench/device_gguf.sh run .gguf_stage
 #    Without a prebuilt wheel in .gguf_stage it builds from the sdist there (TORCH_CUDA_ARCH_LIST=9.0).
+# 3. The figures, each one call on the same warm machine (carry .gguf_stage and .stage/install.sh, then
+#    eval "$(bash .stage/install.sh)" first):
+#        bash bench/device_gguf.sh model .gguf_stage        # writes the full-width 78-layer GGUF (~41 GB) to $MODEL_DIR
+#        bash bench/device_gguf.sh figures .gguf_stage gguf # its decode at TP 1, concurrency 1,2,3,4,8
+#        bash bench/device_gguf.sh figures .gguf_stage mtp  # the same with MTP, 3 draft tokens, concurrency 1
+#        bash bench/device_gguf.sh figures .gguf_stage fp8  # the same shapes as FP8 (dummy weights)
+#    Why concurrency 2-4: a verify step of k draft tokens is a forward over k + 1 tokens of one request,
+#    which reads the weights as a decode step of k + 1 requests does (bench/predict_mtp.py uses that).
 set -uo pipefail
-mode=${1:?usage: device_gguf.sh prepare|run DIR}
+mode=${1:?usage: device_gguf.sh prepare|run|model|figures DIR}
 dir=${2:?usage: device_gguf.sh prepare|run DIR}
 here=$(cd "$(dirname "$0")/.." && pwd)
 PLUGIN=vllm-gguf-plugin==0.0.5
@@ -52,15 +60,16 @@ prepare() {
   ls -l "$dir"
 }
 
-run() {
-  local out=${OUT:-$here/out}
-  mkdir -p "$out"
-  exec > >(tee "$out/device_gguf.log") 2>&1
+install() {   # gguf and the plugin (idempotent: a second call on the same machine is quick)
   cd "$here"
   export PYTHONPATH="$here:$here/integrations/vllm${PYTHONPATH:+:$PYTHONPATH}"
   export VLLM_USE_FLASHINFER_SAMPLER=0
   echo "== $(date -u) $(git rev-parse --short HEAD 2>/dev/null || echo no-git) on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
   python -c 'import torch, sys; print("torch", torch.__version__, "python", sys.version.split()[0])'
+  python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "== pip install -e . failed"
+  # Already installed on this machine, with the CUDA kernels loading: nothing to do.
+  python -c 'import gguf, sys; from fastcomm_vllm.gguf import kernels; sys.exit(0 if kernels.status().cuda else 1)' \
+    2>/dev/null && return 0
   python -m pip install -q --no-index --no-deps --find-links "$dir" "$GGUF" || return 1
   local wheel
   wheel=$(ls "$dir"/vllm_gguf_plugin-0.0.5-*.whl 2>/dev/null | head -1)
@@ -74,6 +83,36 @@ run() {
       --force-reinstall "$dir"/vllm_gguf_plugin-0.0.5.tar.gz || return 1
   fi
   echo "== plugin installed in $((SECONDS - t0)) s"
+}
+
+MODEL_DIR=${MODEL_DIR:-/tmp/glm5-78L-16E-gguf}
+MODEL_FIRST=$MODEL_DIR/GLM-5-78L-16E-UD-Q4_K_XL-00001-of-00004.gguf
+
+model() {
+  install || return 1
+  if [ -f "$MODEL_FIRST" ]; then echo "== $MODEL_FIRST exists"; return 0; fi
+  local t0=$SECONDS
+  python -m fastcomm_bench.glm5_gguf "$MODEL_DIR" --full --shards 4 || return 1
+  echo "== written in $((SECONDS - t0)) s"
+}
+
+figures() {   # one row set per call: gguf | mtp | fp8
+  local what=${1:?figures needs gguf, mtp or fp8} out=${OUT:-$here/out}
+  install || return 1
+  local common=(--tp 1 --max-tokens 128 --capture-sizes 1,2,3,4,8 --repeats 3 --max-model-len 2048)
+  case "$what" in
+    gguf) bash bench/device_decode.sh gguf-tp1 "$MODEL_FIRST" vllm "${common[@]}" --no-mtp --concurrency 1,2,3,4,8 ;;
+    mtp) bash bench/device_decode.sh gguf-mtp3-tp1 "$MODEL_FIRST" vllm "${common[@]}" --mtp 3 --concurrency 1 --max-num-seqs 8 ;;
+    fp8) bash bench/device_decode.sh fp8-tp1 glm5-78L-16E vllm "${common[@]}" --quantization fp8 --concurrency 1,2,3,4,8 ;;
+    *) echo "figures: gguf, mtp or fp8" >&2; return 2 ;;
+  esac
+}
+
+run() {
+  local out=${OUT:-$here/out}
+  mkdir -p "$out"
+  exec > >(tee "$out/device_gguf.log") 2>&1
+  install || return 1
   python - <<'PY' | tee "$out/kernels.txt"
 from fastcomm_vllm.gguf import kernels
 s = kernels.status()
@@ -123,5 +162,7 @@ PY
 case "$mode" in
   prepare) prepare ;;
   run) run ;;
-  *) echo "usage: device_gguf.sh prepare|run DIR" >&2; exit 2 ;;
+  model) model ;;
+  figures) figures "${3:-}" ;;
+  *) echo "usage: device_gguf.sh prepare|run|model|figures DIR [gguf|mtp|fp8]" >&2; exit 2 ;;
 esac
