@@ -152,7 +152,7 @@ else:
 print(f"weight bytes {w.numel() / 1e6:.1f} MB: {w.numel() / 4.8e12 * 1e6:.1f} us at 4.8 TB/s")
 PY
   echo "== GGUF GPU test"
-  timeout 480 python tests/gguf/test_gguf_gpu.py "$out/gguf"
+  timeout 480 python tests/gguf/test_gguf_gpu.py "$out/gguf" ${GGUF_PARTS:-prefill,mtp}
   local rc=$?
   rm -rf "$out/gguf/cache" "$out"/gguf/*/gguf "$out"/gguf/*/ref   # the models: regenerated from the seed
   echo "== GPU test exit $rc; results: $out/gguf/gguf_gpu.json"

@@ -14,7 +14,7 @@
 - MTP: greedy tokens identical with and without MTP, and the draft proposed tokens.
 Every engine runs in its own process (gpu_worker.py). Run with pytest on a machine with 2+ GPUs (the suite's
 conftest skips `gpu` tests below two), or as `python tests/gguf/test_gguf_gpu.py OUT_DIR` on one GPU
-(bench/device_gguf.sh does), which writes the measured errors to OUT_DIR/gguf_gpu.json.
+(bench/device_gguf.sh does; a third argument such as `mtp` runs only that part), which writes the measured errors to OUT_DIR/gguf_gpu.json.
 """
 import json
 import os
@@ -138,8 +138,11 @@ if __name__ == "__main__":
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "gguf_gpu_out")
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("FASTCOMM_CACHE_DIR", str(out / "cache"))
+    parts = sys.argv[2].split(",") if len(sys.argv) > 2 else ["prefill", "mtp"]
     results, failures = {}, []
     for name, fn in (("prefill", check_prefill), ("mtp", check_mtp)):
+        if name not in parts:
+            continue
         try:
             results[name] = fn(out / name)
         except Exception as e:  # keep going: one failing part should not hide the other's numbers

@@ -136,3 +136,51 @@ def test_engine_config_for_target_and_mtp_draft(tiny):
     assert (t["model_type"], t["quantization"], t["layers"]) == ("glm_moe_dsa", "gguf", shape.layers)
     assert d["method"] == "mtp" and d["model"] == str(first) and d["quantization"] == "gguf" and d["k"] == 1
     assert d["model_type"] == "deepseek_mtp" and "MTP" in d["architectures"][0] and d["marker"] == "glm-dsa"
+
+
+HOOKS = r'''
+import json, sys
+import torch
+from torch import nn
+sys.path.insert(0, sys.argv[1])
+from fastcomm_vllm.gguf import plugin
+plugin.register()
+from vllm.config import model as model_module
+from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+gguf_file = sys.argv[2]
+probe = model_module.get_hf_image_processor_config(gguf_file)
+
+def embedding(quantized):
+    e = nn.Module()
+    e.register_parameter("qweight" if quantized else "weight", nn.Parameter(torch.zeros(4, 2), requires_grad=False))
+    return e
+
+def share(quantized):
+    target = nn.Module(); target.model = nn.Module(); target.model.embed_tokens = embedding(quantized)
+    proposer = object.__new__(SpecDecodeBaseProposer)   # vLLM's own method, without building an engine
+    proposer.model = nn.Module(); proposer.model.model = nn.Module(); proposer.model.model.embed_tokens = embedding(quantized)
+    try:
+        proposer._maybe_share_embeddings(target)
+    except Exception as e:
+        return type(e).__name__
+    return proposer.model.model.embed_tokens is target.model.embed_tokens
+
+print(json.dumps({"probe": probe, "gguf": share(True), "plain": share(False)}))
+'''
+
+
+def test_hooks_for_vllm_025_mtp_over_a_gguf(tiny):
+    """Two vLLM paths that break the MTP draft over a GGUF file (seen on vLLM 0.25.0 on an H200): the image
+    processor probe of the draft's model (the GGUF path) answers {}, and the drafter shares a GGUF-quantized
+    embedding (qweight, no weight) instead of failing on its .weight."""
+    import json
+
+    first, _, _ = tiny
+    r = subprocess.run([sys.executable, "-c", HOOKS, str(Path(__file__).resolve().parents[2] / "integrations" / "vllm"),
+                        str(first)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["probe"] == {} and got["gguf"] is True
+    assert got["plain"] != "AttributeError"  # a plain embedding still goes through vLLM's own method

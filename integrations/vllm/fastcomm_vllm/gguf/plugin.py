@@ -10,7 +10,10 @@ in each worker, after or before the plugin's own ``gguf`` entry point (both orde
   derived from the file's metadata instead when the GGUF is GLM-5 and its folder has no config.json (front
   end: the MTP draft's config is parsed from the GGUF path, with no --hf-config-path to point elsewhere);
 - vLLM <= 0.25 asks transformers for the image processor of every model, the MTP draft's too, whose model is
-  the GGUF file: transformers takes a file path for a Hub repo id and raises. A GGUF file has none: {}.
+  the GGUF file: transformers takes a file path for a Hub repo id and raises. A GGUF file has none: {};
+- vLLM's MTP drafter shares the target's embedding, but first reads its ``.weight``, which a GGUF-quantized
+  embedding does not have (its data is ``qweight``): for an MTP draft over such an embedding it shares it
+  directly (GLM-5's nextn.embed_tokens is a copy of token_embd, so nothing is lost).
 Idempotent; a no-op when the plugin is not installed.
 """
 from __future__ import annotations
@@ -36,6 +39,7 @@ def register() -> None:
         weights_adapter._ADAPTER_REGISTRY.insert(0, GlmDsaGGUFAdapter)
     _teach_replicated_linear()
     _no_image_processor_for_gguf_files()
+    _mtp_draft_shares_gguf_embedding()
     original = GGUFConfigParser._resolve_config_source
     if not getattr(original, "_fastcomm", False):
         GGUFConfigParser._resolve_config_source = staticmethod(_config_source(original))
@@ -80,6 +84,38 @@ def _no_image_processor_for_gguf_files() -> None:
 
     probe._fastcomm = True
     model_module.get_hf_image_processor_config = probe
+
+
+def _mtp_draft_shares_gguf_embedding() -> None:
+    try:
+        from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    except ImportError:  # another vLLM layout: nothing to fix there
+        return
+    original = getattr(SpecDecodeBaseProposer, "_maybe_share_embeddings", None)
+    if original is None or getattr(original, "_fastcomm", False):
+        return
+
+    @functools.wraps(original)
+    def share(self, target_language_model):
+        target = getattr(getattr(target_language_model, "model", None), "embed_tokens", None)
+        draft = getattr(getattr(self, "model", None), "model", None)
+        if shares_gguf_embedding(target, self.model) and draft is not None:
+            if hasattr(draft, "embed_tokens"):
+                del draft.embed_tokens
+            draft.embed_tokens = target
+            logger.info("fastcomm: the MTP draft shares the target's GGUF-quantized embedding")
+            return
+        return original(self, target_language_model)
+
+    share._fastcomm = True
+    SpecDecodeBaseProposer._maybe_share_embeddings = share
+
+
+def shares_gguf_embedding(target_embedding, draft_model) -> bool:
+    """An MTP draft (vLLM marks EAGLE drafts with has_own_embed_tokens) over an embedding that is GGUF
+    quantized (qweight, no weight)."""
+    return (target_embedding is not None and not hasattr(target_embedding, "weight")
+            and hasattr(target_embedding, "qweight") and not hasattr(draft_model, "has_own_embed_tokens"))
 
 
 def _config_source(original):
