@@ -36,14 +36,14 @@ def _impls(torch, rank, world, gloo, opts):
         try:
             ws = fastcomm.Workspace(gloo, rank, transport="p2p", max_bytes=opts.workspace_bytes)
             workspaces.append(ws)
-            for algo in ("one_shot", "two_shot", "auto"):
+            for algo in ("one_shot", "two_shot", "two_shot_ll", "auto"):
                 impls[f"fastcomm-{algo}"] = (ws, algo)
         except fastcomm.FastcommError as e:
             print(f"[rank {rank}] no P2P workspace: {e}")
     if "host" in opts.transports:
         ws = fastcomm.Workspace(gloo, rank, transport="host", max_bytes=min(opts.workspace_bytes, opts.host_workspace_bytes))
         workspaces.append(ws)
-        for algo in ("one_shot", "two_shot", "auto"):
+        for algo in ("one_shot", "two_shot", "two_shot_ll", "auto"):
             impls[f"fastcomm-host-{algo}"] = (ws, algo)
     if opts.islands and "p2p" in opts.transports:
         isl = tuple((r,) for r in range(world)) if world == 2 else (tuple(range(world // 2)), tuple(range(world // 2, world)))

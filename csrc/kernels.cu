@@ -3,6 +3,7 @@
 #include "common.cuh"
 #include "one_shot.cuh"
 #include "two_shot.cuh"
+#include "two_shot_ll.cuh"
 #include "fused_rmsnorm.cuh"
 #include "p2p_check.cuh"
 
@@ -32,9 +33,13 @@
       fc_one_shot_islands_##NAME(const FcTable* ti, const FcTable* tp, const char* in, char* out, u64 nbytes) {  \
     fc_one_shot_islands<D>(ti, tp, in, out, nbytes);                                                           \
   }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(1024) fc_two_shot_##NAME(const FcTable* t, const char* in,      \
-                                                                       char* out, u64 n, u64 seg, u64 chunk) { \
+  extern "C" __global__ void __launch_bounds__(512) fc_two_shot_##NAME(const FcTable* t, const char* in,       \
+                                                                      char* out, u64 n, u64 seg, u64 chunk) {  \
     fc_two_shot<D>(t, in, out, n, seg, chunk);                                                                 \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(256) fc_two_shot_ll_##NAME(const FcTable* t, const char* in,    \
+                                                                         char* out, u64 nbytes) {             \
+    fc_two_shot_ll<D>(t, in, out, nbytes);                                                                     \
   }                                                                                                            \
   FC_DEFINE_FUSED(NAME, D, 1)                                                                                  \
   FC_DEFINE_FUSED(NAME, D, 2)                                                                                  \

@@ -2,130 +2,205 @@
 //
 // The message is cut into `world` segments; rank s reduces segment s. Each segment is cut into gridDim.x
 // chunks, and block b handles chunk b of every segment, so a block only ever waits for the same block of
-// its peers. Data moves as plain 16-byte stores; readiness is a per-(source, block) flag written with
-// release semantics after the block's stores (full bandwidth, one flag per chunk instead of per packet).
+// its peers. Data moves as plain 16-byte stores; readiness is a per-(source, block) flag written after the
+// block's stores (full bandwidth, one flag per chunk instead of per packet).
 //
-// Ordering per chunk, per phase:
-//   writer: all threads store data -> __syncthreads -> thread 0: st.release.sys flag = epoch
+// The body is a template on the world size W (2..8, one switch on t->world at entry): every per-peer loop
+// unrolls, the peer pointers of a phase sit in registers (loaded from the table once, up front, not one
+// dependent table load per peer per vector), and every peer load of a vector is in flight before any is
+// used.
+//
+// Ordering per chunk, per phase (one system-scope fence per block per phase, not one release per peer):
+//   writer: all threads store data -> __syncthreads -> thread 0: fence.acq_rel.sys, then st.relaxed.sys
+//           flag = epoch to every destination
 //   reader: one thread per source: ld.acquire.sys flag == epoch -> __syncthreads -> all threads read data
-// The release is cumulative over the block's stores (observed through the barrier), and the acquire is
-// shared with the block through the second barrier, so no data load can see the previous call's bytes.
+// Why that is enough (PTX memory model): the barrier makes every thread's data stores happen before thread
+// 0's fence; a fence followed by a strong store is a release pattern, cumulative over everything that
+// happens before the fence, so each flag store releases the whole block's data, to every destination, with
+// one fence. The reader's ld.acquire.sys that sees the flag synchronizes with that pattern, and its
+// barrier extends the order to every reader thread, so no data load can see the previous call's bytes.
 #pragma once
 #include "common.cuh"
 
-struct FcChunk {
-  u64 begin;  // element range of this block's chunk inside segment s
-  u64 end;
-};
+__device__ __forceinline__ void fc_fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
-// Segment and chunk sizes are multiples of 16 bytes so every chunk starts 16-byte aligned.
-__device__ __forceinline__ FcChunk fc_chunk(u64 n, u64 seg, u64 chunk, u32 s) {
-  u64 seg_begin = (u64)s * seg;
-  u64 seg_end = seg_begin + seg < n ? seg_begin + seg : n;
-  u64 b = seg_begin + (u64)blockIdx.x * chunk;
-  u64 e = b + chunk;
-  if (e > seg_end) e = seg_end;
-  if (b > e) b = e;
-  return FcChunk{b, e};
+// A strong (relaxed, system-scope) store: with a preceding fence it is a release (see above).
+__device__ __forceinline__ void fc_st_relaxed_sys(u32* p, u32 v) {
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-// Copy the chunk's (c.end - c.begin) elements from `src` to `dst` (both already offset to the chunk's start):
-// 16 bytes at a time, then the message tail element by element. `volatile_src`: bytes a peer wrote.
-template <class D>
-__device__ __forceinline__ void fc_copy_chunk(char* dst, const char* src, FcChunk c, bool volatile_src) {
-  typedef typename D::raw R;
-  const u64 nb = (c.end - c.begin) * sizeof(R);
-  const u64 nvec = nb / 16;
-  for (u64 v = threadIdx.x; v < nvec; v += blockDim.x) {
-    uint4 x = volatile_src ? fc_load_cv16(src + v * 16) : *reinterpret_cast<const uint4*>(src + v * 16);
-    *reinterpret_cast<uint4*>(dst + v * 16) = x;
-  }
-  for (u64 b = nvec * 16 + threadIdx.x * sizeof(R); b < nb; b += (u64)blockDim.x * sizeof(R)) {
-    R x = volatile_src ? *reinterpret_cast<const volatile R*>(src + b) : *reinterpret_cast<const R*>(src + b);
-    *reinterpret_cast<R*>(dst + b) = x;
-  }
+// Elements of block b's chunk inside segment s: segments and chunks are whole 16-byte vectors, so only the
+// segment holding the message's end can be short (or empty, for small messages), and only it can end in a
+// partial vector.
+__device__ __forceinline__ u64 fc_chunk_count(u64 n, u64 seg, u64 chunk, u32 s) {
+  const u64 seg_begin = (u64)s * seg;
+  const u64 seg_len = n > seg_begin ? (n - seg_begin < seg ? n - seg_begin : seg) : 0;
+  const u64 base = (u64)blockIdx.x * chunk;
+  if (seg_len <= base) return 0;
+  return seg_len - base < chunk ? seg_len - base : chunk;
 }
 
 // One thread per source waits for that source's flag of this block; the barrier then shares the acquire.
+// The sources' threads spin at the same time, so the waits overlap.
 __device__ __forceinline__ void fc_wait_all(const FcTable* t, u32* const* flags, u32 epoch, u32 step) {
   const u32 src = threadIdx.x;
   if (src < t->world && src != t->rank) fc_wait_flag(t, flags[src] + blockIdx.x, epoch, src, step);
   __syncthreads();
 }
 
-template <class D>
-__device__ __forceinline__ void fc_two_shot(const FcTable* __restrict__ t, const char* in,
-                                            char* out, u64 n, u64 seg, u64 chunk) {
+template <class D, u32 W>
+__device__ __forceinline__ void fc_two_shot_w(const FcTable* __restrict__ t, const char* in, char* out, u64 n,
+                                              u64 seg, u64 chunk) {
   typedef typename D::raw R;
+  constexpr u32 PV = 16 / sizeof(R);  // elements per vector
   const u32 epoch = fc_begin(t);
   const u32 h = epoch & 1u;
-  const u32 world = t->world;
   const u32 me = t->rank;
+  const u32 tid = threadIdx.x, nthr = blockDim.x;
+  const u64 base = (u64)blockIdx.x * chunk;  // this block's element offset inside every segment
+
+  u64 cnt[W];  // elements of my chunk in segment s; non-increasing in s
+#pragma unroll
+  for (u32 s = 0; s < W; ++s) cnt[s] = fc_chunk_count(n, seg, chunk, s);
 
   // 1. Reduce-scatter, send: my copy of chunk b of every other segment goes to that segment's owner.
-  for (u32 s = 0; s < world; ++s) {
-    if (s == me) continue;
-    FcChunk c = fc_chunk(n, seg, chunk, s);
-    fc_copy_chunk<D>(t->rs_push[h][s] + (c.begin - (u64)s * seg) * sizeof(R), in + c.begin * sizeof(R), c, false);
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (u32 s = 0; s < world; ++s)
-      if (s != me) fc_st_release_sys(t->rs_flag_push[h][s] + blockIdx.x, epoch);
+  {
+    char* dst[W];
+    u32* flag[W];
+#pragma unroll
+    for (u32 s = 0; s < W; ++s) {
+      dst[s] = t->rs_push[h][s] + base * sizeof(R);
+      flag[s] = t->rs_flag_push[h][s] + blockIdx.x;
+    }
+    const u64 nv = cnt[0] / PV;  // the most whole vectors any segment's chunk has
+    for (u64 v = tid; v < nv; v += nthr) {
+      uint4 x[W];
+#pragma unroll
+      for (u32 s = 0; s < W; ++s)
+        if (s != me && v < cnt[s] / PV)
+          x[s] = *reinterpret_cast<const uint4*>(in + ((u64)s * seg + base + v * PV) * sizeof(R));
+#pragma unroll
+      for (u32 s = 0; s < W; ++s)
+        if (s != me && v < cnt[s] / PV) *reinterpret_cast<uint4*>(dst[s] + v * 16) = x[s];
+    }
+#pragma unroll
+    for (u32 s = 0; s < W; ++s) {  // the message tail: at most PV-1 elements, in one segment
+      if (s == me) continue;
+      for (u64 e = cnt[s] / PV * PV + tid; e < cnt[s]; e += nthr)
+        *reinterpret_cast<R*>(dst[s] + e * sizeof(R)) =
+            *reinterpret_cast<const R*>(in + ((u64)s * seg + base + e) * sizeof(R));
+    }
+    __syncthreads();
+    if (tid == 0) {
+      fc_fence_acq_rel_sys();
+#pragma unroll
+      for (u32 s = 0; s < W; ++s)
+        if (s != me) fc_st_relaxed_sys(flag[s], epoch);
+    }
   }
 
   // 2. Reduce my segment's chunk in rank order (identical on every rank), then push the result out.
   fc_wait_all(t, t->rs_flag_pull[h], epoch, FC_STEP_RS);
-  FcChunk mine = fc_chunk(n, seg, chunk, me);
-  const u64 off = (mine.begin - (u64)me * seg) * sizeof(R);
-  const u64 count = mine.end - mine.begin;
-  const u32 nag = t->n_ag_push;
-  // 16 bytes at a time where whole; the message tail (last segment only) element by element.
-  const u32 per_vec = 16 / sizeof(R);
-  const u64 nvec = count / per_vec;
-  for (u64 v = threadIdx.x; v < nvec + (count - nvec * per_vec); v += blockDim.x) {
-    const bool whole = v < nvec;
-    const u64 e0 = whole ? v * per_vec : nvec * per_vec + (v - nvec);
-    const u32 ne = whole ? per_vec : 1;
-    float acc[16 / sizeof(R)];
-    for (u32 p = 0; p < world; ++p) {
-      R raw[16 / sizeof(R)];
-      const char* src = (p == me) ? in + mine.begin * sizeof(R) : t->rs_pull[h][p] + off;
-      if (whole) {
-        uint4 x = (p == me) ? *reinterpret_cast<const uint4*>(src + e0 * sizeof(R)) : fc_load_cv16(src + e0 * sizeof(R));
-        *reinterpret_cast<uint4*>(raw) = x;
-      } else {
-        raw[0] = (p == me) ? *reinterpret_cast<const R*>(src + e0 * sizeof(R))
-                           : *reinterpret_cast<const volatile R*>(src + e0 * sizeof(R));
-      }
-      for (u32 e = 0; e < ne; ++e) {
-        float f = D::to_f(raw[e]);
-        acc[e] = (p == 0) ? f : acc[e] + f;
-      }
+  {
+    const char* src[W];
+#pragma unroll
+    for (u32 p = 0; p < W; ++p)
+      src[p] = (p == me) ? in + ((u64)me * seg + base) * sizeof(R) : t->rs_pull[h][p] + base * sizeof(R);
+    const u32 nag = t->n_ag_push;  // W-1 peers (P2P) or my one host slot
+    char* agd[W - 1];
+    u32* agf[W - 1];
+#pragma unroll
+    for (u32 j = 0; j < W - 1; ++j) {
+      agd[j] = j < nag ? t->ag_push[h][j] + base * sizeof(R) : nullptr;
+      agf[j] = j < nag ? t->ag_flag_push[h][j] + blockIdx.x : nullptr;
     }
-    R res[16 / sizeof(R)];
-    for (u32 e = 0; e < ne; ++e) res[e] = D::from_f(acc[e]);
-    const u64 ob = (mine.begin + e0) * sizeof(R);
-    if (whole) {
-      const uint4 x = *reinterpret_cast<uint4*>(res);
-      *reinterpret_cast<uint4*>(out + ob) = x;
-      for (u32 j = 0; j < nag; ++j) *reinterpret_cast<uint4*>(t->ag_push[h][j] + off + e0 * sizeof(R)) = x;
-    } else {
-      *reinterpret_cast<R*>(out + ob) = res[0];
-      for (u32 j = 0; j < nag; ++j) *reinterpret_cast<R*>(t->ag_push[h][j] + off + e0 * sizeof(R)) = res[0];
+    char* dout = out + ((u64)me * seg + base) * sizeof(R);
+    const u64 count = fc_chunk_count(n, seg, chunk, me);  // not cnt[me]: a runtime index spills cnt[]
+    const u64 nv = count / PV;
+    for (u64 v = tid; v < nv; v += nthr) {
+      uint4 x[W];
+#pragma unroll
+      for (u32 p = 0; p < W; ++p)  // every load first, then the sums
+        x[p] = (p == me) ? *reinterpret_cast<const uint4*>(src[p] + v * 16) : fc_load_cv16(src[p] + v * 16);
+      float acc[PV];
+#pragma unroll
+      for (u32 p = 0; p < W; ++p) {
+        float f[PV];
+        FcVec<D>::unpack(x[p], f);
+#pragma unroll
+        for (u32 e = 0; e < PV; ++e) acc[e] = (p == 0) ? f[e] : acc[e] + f[e];
+      }
+      const uint4 r = FcVec<D>::pack(acc);
+      *reinterpret_cast<uint4*>(dout + v * 16) = r;
+#pragma unroll
+      for (u32 j = 0; j < W - 1; ++j)
+        if (j < nag) *reinterpret_cast<uint4*>(agd[j] + v * 16) = r;
     }
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (u32 j = 0; j < nag; ++j) fc_st_release_sys(t->ag_flag_push[h][j] + blockIdx.x, epoch);
+    for (u64 e = nv * PV + tid; e < count; e += nthr) {  // the message tail, element by element
+      R x[W];
+#pragma unroll
+      for (u32 p = 0; p < W; ++p)
+        x[p] = (p == me) ? *reinterpret_cast<const R*>(src[p] + e * sizeof(R))
+                         : *reinterpret_cast<const volatile R*>(src[p] + e * sizeof(R));
+      float acc = 0.f;
+#pragma unroll
+      for (u32 p = 0; p < W; ++p) acc = (p == 0) ? D::to_f(x[p]) : acc + D::to_f(x[p]);
+      const R r = D::from_f(acc);
+      *reinterpret_cast<R*>(dout + e * sizeof(R)) = r;
+#pragma unroll
+      for (u32 j = 0; j < W - 1; ++j)
+        if (j < nag) *reinterpret_cast<R*>(agd[j] + e * sizeof(R)) = r;
+    }
+    __syncthreads();
+    if (tid == 0) {
+      fc_fence_acq_rel_sys();
+#pragma unroll
+      for (u32 j = 0; j < W - 1; ++j)
+        if (j < nag) fc_st_relaxed_sys(agf[j], epoch);
+    }
   }
 
-  // 3. All-gather, receive: every other segment's reduced chunk b.
+  // 3. All-gather, receive: every other segment's reduced chunk b, all sources' loads in flight together.
   fc_wait_all(t, t->ag_flag_pull[h], epoch, FC_STEP_AG);
-  for (u32 p = 0; p < world; ++p) {
-    if (p == me) continue;
-    FcChunk c = fc_chunk(n, seg, chunk, p);
-    fc_copy_chunk<D>(out + c.begin * sizeof(R), t->ag_pull[h][p] + (c.begin - (u64)p * seg) * sizeof(R), c, true);
+  {
+    const char* src[W];
+#pragma unroll
+    for (u32 p = 0; p < W; ++p) src[p] = t->ag_pull[h][p] + base * sizeof(R);
+    const u64 nv = cnt[0] / PV;
+    for (u64 v = tid; v < nv; v += nthr) {
+      uint4 x[W];
+#pragma unroll
+      for (u32 p = 0; p < W; ++p)
+        if (p != me && v < cnt[p] / PV) x[p] = fc_load_cv16(src[p] + v * 16);
+#pragma unroll
+      for (u32 p = 0; p < W; ++p)
+        if (p != me && v < cnt[p] / PV)
+          *reinterpret_cast<uint4*>(out + ((u64)p * seg + base + v * PV) * sizeof(R)) = x[p];
+    }
+#pragma unroll
+    for (u32 p = 0; p < W; ++p) {
+      if (p == me) continue;
+      for (u64 e = cnt[p] / PV * PV + tid; e < cnt[p]; e += nthr)
+        *reinterpret_cast<R*>(out + ((u64)p * seg + base + e) * sizeof(R)) =
+            *reinterpret_cast<const volatile R*>(src[p] + e * sizeof(R));
+    }
   }
   fc_end(t, epoch);
+}
+
+// One entry point per dtype (kernels.cu), the world size picked here: t->world is fixed for the
+// workspace's life, so the branch is uniform and the host keeps one kernel name and one launch path.
+template <class D>
+__device__ __forceinline__ void fc_two_shot(const FcTable* __restrict__ t, const char* in, char* out, u64 n,
+                                            u64 seg, u64 chunk) {
+  switch (t->world) {
+    case 2: fc_two_shot_w<D, 2>(t, in, out, n, seg, chunk); break;
+    case 3: fc_two_shot_w<D, 3>(t, in, out, n, seg, chunk); break;
+    case 4: fc_two_shot_w<D, 4>(t, in, out, n, seg, chunk); break;
+    case 5: fc_two_shot_w<D, 5>(t, in, out, n, seg, chunk); break;
+    case 6: fc_two_shot_w<D, 6>(t, in, out, n, seg, chunk); break;
+    case 7: fc_two_shot_w<D, 7>(t, in, out, n, seg, chunk); break;
+    case 8: fc_two_shot_w<D, 8>(t, in, out, n, seg, chunk); break;
+    default: __trap();  // the plan admits 2..FC_MAX_WORLD ranks only
+  }
 }

@@ -126,6 +126,8 @@ ONE_SHOT_ISLANDS = Kernel("one_shot_islands", (("ti", "ptr"), ("tp", "ptr"), ("i
                                                ("nbytes", "u64")))
 TWO_SHOT = Kernel("two_shot", (("t", "ptr"), ("in", "ptr"), ("out", "ptr"), ("n", "u64"), ("seg", "u64"),
                                ("chunk", "u64")))
+# The Lamport two-shot (two_shot_ll.cuh): segments and launch shape from nbytes (policy.two_shot_ll_launch).
+TWO_SHOT_LL = Kernel("two_shot_ll", (("t", "ptr"), ("in", "ptr"), ("out", "ptr"), ("nbytes", "u64")))
 FUSED_RMSNORM = Kernel("fused_rmsnorm", (("t", "ptr"), ("in", "ptr"), ("residual", "ptr"), ("weight", "ptr"),
                                          ("out", "ptr"), ("residual_out", "ptr"), ("tokens", "u32"),
                                          ("hidden", "u32"), ("splits", "u32"), ("eps", "f32")),
@@ -136,4 +138,4 @@ FUSED_RMSNORM_ISLANDS = Kernel("fused_rmsnorm_islands", (("ti", "ptr"), ("tp", "
                                                          ("hidden", "u32"), ("splits", "u32"), ("eps", "f32")),
                                variants=tuple(str(k) for k in FUSED_VARIANTS))
 P2P_CHECK = Kernel("p2p_check", (("dst", "ptr"), ("pattern", "u64"), ("count", "u32")), typed=False)
-KERNELS = (ONE_SHOT, ONE_SHOT_ISLANDS, TWO_SHOT, FUSED_RMSNORM, FUSED_RMSNORM_ISLANDS, P2P_CHECK)
+KERNELS = (ONE_SHOT, ONE_SHOT_ISLANDS, TWO_SHOT, TWO_SHOT_LL, FUSED_RMSNORM, FUSED_RMSNORM_ISLANDS, P2P_CHECK)

@@ -49,6 +49,13 @@ def _two_shot(ws: Workspace, src: torch.Tensor, dst: torch.Tensor) -> None:
             src.numel(), lc.seg, lc.chunk)
 
 
+def _two_shot_ll(ws: Workspace, src: torch.Tensor, dst: torch.Tensor) -> None:
+    nbytes = src.numel() * src.element_size()
+    lc = policy.two_shot_ll_launch(nbytes, ws.world_size, ws.plan.max_blocks)
+    _launch(ws, abi.TWO_SHOT_LL, src.dtype, lc.grid, lc.block, ws.tables[FLAT], src.data_ptr(), dst.data_ptr(),
+            nbytes)
+
+
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
@@ -131,6 +138,8 @@ def _run(ws: Workspace, chosen: Algo, x: torch.Tensor, out: torch.Tensor) -> Non
                 _one_shot_islands(ws, x, out)
             else:
                 _one_shot(ws, ws.tables[FLAT], x, out)
+        elif chosen is Algo.TWO_SHOT_LL:
+            _two_shot_ll(ws, x, out)  # flat in every layout, as the two-shot
         else:
             _two_shot(ws, x, out)
 

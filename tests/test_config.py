@@ -27,6 +27,13 @@ def test_bad_values_are_rejected_with_the_name(env):
         Config.from_env(env)
 
 
+def test_algorithm_choices_include_the_lamport_two_shot():
+    assert Config.from_env({"FASTCOMM_ALGO": "two_shot_ll"}).algo == "two_shot_ll"
+    assert Config(algo="two_shot_ll").algo == "two_shot_ll"
+    with pytest.raises(ValueError, match="two_shot_ll"):  # the message lists it among the choices
+        Config(algo="ll")
+
+
 def test_every_variable_is_documented_once():
     names = [v.name for v in VARIABLES]
     assert len(names) == len(set(names))

@@ -185,3 +185,65 @@ def test_one_shot_block_fits_the_kernels_launch_bounds():
     bound = int(text.split(") fc_one_shot_")[0].rsplit("__launch_bounds__(", 1)[1])
     assert abi.ONE_SHOT_THREADS <= bound
     assert P.one_shot_launch(64 << 20, 128).block <= abi.ONE_SHOT_THREADS
+
+
+def test_two_shot_blocks_fit_the_kernels_launch_bounds():
+    from fastcomm.jit import source_dir
+
+    text = (source_dir() / "kernels.cu").read_text()
+    bound = lambda name: int(text.split(f") {name}_##NAME")[0].rsplit("__launch_bounds__(", 1)[1])  # noqa: E731
+    assert P.two_shot_launch(8 << 20, 2, 2, 128).block <= bound("fc_two_shot")
+    for n in (1, 12 * KB, 4 << 20):
+        assert P.two_shot_ll_launch(n, 2, 128).block <= bound("fc_two_shot_ll")
+
+
+@pytest.mark.parametrize("nbytes,world", [(1, 2), (2, 8), (17, 3), (12 * KB, 8), (12 * KB + 2, 7), (1 << 20, 5)])
+def test_two_shot_ll_launch_gives_every_vector_of_a_segment_a_thread(nbytes, world):
+    lc = P.two_shot_ll_launch(nbytes, world, 128)
+    assert lc.seg * world * 16 >= nbytes and (lc.seg - 1) * world * 16 < nbytes  # padded to whole segments
+    assert lc.grid * lc.block >= lc.seg and lc.block % 32 == 0 and lc.grid <= 128
+    assert (lc.grid - 1) * lc.block < lc.seg  # every block has a vector (the host clear's fast path)
+
+
+def test_two_shot_ll_capped_by_the_one_shot_slots():
+    rules = (Rule(32 * KB, Algo.ONE_SHOT), Rule(64 * MB, Algo.TWO_SHOT_LL))
+    pick = lambda n, **kw: P.choose_algo(n, rules, one_shot_max_bytes=MB, max_bytes=8 * MB,  # noqa: E731
+                                         two_shot_ll_max_bytes=4 * MB, **kw)
+    assert pick(32 * KB) is Algo.ONE_SHOT and pick(32 * KB + 2) is Algo.TWO_SHOT_LL
+    assert pick(4 * MB) is Algo.TWO_SHOT_LL and pick(4 * MB + 2) is Algo.TWO_SHOT  # past its slots
+    assert pick(4 * MB + 2, forced="two_shot_ll") is Algo.NCCL and pick(2, forced="two_shot_ll") is Algo.TWO_SHOT_LL
+    ranges = P.size_ranges(rules, one_shot_max_bytes=MB, max_bytes=8 * MB, two_shot_ll_max_bytes=4 * MB)
+    assert [(r.min_bytes, r.max_bytes, r.algo) for r in ranges] == [
+        (1, 32 * KB, Algo.ONE_SHOT), (32 * KB + 1, 4 * MB, Algo.TWO_SHOT_LL), (4 * MB + 1, 8 * MB, Algo.TWO_SHOT),
+        (8 * MB + 1, None, Algo.NCCL)]
+
+
+@pytest.mark.parametrize("world,host", [(2, False), (3, False), (8, False), (2, True), (5, True), (8, True)])
+def test_two_shot_ll_limit_is_what_the_layout_slot_holds(world, host):
+    from fastcomm import layout as L
+
+    lay = L.plan_layout("host" if host else "p2p", world, 8 * MB, 100 * KB + 3)
+    slot = lay.groups[0].lp_slot
+    cap = P.two_shot_ll_max_bytes(slot, world, host)
+    assert P.two_shot_ll_slot_bytes(cap, world, host) <= slot < P.two_shot_ll_slot_bytes(cap + 1, world, host)
+    plan = _plan(world, not host, LinkType.PCIE_SWITCH, one_shot_max_bytes=100 * KB + 3)
+    assert plan.two_shot_ll_max_bytes == cap
+    assert plan.algo_for(cap, "two_shot_ll") is Algo.TWO_SHOT_LL and plan.algo_for(cap + 1, "two_shot_ll") is Algo.NCCL
+
+
+def test_default_policy_picks_the_lamport_two_shot_only_where_modelled():
+    # PCIe at 4 and 8 ranks: one-shot to its bound, then the Lamport two-shot as far as the one-shot's slots
+    # hold it (1 MiB slots: 4 MiB at 8 ranks, 2 MiB at 4), then the flagged two-shot.
+    eight = _plan(8, True, LinkType.PCIE_SWITCH)
+    assert [eight.algo_for(n) for n in (12 * KB, 32 * KB, 32 * KB + 2, 64 * KB, 4 * MB, 4 * MB + 2)] == [
+        Algo.ONE_SHOT, Algo.ONE_SHOT, Algo.TWO_SHOT_LL, Algo.TWO_SHOT_LL, Algo.TWO_SHOT_LL, Algo.TWO_SHOT]
+    assert "two_shot_ll" in eight.describe()
+    four = _plan(4, True, LinkType.PCIE_SWITCH)
+    assert four.algo_for(64 * KB + 2) is Algo.TWO_SHOT_LL and four.algo_for(2 * MB + 2) is Algo.TWO_SHOT
+    assert _plan(8, True, LinkType.HOST_BRIDGE).algo_for(64 * KB) is Algo.TWO_SHOT_LL
+    # Nowhere else by default: 2 ranks, NVLink, the host transport, other world sizes on PCIe.
+    for plan in (_plan(2, True, LinkType.PCIE_SWITCH), _plan(8), _plan(4), _plan(8, False), _plan(4, False),
+                 _plan(6, True, LinkType.PCIE_SWITCH), _plan(8, True, LinkType.CROSS_SOCKET)):
+        assert all(r.algo is not Algo.TWO_SHOT_LL for r in plan.ranges()), plan.describe()
+    # Forced, it serves any size its slots hold, on any plan.
+    assert _plan(2, algo="two_shot_ll").algo_for(12 * KB) is Algo.TWO_SHOT_LL

@@ -41,3 +41,21 @@ def test_fused_sends_the_payload_and_two_shot_near_the_ring_bound():
 def test_unknown_algorithm_is_refused():
     with pytest.raises(ValueError, match="no wire model"):
         wire_bytes("nccl", 1, 2, "p2p")
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_two_shot_ll_sends_the_two_shot_payload_without_flags(world):
+    from fastcomm.policy import two_shot_ll_slot_bytes
+
+    n = 12 * KB
+    ll = wire_bytes("two_shot_ll", n, world, "p2p")
+    # P2P: each peer's slot for me receives exactly what the kernel records as written per slot.
+    assert ll == (world - 1) * two_shot_ll_slot_bytes(n, world, host=False)
+    # Host: every slot region but my own segment's copy, once.
+    seg = two_shot_ll_slot_bytes(n, world, host=True) // (world + 1)
+    assert wire_bytes("two_shot_ll", n, world, "host") == world * seg
+    ts = wire_bytes("two_shot", n, world, "p2p")
+    assert ll < ts and ll <= 1.01 * 2 * (world - 1) * n / world  # the flags are what it saves
+    assert wire_bytes("two_shot_ll", 1, 8, "p2p") == 2 * 7 * 16  # one padded vector per segment
+    with pytest.raises(ValueError, match="no island form"):
+        wire_bytes("two_shot_ll", n, 8, "p2p", islands=2)

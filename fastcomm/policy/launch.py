@@ -35,7 +35,7 @@ def vectors_for(nbytes: int) -> int:
 class Launch:
     grid: int
     block: int
-    seg: int = 0     # two-shot: elements per segment
+    seg: int = 0     # two-shot: elements per segment; two_shot_ll: 16-byte vectors per segment
     chunk: int = 0   # two-shot: elements per block within a segment
     splits: int = 0  # fused: blocks per row
     k: int = 0       # fused: packets per thread (kernel variant fc_fused_rmsnorm<k>)
@@ -56,6 +56,31 @@ def two_shot_launch(numel: int, elem_size: int, world_size: int, max_blocks: int
     chunk = round_up(cdiv(seg, grid), per_vec)
     grid = max(1, cdiv(seg, chunk))
     return Launch(grid, TWO_SHOT_THREADS, seg, chunk)
+
+
+def two_shot_ll_segment_vectors(nbytes: int, world_size: int) -> int:
+    """16-byte vectors per segment of the Lamport two-shot: every segment the same, zero-padded past the
+    message (two_shot_ll.cuh computes the same from nbytes)."""
+    return cdiv(vectors_for(nbytes), world_size)
+
+
+def two_shot_ll_slot_bytes(nbytes: int, world_size: int, host: bool) -> int:
+    """Bytes of each Lamport slot one call writes: P2P, a source's copy of my segment and its reduced
+    segment (2 segments); host, my copy of every segment and my reduced one (world + 1 segments)."""
+    return two_shot_ll_segment_vectors(nbytes, world_size) * VEC_BYTES * ((world_size + 1) if host else 2)
+
+
+def two_shot_ll_max_bytes(lp_slot: int, world_size: int, host: bool) -> int:
+    """The largest message whose segments fit a Lamport slot of ``lp_slot`` bytes (the one-shot's)."""
+    per_seg = (lp_slot // VEC_BYTES) // ((world_size + 1) if host else 2)
+    return per_seg * world_size * VEC_BYTES
+
+
+def two_shot_ll_launch(nbytes: int, world_size: int, max_blocks: int) -> Launch:
+    """One thread per vector of a segment (it handles that vector of every segment); the one-shot's block."""
+    sv = two_shot_ll_segment_vectors(nbytes, world_size)
+    block = min(ONE_SHOT_THREADS, max(32, round_up(sv, 32)))
+    return Launch(num_blocks(sv, block, max_blocks), block, seg=sv)
 
 
 FUSED_SPLIT_VECTORS = 128      # about one 16-byte vector per thread of a 128-thread share of the pushes

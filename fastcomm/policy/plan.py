@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..abi import MAX_BLOCKS, MAX_WORLD
+from ..abi import MAX_BLOCKS, MAX_WORLD, VEC_BYTES
 from ..config import Config
 from ..errors import FastcommError
 from ..units import format_size
+from .launch import round_up, two_shot_ll_max_bytes
 from .links import LinkType, validate_islands
 from .rules import DEFAULT_TABLE, Algo, PolicyKey, Rule, SizeRange, Transport, choose_algo, render_ranges, \
     size_ranges
@@ -46,15 +47,17 @@ class Plan:
     max_blocks: int
     forced_algo: str = "auto"
     fused_max_bytes: int = 0   # the fused all-reduce + RMSNorm serves inputs up to this (the one-shot's range)
+    two_shot_ll_max_bytes: int = 0  # the Lamport two-shot serves inputs up to this (what the one-shot's slots hold)
 
     def algo_for(self, nbytes: int, forced: str | None = None) -> Algo:
         """The algorithm for one message (NCCL: not served by fastcomm)."""
         return choose_algo(nbytes, self.rules, one_shot_max_bytes=self.one_shot_max_bytes,
-                           max_bytes=self.max_bytes, forced=forced or self.forced_algo)
+                           max_bytes=self.max_bytes, forced=forced or self.forced_algo,
+                           two_shot_ll_max_bytes=self.two_shot_ll_max_bytes)
 
     def ranges(self) -> tuple[SizeRange, ...]:
         return size_ranges(self.rules, one_shot_max_bytes=self.one_shot_max_bytes, max_bytes=self.max_bytes,
-                           forced=self.forced_algo)
+                           forced=self.forced_algo, two_shot_ll_max_bytes=self.two_shot_ll_max_bytes)
 
     def describe(self) -> str:
         isl = f", islands {self.islands}" if self.islands else ""
@@ -136,7 +139,11 @@ def make_plan(facts: Facts, config: Config) -> Plan:
     one_shot_max = min(config.one_shot_max_bytes, config.max_bytes)
     # The fused op is the one-shot exchange laid out by rows: the same bytes, so the same range.
     one_shot_rule = next((r.max_bytes for r in rules if r.algo is Algo.ONE_SHOT), 0)
+    # The Lamport two-shot lives in the one-shot's slots (flat group; fastcomm.layout sizes them the same way).
+    ll_max = min(config.max_bytes, two_shot_ll_max_bytes(round_up(one_shot_max, VEC_BYTES), world,
+                                                         transport is Transport.HOST))
     return Plan(world_size=world, transport=transport, link=facts.link, islands=islands or None, rules=rules,
                 rules_source=source, max_bytes=config.max_bytes, one_shot_max_bytes=one_shot_max,
                 max_blocks=min(MAX_BLOCKS, config.max_blocks or facts.num_sms or MAX_BLOCKS),
-                forced_algo=config.algo, fused_max_bytes=min(one_shot_max, one_shot_rule))
+                forced_algo=config.algo, fused_max_bytes=min(one_shot_max, one_shot_rule),
+                two_shot_ll_max_bytes=ll_max)

@@ -17,6 +17,7 @@ from .links import LinkType
 class Algo(str, enum.Enum):
     ONE_SHOT = "one_shot"  # push everything to everyone (payload only, Lamport slots), reduce locally
     TWO_SHOT = "two_shot"  # reduce-scatter then all-gather (chunk flags)
+    TWO_SHOT_LL = "two_shot_ll"  # reduce-scatter then all-gather, readiness in the data (the one-shot's slots)
     NCCL = "nccl"          # not served by fastcomm: the caller's fallback
 
 
@@ -61,14 +62,21 @@ DEFAULT_TABLE: dict[PolicyKey, tuple[Rule, ...]] = {
     # ~45 GB/s; now 7 x 32 KB, ~5 us); kept until measured, the two-shot's fixed costs are not modelled.
     PolicyKey(Transport.P2P, LinkType.PCIE_SWITCH, 0): (
         Rule(128 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT)),
+    # 4 and 8 ranks over PCIe, above the one-shot: the Lamport two-shot (modelled, not measured). It writes
+    # the two-shot's bytes (2 (n-1)/n of the message, policy.wire) with no flag and no fence: two link
+    # crossings where the flagged two-shot needs four (data, then the flag, per phase), so the model has
+    # it ahead of the two-shot wherever its slots hold the message (choose_algo sends larger ones to the
+    # two-shot), and ahead of the one-shot from ~1 crossing x link rate / ((n-1) - 2 (n-1)/n): ~9-16 KB at 8
+    # ranks (5.25 copies saved), ~30 KB at 4 (1.5 saved). The one-shot bounds stay as set (they also bound
+    # the fused op) until measured.
     PolicyKey(Transport.P2P, LinkType.PCIE_SWITCH, 4): (
-        Rule(64 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT)),
+        Rule(64 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT_LL)),
     PolicyKey(Transport.P2P, LinkType.PCIE_SWITCH, 8): (
-        Rule(32 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT)),
+        Rule(32 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT_LL)),
     PolicyKey(Transport.P2P, LinkType.HOST_BRIDGE, 0): (
         Rule(128 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT)),
     PolicyKey(Transport.P2P, LinkType.HOST_BRIDGE, 8): (
-        Rule(32 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT)),
+        Rule(32 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT_LL)),
     # Cross-socket P2P writes are slow on many boards; keep fastcomm to the small sizes there.
     PolicyKey(Transport.P2P, LinkType.CROSS_SOCKET, 0): (
         Rule(64 * KiB, Algo.ONE_SHOT), Rule(4 * MiB, Algo.TWO_SHOT)),
@@ -95,18 +103,20 @@ def lookup_rules(table: dict[PolicyKey, tuple[Rule, ...]], transport: Transport,
 
 
 def choose_algo(nbytes: int, rules: Sequence[Rule], *, one_shot_max_bytes: int, max_bytes: int,
-                forced: str = "auto") -> Algo:
-    """The algorithm for one message. NCCL means 'not fastcomm': too big for the workspace or the table."""
+                forced: str = "auto", two_shot_ll_max_bytes: int = 0) -> Algo:
+    """The algorithm for one message. NCCL means 'not fastcomm': too big for the workspace or the table.
+
+    The one-shot and the Lamport two-shot share the one-shot's slots: past what they hold (the two limits),
+    a rule naming either falls to the two-shot, and forcing either gives NCCL."""
     if nbytes > max_bytes:
         return Algo.NCCL
+    limit = {Algo.ONE_SHOT: one_shot_max_bytes, Algo.TWO_SHOT_LL: two_shot_ll_max_bytes}
     if forced != "auto":
         algo = Algo(forced)
-        return Algo.NCCL if algo is Algo.ONE_SHOT and nbytes > one_shot_max_bytes else algo
+        return Algo.NCCL if nbytes > limit.get(algo, max_bytes) else algo
     for rule in rules:
         if nbytes <= rule.max_bytes:
-            if rule.algo is Algo.ONE_SHOT and nbytes > one_shot_max_bytes:
-                return Algo.TWO_SHOT
-            return rule.algo
+            return Algo.TWO_SHOT if nbytes > limit.get(rule.algo, max_bytes) else rule.algo
     return Algo.NCCL
 
 
@@ -120,15 +130,16 @@ class SizeRange:
 
 
 def size_ranges(rules: Sequence[Rule], *, one_shot_max_bytes: int, max_bytes: int,
-                forced: str = "auto") -> tuple[SizeRange, ...]:
+                forced: str = "auto", two_shot_ll_max_bytes: int = 0) -> tuple[SizeRange, ...]:
     """``choose_algo`` as ranges. It only changes at a rule bound or a workspace limit, so asking it at each
     of those bounds (and one byte past the last) finds every range exactly."""
-    bounds = sorted({r.max_bytes for r in rules} | {one_shot_max_bytes, max_bytes})
+    bounds = sorted({r.max_bytes for r in rules} | {one_shot_max_bytes, max_bytes}
+                    | ({two_shot_ll_max_bytes} if two_shot_ll_max_bytes > 0 else set()))
     ranges: list[SizeRange] = []
     lo = 1
     for hi in [*bounds, None]:
         algo = choose_algo(bounds[-1] + 1 if hi is None else hi, rules, one_shot_max_bytes=one_shot_max_bytes,
-                           max_bytes=max_bytes, forced=forced)
+                           max_bytes=max_bytes, forced=forced, two_shot_ll_max_bytes=two_shot_ll_max_bytes)
         if ranges and ranges[-1].algo is algo:
             ranges[-1] = dataclasses.replace(ranges[-1], max_bytes=hi)
         else:

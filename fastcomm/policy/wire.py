@@ -9,14 +9,14 @@ differ (the two-shot's short last segment), the busiest rank's count, as it sets
 from __future__ import annotations
 
 from ..abi import MAX_BLOCKS, VEC_BYTES
-from .launch import cdiv, two_shot_launch, vectors_for
+from .launch import cdiv, two_shot_launch, two_shot_ll_segment_vectors, vectors_for
 
 FLAG_BYTES = 4  # the two-shot's per-block flag word
 
 
 def wire_bytes(algo: str, nbytes: int, world: int, transport: str, islands: int = 1, *, elem_size: int = 2,
                max_blocks: int = MAX_BLOCKS) -> int:
-    """Bytes one GPU sends per call of ``algo`` ("one_shot", "two_shot", "fused") on ``nbytes`` of input.
+    """Bytes one GPU sends per call of ``algo`` ("one_shot", "two_shot", "two_shot_ll", "fused") on ``nbytes``.
 
     ``islands``: the number of equal islands of the hierarchical one-shot (P2P only): it sums inside the
     island, then across the islands' partners, so each GPU sends (island size - 1) + (islands - 1) copies.
@@ -37,11 +37,16 @@ def wire_bytes(algo: str, nbytes: int, world: int, transport: str, islands: int 
         if host:
             return per_copy  # one copy into my own slot of the host segment
         return per_copy * ((world // islands - 1) + (islands - 1))
+    if algo in ("two_shot", "two_shot_ll") and islands > 1:
+        raise ValueError(f"the {algo.replace('_', '-')} has no island form")
     if algo == "two_shot":
-        if islands > 1:
-            raise ValueError("the two-shot has no island form")
         return _two_shot(nbytes, world, host, elem_size, max_blocks)
-    raise ValueError(f"no wire model for algorithm {algo!r} (one_shot, two_shot, fused)")
+    if algo == "two_shot_ll":
+        # Payload only, every segment padded to the same whole vectors: my copy of each other segment, then
+        # my reduced segment to every peer (P2P) or once into my host slot.
+        seg = two_shot_ll_segment_vectors(nbytes, world) * VEC_BYTES
+        return (world - 1) * seg + (1 if host else world - 1) * seg
+    raise ValueError(f"no wire model for algorithm {algo!r} (one_shot, two_shot, two_shot_ll, fused)")
 
 
 def _two_shot(nbytes: int, world: int, host: bool, elem_size: int, max_blocks: int) -> int:

@@ -39,6 +39,19 @@ def test_core(world, transport):
     assert f"{world} ranks, transport {transport}" in res[0]["describe"]
 
 
+@pytest.mark.parametrize("transport", ["p2p", "host"])
+@pytest.mark.parametrize("world", (2, 3, 4, 5, 6, 7, 8))
+def test_two_shot_variants(world, transport):
+    """The two-shot at every world size its body is specialised for, and the Lamport two-shot."""
+    calls, replays = (200, 40) if world <= 4 else (100, 24)
+    res = check_all_ok(run_ranks(W.two_shot_variants, world, transport, calls, replays, timeout=600))
+    print(world, transport, {k: v for k, v in res[0].items() if k != "describe"})
+    # Counts of results that were checked and right (every one is checked inside the workers).
+    assert res[0]["exact"] > 100 and res[0]["random_bitwise"] >= 20, res[0]
+    assert all(r["interleaved"] == calls and r["graph_replays"] == replays for r in res)
+    assert f"{world} ranks, transport {transport}" in res[0]["describe"]
+
+
 @pytest.mark.parametrize("world,islands", [(2, ((0,), (1,))), (4, ((0, 1), (2, 3))), (8, ((0, 1, 2, 3), (4, 5, 6, 7)))])
 def test_forced_islands(world, islands):
     calls, replays = _counts(world)

@@ -125,10 +125,10 @@ def _random_vs_fp64(ws, seed):
     return worst
 
 
-def _specials(ws):
+def _specials(ws, algos=("one_shot", "two_shot")):
     dev = ws.device
     rank = dist.get_rank()
-    for algo in ("one_shot", "two_shot"):
+    for algo in algos:
         for dtype in DTYPES:
             z = torch.full((1001,), -0.0, dtype=dtype, device=dev)
             out = fastcomm.all_reduce(z, ws, algo=algo)
@@ -190,12 +190,14 @@ def _try_all_reduce(ws):
     return served
 
 
-def _back_to_back(ws, calls):
+_BACK_TO_BACK = ((1, "one_shot"), (6144, "one_shot"), (6144, "two_shot"), (100003, "two_shot"), (12345, "one_shot"),
+                 (262144, "two_shot"), (3, "two_shot"), (65536, "one_shot"))
+
+
+def _back_to_back(ws, calls, plan=_BACK_TO_BACK):
     """Many calls, alternating sizes and algorithms, every result checked (inputs differ per call)."""
     dev = ws.device
     rank, world = dist.get_rank(), dist.get_world_size()
-    plan = [(1, "one_shot"), (6144, "one_shot"), (6144, "two_shot"), (100003, "two_shot"), (12345, "one_shot"),
-            (262144, "two_shot"), (3, "two_shot"), (65536, "one_shot")]
     base = {n: _ints(n, torch.bfloat16, 0, n, dev) for n, _ in plan}
     outs = {n: torch.empty(n, dtype=torch.bfloat16, device=dev) for n, _ in plan}
     bad = good = 0
@@ -319,6 +321,101 @@ def core(rank, world, gloo, transport, islands, calls, replays):
         found["back_to_back"] = _back_to_back(ws, calls)
         found["graph_replays"] = _graphs(ws, replays)
         found["fused_worst_ulps"] = _fused(ws, 4)
+        torch.cuda.synchronize()
+    return found
+
+
+# Element counts for the two-shot family: tails of every length, segments shorter than a vector, empty
+# segments (fewer elements than ranks), several blocks.
+TWO_SHOT_SIZES = (1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 31, 33, 127, 1000, 4095, 6144, 6147, 40961, 65537, 100003)
+# Every user of the Lamport slots (one-shot, Lamport two-shot) and the flagged two-shot, interleaved, sizes
+# within what 256 KiB slots hold at any world size and transport (host, 2 ranks: 170 KiB).
+_LL_BACK_TO_BACK = ((1, "two_shot_ll"), (6144, "one_shot"), (6144, "two_shot_ll"), (77777, "two_shot_ll"),
+                    (3, "two_shot"), (12345, "two_shot_ll"), (65536, "one_shot"), (100003, "two_shot"),
+                    (7, "two_shot_ll"), (40961, "two_shot"))
+
+
+def _ll_graphs(ws, replays):
+    """One graph holding a one-shot, two Lamport two-shots (one in place) and a two-shot, replayed with new
+    inputs before every replay; every output checked."""
+    dev = ws.device
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tri = world * (world + 1) // 2
+    sizes = {"a": 6144, "b": 40001, "c": 9, "d": 300001}
+    bufs = {k: torch.zeros(n, dtype=torch.bfloat16, device=dev) for k, n in sizes.items()}
+    s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream())
+
+    def body():
+        oa = fastcomm.all_reduce(bufs["a"], ws, algo="one_shot")
+        ob = fastcomm.all_reduce(bufs["b"], ws, algo="two_shot_ll")
+        oc = fastcomm.all_reduce(bufs["c"], ws, algo="two_shot_ll", out=bufs["c"])
+        od = fastcomm.all_reduce(bufs["d"], ws, algo="two_shot")
+        return {"a": oa, "b": ob, "c": oc, "d": od}
+
+    with torch.cuda.stream(s):
+        body()  # warm-up outside capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            outs = body()
+    torch.cuda.current_stream().wait_stream(s)
+    ramps = {k: torch.arange(n, device=dev) for k, n in sizes.items()}
+    checked = 0
+    for i in range(replays):
+        for k, b in bufs.items():
+            b.copy_((((ramps[k] + i) % 7) - 3).to(torch.bfloat16) * (rank + 1))
+        g.replay()
+        for k, o in outs.items():
+            want = ((((ramps[k] + i) % 7) - 3) * tri).to(torch.bfloat16)
+            assert torch.equal(o, want), f"replay {i}: {k} wrong"
+        checked += 1
+    torch.cuda.synchronize()
+    return checked
+
+
+def two_shot_variants(rank, world, gloo, transport, calls, replays):
+    """The two-shot (its body specialised per world size) and the Lamport two-shot at one world size: exact
+    sums over odd sizes and every dtype; random data bitwise equal to the rank-order fp32 sum on every rank
+    (and the Lamport two-shot to the one-shot, same terms, same order); -0.0 / NaN / inf and the sentinel
+    pattern; in place; its size limit; calls of every slot user interleaved; graph replays."""
+    global _CPU_GROUP, _ISLANDS
+    _CPU_GROUP, _ISLANDS = gloo, None
+    with fastcomm.Workspace(gloo, transport=transport, max_bytes=2 << 20, one_shot_max_bytes=256 << 10) as ws:
+        dev = ws.device
+        cap = ws.plan.two_shot_ll_max_bytes
+        found = {"describe": ws.describe(), "two_shot_ll_max_bytes": cap}
+        found["exact"] = _exact_vs_nccl(ws, TWO_SHOT_SIZES + (cap // 2, cap // 4), ("two_shot", "two_shot_ll"), 11)
+        random_checked = 0
+        for dtype in DTYPES:
+            for n in (5, 4097, 65537, cap // torch.tensor([], dtype=dtype).element_size()):
+                g = torch.Generator(device="cpu").manual_seed(17 * n + rank)
+                x = torch.randn(n, generator=g).to(dtype).to(dev)
+                want = _ordered_sum(x)
+                for algo in ("two_shot", "two_shot_ll", "one_shot"):
+                    if ws.algo_for(n * x.element_size(), algo) is fastcomm.Algo.NCCL:
+                        continue
+                    out = fastcomm.all_reduce(x, ws, algo=algo)
+                    assert torch.equal(out, want), f"{algo} {dtype} n={n}: not the rank-order fp32 sum"
+                    random_checked += 1
+        found["random_bitwise"] = random_checked
+        _specials(ws, ("two_shot", "two_shot_ll"))
+        for n in (3, 6147, 65537):  # in place
+            x = _ints(n, torch.bfloat16, rank, 21 + n, dev)
+            want = _nccl_sum(x)
+            for algo in ("two_shot", "two_shot_ll"):
+                y = x.clone()
+                fastcomm.all_reduce(y, ws, algo=algo, out=y)
+                assert torch.equal(y, want), f"{algo} in place n={n}"
+        too_big = torch.ones(cap // 2 + 8, dtype=torch.bfloat16, device=dev)
+        assert ws.algo_for(too_big.numel() * 2, "two_shot_ll") is fastcomm.Algo.NCCL
+        try:
+            fastcomm.all_reduce(too_big, ws, algo="two_shot_ll")
+        except FastcommError:
+            pass
+        else:
+            raise AssertionError("two_shot_ll accepted a message larger than its slots")
+        found["interleaved"] = _back_to_back(ws, calls, _LL_BACK_TO_BACK)
+        found["graph_replays"] = _ll_graphs(ws, replays)
         torch.cuda.synchronize()
     return found
 
