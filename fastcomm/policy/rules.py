@@ -108,10 +108,12 @@ def choose_algo(nbytes: int, rules: Sequence[Rule], *, one_shot_max_bytes: int, 
     if forced != "auto":
         algo = Algo(forced)
         return Algo.NCCL if algo is Algo.ONE_SHOT and nbytes > one_shot_max_bytes else algo
-    for rule in rules:
+    for i, rule in enumerate(rules):
         if nbytes <= rule.max_bytes:
             if rule.algo is Algo.ONE_SHOT and nbytes > one_shot_max_bytes:
-                return Algo.TWO_SHOT
+                # Past the one-shot's buffer: what the table uses after it (the pull where it has one).
+                later = [r.algo for r in rules[i + 1:] if r.algo in (Algo.TWO_SHOT, Algo.PULL)]
+                return later[0] if later else Algo.TWO_SHOT
             return rule.algo
     return Algo.NCCL
 
