@@ -39,6 +39,20 @@ def test_core(world, transport):
     assert f"{world} ranks, transport {transport}" in res[0]["describe"]
 
 
+@pytest.mark.parametrize("world", WORLDS)
+def test_pull(world):
+    """The pull forced per call over P2P: sizes 4 KB-8 MB with odd element counts, every dtype, both stages
+    where the world has them, in place, specials, bursts mixed with the other algorithms, a graph."""
+    res = check_all_ok(run_ranks(W.pull, world, 30, timeout=600))
+    print(world, "pull", res[0])
+    assert all(r["exact"] == 3 * (2 + len(W.PULL_SIZES)) and r["random_bitwise"] == 9 and r["interleaved"] == 32
+               and r["graph_replays"] == 30 for r in res), res
+    assert res[0]["stages"] == ([1] if world == 2 else [1, 2]), res[0]
+    if world == 2:
+        assert all("not served by fastcomm" in r["host_refusal"] for r in res), res
+        assert all("FASTCOMM_ALGO=pull needs the P2P transport" in r["host_build_refusal"] for r in res), res
+
+
 @pytest.mark.parametrize("world,islands", [(2, ((0,), (1,))), (4, ((0, 1), (2, 3))), (8, ((0, 1, 2, 3), (4, 5, 6, 7)))])
 def test_forced_islands(world, islands):
     calls, replays = _counts(world)
