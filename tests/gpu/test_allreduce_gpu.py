@@ -87,6 +87,15 @@ def test_missing_peer_times_out(world, transport, die, tmp_path):
     assert glob.glob("/dev/shm/fastcomm-*") == []
 
 
+def test_pull_times_out_naming_the_peer(tmp_path):
+    """A peer that never makes the pull call: the waiting rank's bounded flag wait names it and the step."""
+    run_ranks(W.timeout, 2, "p2p", False, TIMEOUT_S, str(tmp_path), "pull", timeout=45)
+    value = json.loads((tmp_path / "rank0.json").read_text())
+    msg = value["message"]
+    assert msg and "rank 0 timed out" in msg and "peer rank 1" in msg and "pull exchange" in msg, value
+    assert value["record_s"] <= TIMEOUT_S + 2, value
+
+
 @pytest.mark.parametrize("world", (2, 8))
 def test_p2p_check_costs_and_passes(world):
     res = check_all_ok(run_ranks(W.p2p_check, world, "auto", None, timeout=300))

@@ -323,8 +323,9 @@ def core(rank, world, gloo, transport, islands, calls, replays):
     return found
 
 
-def timeout(rank, world, gloo, transport, die, timeout_s=3.0, report_dir=None):
+def timeout(rank, world, gloo, transport, die, timeout_s=3.0, report_dir=None, algo="auto"):
     """Rank world-1 skips (or dies before) the second call; the others must error out, not hang.
+    ``algo``: forced for both calls (default: the policy's choice for 12 KB, the one-shot).
 
     Each waiting rank reports when its device-side error record appeared (watched from the host: the record
     is pinned memory) and, separately, when CUDA's synchronize returned: with ranks sharing a GPU the two can
@@ -339,7 +340,7 @@ def timeout(rank, world, gloo, transport, die, timeout_s=3.0, report_dir=None):
     _CPU_GROUP = gloo
     ws = fastcomm.Workspace(gloo, transport=transport, timeout_s=timeout_s, max_bytes=1 << 20)
     x = torch.ones(6144, dtype=torch.bfloat16, device=ws.device)
-    fastcomm.all_reduce(x, ws)
+    fastcomm.all_reduce(x, ws, algo=algo)
     torch.cuda.synchronize()
     dist.barrier(group=gloo)
     if rank == world - 1:
@@ -372,7 +373,7 @@ def timeout(rank, world, gloo, transport, die, timeout_s=3.0, report_dir=None):
     faulthandler.dump_traceback_later(timeout_s + 30, exit=False)  # where a rank still stuck then is stuck
     t0 = time.monotonic()
     ws.watch(on_record)
-    fastcomm.all_reduce(x, ws)
+    fastcomm.all_reduce(x, ws, algo=algo)
     say("launched")
     done, out = threading.Event(), {}
 
