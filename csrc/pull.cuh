@@ -47,33 +47,51 @@
 #pragma once
 #include "common.cuh"
 
+// Where this thread publishes and polls, read from the table once at the kernel's start (so these loads
+// overlap the copy-in instead of adding dependent latencies to each phase): thread 0 holds my flag array
+// in every peer, lane s of warp 0 the array where source s's flags land (null: no source).
+struct FcPullFlags {
+  u32* push[FC_MAX_WORLD];
+  u32* pull;
+};
+
+__device__ __forceinline__ FcPullFlags fc_pull_flags(const FcTable* t, u32 h) {
+  FcPullFlags f;
+  const u32 world = t->world, me = t->rank, lane = threadIdx.x;
+#pragma unroll
+  for (u32 j = 0; j < FC_MAX_WORLD; ++j)
+    f.push[j] = (lane == 0 && j < world && j != me) ? t->pull_flag_push[h][j] : nullptr;
+  f.pull = (lane < world && lane != me) ? t->pull_flag_pull[h][lane] : nullptr;
+  return f;
+}
+
 // Flag word of (source's array, phase, this block).
 __device__ __forceinline__ u32* fc_pull_flag(u32* arr, u32 phase) { return arr + phase * FC_MAX_BLOCKS + blockIdx.x; }
 
 // Called by every thread after the block's stores into its own buffer (and reduced segment).
-__device__ __forceinline__ void fc_pull_publish(const FcTable* t, u32 h, u32 phase, u32 epoch) {
+__device__ __forceinline__ void fc_pull_publish(const FcPullFlags& f, u32 phase, u32 epoch) {
   __syncthreads();
   if (threadIdx.x == 0) {
     fc_fence_sys();
-    const u32 world = t->world, me = t->rank;
-    for (u32 j = 0; j < world; ++j)
-      if (j != me) fc_st_relaxed_sys(fc_pull_flag(t->pull_flag_push[h][j], phase), epoch);
+#pragma unroll
+    for (u32 j = 0; j < FC_MAX_WORLD; ++j)
+      if (f.push[j]) fc_st_relaxed_sys(fc_pull_flag(f.push[j], phase), epoch);
   }
 }
 
 // Every peer's flag for (phase, this block) == epoch; called by every thread.
-__device__ __forceinline__ void fc_pull_wait(const FcTable* t, u32 h, u32 phase, u32 epoch, u32 step) {
+__device__ __forceinline__ void fc_pull_wait(const FcTable* t, const FcPullFlags& f, u32 phase, u32 epoch,
+                                             u32 step) {
   static_assert(FC_MAX_WORLD <= 32, "one lane per source");
   if (threadIdx.x < 32) {
     const u32 lane = threadIdx.x;
-    const bool src = lane < t->world && lane != t->rank;
-    const u32* f = src ? fc_pull_flag(t->pull_flag_pull[h][lane], phase) : nullptr;
-    bool ready = !src || fc_ld_acquire_sys(f) == epoch;
+    const u32* w = f.pull ? fc_pull_flag(f.pull, phase) : nullptr;
+    bool ready = !w || fc_ld_acquire_sys(w) == epoch;
     u32 pending = __ballot_sync(0xFFFFFFFFu, !ready);
     if (pending) {
       FcDeadline dl(t->timeout_ns);
       do {
-        if (!ready) ready = fc_ld_acquire_sys(f) == epoch;
+        if (!ready) ready = fc_ld_acquire_sys(w) == epoch;
         pending = __ballot_sync(0xFFFFFFFFu, !ready);
         // Every lane counts the same polls; lane 0 reads the clock and names the first stalled source.
         if (pending && dl.expired() && lane == 0) fc_fail(t, __ffs(pending) - 1, step, epoch);
@@ -123,10 +141,11 @@ __device__ __forceinline__ void fc_pull(const FcTable* __restrict__ t, const cha
   const char* src[FC_MAX_WORLD];
 #pragma unroll
   for (u32 s = 0; s < FC_MAX_WORLD; ++s) src[s] = s < world ? t->pull_buf[h][s] : nullptr;
+  const FcPullFlags fl = fc_pull_flags(t, h);
 
   fc_pull_stage_in(t->pull_buf[h][t->rank], in, b0, b1, nbytes);
-  fc_pull_publish(t, h, 0, epoch);
-  fc_pull_wait(t, h, 0, epoch, FC_STEP_PULL);
+  fc_pull_publish(fl, 0, epoch);
+  fc_pull_wait(t, fl, 0, epoch, FC_STEP_PULL);
   for (u64 i = b0 + threadIdx.x; i < b1; i += blockDim.x)
     fc_store_vec(out, i, nbytes, fc_pull_sum<D>(src, world, i * FC_VEC_BYTES));
   fc_end(t, epoch);
@@ -149,6 +168,7 @@ __device__ __forceinline__ void fc_pull2(const FcTable* __restrict__ t, const ch
     src[s] = s < world ? t->pull_buf[h][s] : nullptr;
     red[s] = s < world ? t->pull_red[h][s] : nullptr;
   }
+  const FcPullFlags fl = fc_pull_flags(t, h);
   // Vectors of segment s this block covers, relative to the segment's start: [cb, end(s)).
   auto seg_end = [&](u32 s) -> u64 {
     const u64 s0 = (u64)s * seg;
@@ -160,8 +180,8 @@ __device__ __forceinline__ void fc_pull2(const FcTable* __restrict__ t, const ch
   // 1. My chunk b of every segment into my buffer; then everyone may read it.
   char* own = t->pull_buf[h][me];
   for (u32 s = 0; s < world; ++s) fc_pull_stage_in(own, in, (u64)s * seg + cb, (u64)s * seg + seg_end(s), nbytes);
-  fc_pull_publish(t, h, 0, epoch);
-  fc_pull_wait(t, h, 0, epoch, FC_STEP_PULL);
+  fc_pull_publish(fl, 0, epoch);
+  fc_pull_wait(t, fl, 0, epoch, FC_STEP_PULL);
 
   // 2. Reduce-scatter by pull: my segment's chunk from every buffer, into my reduced segment and out.
   char* mine = t->pull_red[h][me];
@@ -171,8 +191,8 @@ __device__ __forceinline__ void fc_pull2(const FcTable* __restrict__ t, const ch
     *reinterpret_cast<uint4*>(mine + k * FC_VEC_BYTES) = r;
     fc_store_vec(out, base + k, nbytes, r);
   }
-  fc_pull_publish(t, h, 1, epoch);
-  fc_pull_wait(t, h, 1, epoch, FC_STEP_PULL_AG);
+  fc_pull_publish(fl, 1, epoch);
+  fc_pull_wait(t, fl, 1, epoch, FC_STEP_PULL_AG);
 
   // 3. All-gather by pull: chunk b of every other reduced segment, all loads issued before the stores.
   u64 end[FC_MAX_WORLD];
