@@ -26,6 +26,8 @@ static_assert(FC_PACKET_BYTES == 2 * FC_PACKET_PAYLOAD, "a packet is (4B data, 4
 #define FC_STEP_RS 2
 #define FC_STEP_AG 3
 #define FC_STEP_FUSED 4
+#define FC_STEP_PULL 5
+#define FC_STEP_PULL_AG 6
 
 // Written by the first thread that times out, read by the host (pinned, mapped memory survives the trap).
 struct FcError {
@@ -88,6 +90,15 @@ struct FcTable {
   u32 n_lp_push;
   char* lp_push[FC_LP_BUFFERS][FC_MAX_WORLD];
   char* lp_pull[FC_LP_BUFFERS][FC_MAX_WORLD];
+
+  // Pull (pull.cuh), P2P only; two halves by the epoch's parity, the argument above. pull_buf[h][s]: rank
+  // s's copy of its input (s == rank: my own, local); pull_red[h][s]: rank s's reduced segment (two-stage).
+  // Flags: arrays of 2 x FC_MAX_BLOCKS words, [phase][block]; pull_flag_pull[h][s] is where rank s's flags
+  // land in my memory, pull_flag_push[h][j] my flag array in rank j's memory (j != rank; by group rank).
+  char* pull_buf[2][FC_MAX_WORLD];
+  char* pull_red[2][FC_MAX_WORLD];
+  u32* pull_flag_pull[2][FC_MAX_WORLD];
+  u32* pull_flag_push[2][FC_MAX_WORLD];
 };
 
 // ---- memory operations ---------------------------------------------------------------------------------
@@ -112,6 +123,15 @@ __device__ __forceinline__ uint4 fc_load_cv16(const char* p) {
                : "l"(p)
                : "memory");
   return v;
+}
+
+// Release pattern for several flags at once: one system-scope fence, then plain (relaxed) stores, so a block
+// publishing to W-1 peers pays for one fence, not W-1 releases. The fence is cumulative over the writes the
+// block made before the preceding __syncthreads.
+__device__ __forceinline__ void fc_fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+__device__ __forceinline__ void fc_st_relaxed_sys(u32* p, u32 v) {
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 __device__ __forceinline__ u64 fc_globaltimer() {
@@ -471,5 +491,5 @@ __device__ __forceinline__ void fc_lp_end(const FcTable* t, const FcLpCall& c, u
   }
 }
 
-static_assert(sizeof(FcTable) == 1760, "FcTable layout must match fastcomm/abi.py (TABLE_BYTES)");
+static_assert(sizeof(FcTable) == 2272, "FcTable layout must match fastcomm/abi.py (TABLE_BYTES)");
 static_assert(sizeof(FcError) == 32, "FcError layout must match fastcomm/abi.py (ERROR_BYTES)");

@@ -5,6 +5,7 @@
 #include "two_shot.cuh"
 #include "two_shot_ll.cuh"
 #include "fused_rmsnorm.cuh"
+#include "pull.cuh"
 #include "p2p_check.cuh"
 
 // The fused kernel comes in K = 1, 2, 4, 8 (fc_fused_rmsnorm<K>_<dtype>), and for islands in one launch
@@ -40,6 +41,13 @@
   extern "C" __global__ void __launch_bounds__(256) fc_two_shot_ll_##NAME(const FcTable* t, const char* in,    \
                                                                          char* out, u64 nbytes) {             \
     fc_two_shot_ll<D>(t, in, out, nbytes);                                                                     \
+  extern "C" __global__ void __launch_bounds__(512) fc_pull_##NAME(const FcTable* t, const char* in, char* out, \
+                                                                  u64 nbytes, u64 chunk) {                    \
+    fc_pull<D>(t, in, out, nbytes, chunk);                                                                     \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(512)                                                            \
+      fc_pull2_##NAME(const FcTable* t, const char* in, char* out, u64 nbytes, u64 seg, u64 chunk) {           \
+    fc_pull2<D>(t, in, out, nbytes, seg, chunk);                                                               \
   }                                                                                                            \
   FC_DEFINE_FUSED(NAME, D, 1)                                                                                  \
   FC_DEFINE_FUSED(NAME, D, 2)                                                                                  \

@@ -26,9 +26,10 @@ FLAT, ISLAND, PARTNER = 0, 1, 2
 GROUPS = {FLAT: "all ranks", ISLAND: "island", PARTNER: "cross-island partners"}
 
 # Steps (FC_STEP_*), named in timeout errors.
-STEP_ONE_SHOT, STEP_RS, STEP_AG, STEP_FUSED = 1, 2, 3, 4
+STEP_ONE_SHOT, STEP_RS, STEP_AG, STEP_FUSED, STEP_PULL, STEP_PULL_AG = 1, 2, 3, 4, 5, 6
 STEPS = {STEP_ONE_SHOT: "one-shot exchange", STEP_RS: "two-shot reduce-scatter",
-         STEP_AG: "two-shot all-gather", STEP_FUSED: "fused all-reduce + RMSNorm exchange"}
+         STEP_AG: "two-shot all-gather", STEP_FUSED: "fused all-reduce + RMSNorm exchange",
+         STEP_PULL: "pull exchange", STEP_PULL_AG: "pull all-gather"}
 
 DTYPE_SUFFIX = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 
@@ -39,6 +40,7 @@ FUSED_VARIANTS = (1, 2, 4, 8)
 FUSED_MAX_SPLITS = 32  # the kernel's shared partial-sum array
 ONE_SHOT_THREADS = 256
 TWO_SHOT_THREADS = 512
+PULL_THREADS = 512     # __launch_bounds__ of fc_pull / fc_pull2
 
 
 # ---- structs ---------------------------------------------------------------------------------------------
@@ -67,6 +69,7 @@ class FcTable(ctypes.Structure):
         ("rs_push", _H2), ("rs_pull", _H2), ("rs_flag_push", _H2), ("rs_flag_pull", _H2),
         ("ag_push", _H2), ("ag_flag_push", _H2), ("ag_pull", _H2), ("ag_flag_pull", _H2),
         ("host", ctypes.c_uint32), ("n_lp_push", ctypes.c_uint32), ("lp_push", _H3), ("lp_pull", _H3),
+        ("pull_buf", _H2), ("pull_red", _H2), ("pull_flag_pull", _H2), ("pull_flag_push", _H2),
     ]
 
 
@@ -74,6 +77,7 @@ TABLE_BYTES = ctypes.sizeof(FcTable)      # static_assert'ed in common.cuh
 ERROR_BYTES = ctypes.sizeof(ErrorRecord)  # static_assert'ed in common.cuh
 STATE_BYTES = 16                          # per group: FcTable.state[0..3] (epoch, blocks, one-shot buffer, size)
 FLAG_ARRAY_BYTES = MAX_BLOCKS * 4         # two-shot: one u32 flag per block
+PULL_FLAG_BYTES = 2 * FLAG_ARRAY_BYTES    # pull: one u32 flag per (phase, block), per source
 SCRATCH_BYTES = MAX_BLOCKS * 2 * PACKET_BYTES  # per group: two packets per block (fused partial sums)
 
 
@@ -128,6 +132,10 @@ TWO_SHOT = Kernel("two_shot", (("t", "ptr"), ("in", "ptr"), ("out", "ptr"), ("n"
                                ("chunk", "u64")))
 # The Lamport two-shot (two_shot_ll.cuh): segments and launch shape from nbytes (policy.two_shot_ll_launch).
 TWO_SHOT_LL = Kernel("two_shot_ll", (("t", "ptr"), ("in", "ptr"), ("out", "ptr"), ("nbytes", "u64")))
+# Pull (pull.cuh): one-stage (chunk: vectors per block), and two-stage (seg: vectors per segment).
+PULL = Kernel("pull", (("t", "ptr"), ("in", "ptr"), ("out", "ptr"), ("nbytes", "u64"), ("chunk", "u64")))
+PULL2 = Kernel("pull2", (("t", "ptr"), ("in", "ptr"), ("out", "ptr"), ("nbytes", "u64"), ("seg", "u64"),
+                         ("chunk", "u64")))
 FUSED_RMSNORM = Kernel("fused_rmsnorm", (("t", "ptr"), ("in", "ptr"), ("residual", "ptr"), ("weight", "ptr"),
                                          ("out", "ptr"), ("residual_out", "ptr"), ("tokens", "u32"),
                                          ("hidden", "u32"), ("splits", "u32"), ("eps", "f32")),
@@ -138,4 +146,4 @@ FUSED_RMSNORM_ISLANDS = Kernel("fused_rmsnorm_islands", (("ti", "ptr"), ("tp", "
                                                          ("hidden", "u32"), ("splits", "u32"), ("eps", "f32")),
                                variants=tuple(str(k) for k in FUSED_VARIANTS))
 P2P_CHECK = Kernel("p2p_check", (("dst", "ptr"), ("pattern", "u64"), ("count", "u32")), typed=False)
-KERNELS = (ONE_SHOT, ONE_SHOT_ISLANDS, TWO_SHOT, TWO_SHOT_LL, FUSED_RMSNORM, FUSED_RMSNORM_ISLANDS, P2P_CHECK)
+KERNELS = (ONE_SHOT, ONE_SHOT_ISLANDS, TWO_SHOT, TWO_SHOT_LL, PULL, PULL2, FUSED_RMSNORM, FUSED_RMSNORM_ISLANDS, P2P_CHECK)

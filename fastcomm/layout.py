@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from .abi import ALIGN, FLAG_ARRAY_BYTES, FLAT, ISLAND, LP_BUFFERS, MAX_WORLD, PARTNER, SCRATCH_BYTES, STATE_BYTES, \
-    TABLE_BYTES, VEC_BYTES, FcTable
+from .abi import ALIGN, FLAG_ARRAY_BYTES, FLAT, ISLAND, LP_BUFFERS, MAX_WORLD, PARTNER, PULL_FLAG_BYTES, SCRATCH_BYTES, \
+    STATE_BYTES, TABLE_BYTES, VEC_BYTES, FcTable
 from .policy.launch import cdiv, ll_bytes, round_up
 
 
@@ -29,10 +29,24 @@ class GroupLayout:
     rs_flag_off: int
     ag_flag_off: int
     end: int
+    # Pull (P2P, flat group only; 0 elsewhere), in each rank's own buffer: my input copy and my reduced
+    # segment, two halves each, read by the peers; then [half][source] flag arrays the peers write.
+    pull_slot: int = 0        # bytes of one half of the input copy
+    pull_seg: int = 0         # bytes of one half of the reduced segment (two-stage)
+    pull_off: int = 0
+    pull_red_off: int = 0
+    pull_flag_off: int = 0
+
+
+def pull_sizes(max_bytes: int, world: int) -> tuple[int, int]:
+    """(input copy, reduced segment) bytes per half: the whole message, and one rank's segment of it, in
+    16-byte vectors (policy.launch.pull_launch cuts segments the same way)."""
+    nvec = cdiv(max_bytes, VEC_BYTES)
+    return nvec * VEC_BYTES, cdiv(nvec, world) * VEC_BYTES
 
 
 def _group_regions(members: Sequence[int], group_id: int, ll_slot: int, lp_slot: int, seg: int, start: int,
-                   host: bool) -> GroupLayout:
+                   host: bool, pull: tuple[int, int] = (0, 0)) -> GroupLayout:
     """P2P: each rank's buffer holds slots indexed by source. Host: one segment holds every rank's slots."""
     g = len(members)
     rs_slots = g * g if host else g           # host: [segment][source]; P2P: [source] (segment is mine)
@@ -49,8 +63,15 @@ def _group_regions(members: Sequence[int], group_id: int, ll_slot: int, lp_slot:
     off += 2 * rs_slots * FLAG_ARRAY_BYTES if seg else 0
     ag_flag_off = off
     off += 2 * g * FLAG_ARRAY_BYTES if seg else 0
+    pull_slot, pull_seg = (0, 0) if host else pull
+    pull_off = off
+    off += 2 * pull_slot
+    pull_red_off = off
+    off += 2 * pull_seg
+    pull_flag_off = off
+    off += 2 * g * PULL_FLAG_BYTES if pull_slot else 0
     return GroupLayout(tuple(members), group_id, ll_slot, lp_slot, seg, ll_off, lp_off, rs_off, ag_off, rs_flag_off,
-                       ag_flag_off, off)
+                       ag_flag_off, off, pull_slot, pull_seg, pull_off, pull_red_off, pull_flag_off)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +102,8 @@ def plan_layout(transport: str, world_size: int, max_bytes: int, one_shot_max_by
     if lp_slot >= 1 << 32:  # the kernel keeps a call's size in a 32-bit state word
         raise ValueError(f"one-shot maximum of {one_shot_max_bytes} bytes exceeds 4 GiB")
     seg = round_up(cdiv(max_bytes, world_size), ALIGN)
-    groups = [_group_regions(range(world_size), FLAT, ll_slot, lp_slot, seg, 0, host)]
+    # The pull serves flat messages up to max_bytes over P2P (the host transport has no peer-readable copy).
+    groups = [_group_regions(range(world_size), FLAT, ll_slot, lp_slot, seg, 0, host, pull_sizes(max_bytes, world_size))]
     if islands and len(islands) > 1:
         for isl in islands:
             groups.append(_group_regions(isl, ISLAND, ll_slot, lp_slot, 0, groups[-1].end, host))
@@ -178,4 +200,12 @@ def build_table(layout: Layout, g: GroupLayout, rank: int, *, own_base: int, pee
                 for j, p in enumerate(peers):
                     t.ag_push[h][j] = base_of[p] + g.ag_off + (h * gsz + me) * g.seg
                     t.ag_flag_push[h][j] = base_of[p] + g.ag_flag_off + (h * gsz + me) * flag
+            if g.pull_slot:
+                pf = PULL_FLAG_BYTES
+                for s in range(gsz):
+                    t.pull_buf[h][s] = base_of[s] + g.pull_off + h * g.pull_slot
+                    t.pull_red[h][s] = base_of[s] + g.pull_red_off + h * g.pull_seg
+                    t.pull_flag_pull[h][s] = own_base + g.pull_flag_off + (h * gsz + s) * pf
+                for p in peers:  # by group rank: the kernel skips its own
+                    t.pull_flag_push[h][p] = base_of[p] + g.pull_flag_off + (h * gsz + me) * pf
     return t

@@ -54,6 +54,17 @@ def _two_shot_ll(ws: Workspace, src: torch.Tensor, dst: torch.Tensor) -> None:
     lc = policy.two_shot_ll_launch(nbytes, ws.world_size, ws.plan.max_blocks)
     _launch(ws, abi.TWO_SHOT_LL, src.dtype, lc.grid, lc.block, ws.tables[FLAT], src.data_ptr(), dst.data_ptr(),
             nbytes)
+def _pull(ws: Workspace, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """One or two stages, by world size and message size (policy.pull_stages); P2P only (the plan never
+    routes the pull elsewhere)."""
+    nbytes = src.numel() * src.element_size()
+    lc = policy.pull_launch(nbytes, ws.world_size, ws.plan.max_blocks)
+    if lc.stages == 1:
+        _launch(ws, abi.PULL, src.dtype, lc.grid, lc.block, ws.tables[FLAT], src.data_ptr(), dst.data_ptr(), nbytes,
+                lc.chunk)
+    else:
+        _launch(ws, abi.PULL2, src.dtype, lc.grid, lc.block, ws.tables[FLAT], src.data_ptr(), dst.data_ptr(),
+                nbytes, lc.seg, lc.chunk)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -140,6 +151,8 @@ def _run(ws: Workspace, chosen: Algo, x: torch.Tensor, out: torch.Tensor) -> Non
                 _one_shot(ws, ws.tables[FLAT], x, out)
         elif chosen is Algo.TWO_SHOT_LL:
             _two_shot_ll(ws, x, out)  # flat in every layout, as the two-shot
+        elif chosen is Algo.PULL:
+            _pull(ws, x, out)
         else:
             _two_shot(ws, x, out)
 

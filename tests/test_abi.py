@@ -38,7 +38,8 @@ def _struct_fields(name: str) -> list[str]:
                                         ("FC_PACKET_PAYLOAD", abi.PACKET_PAYLOAD),
                                         ("FC_VEC_BYTES", abi.VEC_BYTES), ("FC_LP_BUFFERS", abi.LP_BUFFERS),
                                         ("FC_STEP_ONE_SHOT", abi.STEP_ONE_SHOT), ("FC_STEP_RS", abi.STEP_RS),
-                                        ("FC_STEP_AG", abi.STEP_AG), ("FC_STEP_FUSED", abi.STEP_FUSED)])
+                                        ("FC_STEP_AG", abi.STEP_AG), ("FC_STEP_FUSED", abi.STEP_FUSED),
+                                        ("FC_STEP_PULL", abi.STEP_PULL), ("FC_STEP_PULL_AG", abi.STEP_PULL_AG)])
 def test_constants_match(name, value):
     assert _define(name) == value
 

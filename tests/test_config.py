@@ -194,3 +194,11 @@ def test_check_environment_reports_each_variable():
 
 def test_every_default_is_valid():
     assert all(s.error is None for s in check_environment({}))
+
+
+def test_algo_pull_is_a_choice_and_its_var_says_p2p_only():
+    from fastcomm.config import ALGOS
+
+    assert Config.from_env({"FASTCOMM_ALGO": "pull"}).algo == "pull" and "pull" in ALGOS
+    algo = next(v for v in VARIABLES if v.name == "FASTCOMM_ALGO")
+    assert "pull" in algo.meaning and "P2P only" in algo.meaning

@@ -6,6 +6,7 @@ import pytest
 from fastcomm import abi
 from fastcomm import layout as L
 from fastcomm.abi import MAX_BLOCKS
+from fastcomm.policy import pull_launch
 
 MB = 1 << 20
 
@@ -183,3 +184,53 @@ def test_the_watcher_reports_once_and_stops_before_release():
     stop.set()  # what release does first
     idle.join(2)
     assert not idle.is_alive() and len(got) == 1  # woke at once on stop, reported nothing
+
+
+# ---- the pull's regions (P2P, flat group) -------------------------------------------------------------------
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_pull_regions_are_disjoint_aligned_and_hold_the_largest_message(world):
+    lay = L.plan_layout("p2p", world, 8 * MB + 6, 1 * MB, None)
+    g = lay.groups[0]
+    spans = [(g.ll_off, g.lp_off), (g.lp_off, g.rs_off), (g.rs_off, g.ag_off), (g.ag_off, g.rs_flag_off),
+             (g.rs_flag_off, g.ag_flag_off), (g.ag_flag_off, g.pull_off),
+             (g.pull_off, g.pull_red_off), (g.pull_red_off, g.pull_flag_off), (g.pull_flag_off, g.end)]
+    assert all(a <= b for a, b in spans) and all(a1 <= b0 for (_, a1), (b0, _) in zip(spans, spans[1:]))
+    assert all(a % 16 == 0 for a, _ in spans) and g.end <= lay.shared_bytes
+    assert g.pull_red_off - g.pull_off == 2 * g.pull_slot and g.pull_slot >= 8 * MB + 6
+    assert g.pull_flag_off - g.pull_red_off == 2 * g.pull_seg
+    assert g.end - g.pull_flag_off == 2 * world * abi.PULL_FLAG_BYTES
+    lc = pull_launch(8 * MB + 6, world, 128)
+    assert lc.seg * abi.VEC_BYTES <= g.pull_seg
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_pull_tables_point_at_each_ranks_own_copy_and_flags(world):
+    lay = L.plan_layout("p2p", world, 8 * MB, 1 * MB)
+    g = lay.groups[0]
+    bases = _bases(world)
+    t = [L.build_table(lay, g, r, own_base=bases[r], peer_bases=bases, host_base=None, state_ptr=0, err_ptr=0,
+                       timeout_ns=1) for r in range(world)]
+    for a in range(world):
+        for h in range(2):
+            for s in range(world):
+                # Every rank reads rank s's copy where rank s wrote it: in rank s's own buffer.
+                assert t[a].pull_buf[h][s] == t[s].pull_buf[h][s] and t[s].pull_buf[h][s] // (1 << 40) == s + 1
+                assert t[a].pull_red[h][s] == t[s].pull_red[h][s] and t[s].pull_red[h][s] // (1 << 40) == s + 1
+                assert t[a].pull_flag_pull[h][s] // (1 << 40) == a + 1  # flags land in the reader's memory
+                if s != a:
+                    assert t[a].pull_flag_push[h][s] == t[s].pull_flag_pull[h][a]
+            assert t[a].pull_flag_push[h][a] == 0  # never written: the kernel skips its own rank
+        assert t[a].pull_buf[0][a] != t[a].pull_buf[1][a] and t[a].pull_flag_pull[0][0] != t[a].pull_flag_pull[1][0]
+    flags = {t[a].pull_flag_pull[h][s] for a in range(world) for h in range(2) for s in range(world)}
+    assert len(flags) == 2 * world * world  # one array per (reader, half, source)
+
+
+def test_pull_has_no_regions_on_the_host_transport_or_in_island_groups():
+    host = L.plan_layout("host", 4, 8 * MB, 1 * MB)
+    assert all(g.pull_slot == 0 and g.pull_seg == 0 and g.end == g.pull_flag_off for g in host.groups)
+    t = L.build_table(host, host.groups[0], 1, own_base=0, peer_bases=None, host_base=1 << 44, state_ptr=0,
+                      err_ptr=0, timeout_ns=1)
+    assert all(t.pull_buf[h][s] == 0 and t.pull_flag_push[h][s] == 0 for h in range(2) for s in range(4))
+    isl = L.plan_layout("p2p", 4, 8 * MB, 1 * MB, ((0, 1), (2, 3)))
+    assert isl.groups[0].pull_slot and all(g.pull_slot == 0 for g in isl.groups[1:])

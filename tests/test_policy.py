@@ -68,13 +68,14 @@ def test_default_table_covers_every_transport_and_is_sorted():
 
 
 def test_nvlink_defaults_follow_the_measured_switch_point():
-    # Two H200s: the one-shot is faster through 768 KB (a 64-token decode step), the two-shot from 1 MB.
+    # Two H200s: the one-shot is faster through 768 KB (a 64-token decode step); above it the pull (modelled
+    # from vLLM's one-stage pull, in place of the two-shot).
     two = P.lookup_rules(P.DEFAULT_TABLE, Transport.P2P, LinkType.NVLINK, 2)
     pick = lambda n, rules: P.choose_algo(n, rules, one_shot_max_bytes=MB, max_bytes=8 * MB)  # noqa: E731
-    assert pick(768 * KB, two) is Algo.ONE_SHOT and pick(MB, two) is Algo.TWO_SHOT
+    assert pick(768 * KB, two) is Algo.ONE_SHOT and pick(MB, two) is Algo.PULL
     # More ranks multiply the one-shot's bytes per GPU: the plan scales its range (7 copies at 8 ranks).
     eight = _plan(world=8).rules
-    assert pick(108 * KB, eight) is Algo.ONE_SHOT and pick(112 * KB, eight) is Algo.TWO_SHOT
+    assert pick(108 * KB, eight) is Algo.ONE_SHOT and pick(112 * KB, eight) is Algo.PULL
 
 
 def _plan(world, transport_ok=True, link=LinkType.NVLINK, **cfg):
@@ -247,3 +248,96 @@ def test_default_policy_picks_the_lamport_two_shot_only_where_modelled():
         assert all(r.algo is not Algo.TWO_SHOT_LL for r in plan.ranges()), plan.describe()
     # Forced, it serves any size its slots hold, on any plan.
     assert _plan(2, algo="two_shot_ll").algo_for(12 * KB) is Algo.TWO_SHOT_LL
+# ---- the pull (NVLink only by default) ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("link", list(LinkType))
+@pytest.mark.parametrize("p2p", [True, False])
+def test_pull_is_chosen_by_default_only_on_nvlink(world, link, p2p):
+    plan = _plan(world, p2p, link)
+    ranges = plan.ranges()
+    served = [r.algo for r in ranges if r.algo is not Algo.NCCL]
+    if p2p and link is LinkType.NVLINK:
+        # Right after the one-shot's range, in place of the two-shot, up to the workspace's limit.
+        assert served == [Algo.ONE_SHOT, Algo.PULL], ranges
+        pull = next(r for r in ranges if r.algo is Algo.PULL)
+        one = next(r for r in ranges if r.algo is Algo.ONE_SHOT)
+        assert pull.min_bytes == one.max_bytes + 1 and pull.max_bytes == plan.max_bytes
+        assert plan.algo_for(MB) is Algo.PULL and plan.algo_for(plan.max_bytes) is Algo.PULL
+        assert "pull" in plan.describe()
+    else:
+        assert Algo.PULL not in served, ranges
+        assert all(plan.algo_for(n) is not Algo.PULL for n in (4 * KB, 600 * KB, MB, plan.max_bytes))
+
+
+def test_pull_takes_over_where_the_one_shot_buffer_ends():
+    # A one-shot buffer smaller than the one-shot rule: the sizes in between go to the table's next algorithm.
+    nv = _plan(2, one_shot_max_bytes=256 * KB)
+    assert nv.algo_for(256 * KB) is Algo.ONE_SHOT and nv.algo_for(256 * KB + 16) is Algo.PULL
+    pcie = _plan(2, link=LinkType.PCIE_SWITCH, one_shot_max_bytes=64 * KB)
+    assert pcie.algo_for(64 * KB + 16) is Algo.TWO_SHOT
+
+
+def test_forced_pull_needs_p2p():
+    from fastcomm.errors import FastcommError
+
+    forced = _plan(4, True, LinkType.PCIE_SWITCH, algo="pull")  # forcing works on any P2P link
+    assert forced.algo_for(4) is Algo.PULL and forced.algo_for(8 * MB + 16) is Algo.NCCL
+    with pytest.raises(FastcommError, match="FASTCOMM_ALGO=pull needs the P2P transport"):
+        _plan(2, False, algo="pull")
+    with pytest.raises(FastcommError, match="FASTCOMM_ALGO=pull"):
+        _plan(2, True, transport="host", algo="pull")
+    host = _plan(2, False)
+    assert host.algo_for(MB, "pull") is Algo.NCCL  # per call: 'not served', never a host launch
+
+
+def test_tuned_pull_rules_never_reach_the_host_transport():
+    from fastcomm.config import Config
+
+    tuned = (Rule(64 * KB, Algo.ONE_SHOT), Rule(4 * MB, Algo.PULL))
+    facts = P.Facts(world_size=2, all_p2p=False, link=LinkType.NVLINK, tuned_rules=tuned, rules_source="tuned")
+    host = P.make_plan(facts, Config())
+    assert [r.algo for r in host.rules] == [Algo.ONE_SHOT, Algo.TWO_SHOT] and host.algo_for(MB) is Algo.TWO_SHOT
+    p2p = P.make_plan(P.Facts(world_size=2, all_p2p=True, link=LinkType.NVLINK, tuned_rules=tuned,
+                              rules_source="tuned"), Config())
+    assert p2p.algo_for(MB) is Algo.PULL
+
+
+def test_pull_stages_by_world_and_size():
+    assert all(P.pull_stages(n, 2) == 1 for n in (1, MB, 64 * MB))  # equal reads at 2 ranks: one stage
+    for world in range(3, 9):
+        bound = P.launch.PULL_ONE_STAGE_MAX[world]
+        assert P.pull_stages(bound, world) == 1 and P.pull_stages(bound + 16, world) == 2
+    assert P.pull_stages(300 * KB, 4) == 1 and P.pull_stages(300 * KB, 8) == 2
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 7, 8])
+@pytest.mark.parametrize("nbytes", [2, 16, 4 * KB + 6, 300 * KB + 2, 512 * KB, MB - 2, 8 * MB])
+@pytest.mark.parametrize("max_blocks", [1, 5, 128, 132])
+def test_pull_launch_covers_every_vector_once(world, nbytes, max_blocks):
+    from fastcomm import layout as L
+
+    lc = P.pull_launch(nbytes, world, max_blocks)
+    nvec = P.vectors_for(nbytes)
+    assert 1 <= lc.grid <= min(max_blocks, abi.MAX_BLOCKS) and lc.block == abi.PULL_THREADS
+    assert lc.stages == P.pull_stages(nbytes, world)
+    if lc.stages == 1:  # block b: [b*chunk, (b+1)*chunk) of the message
+        spans = [(b * lc.chunk, min((b + 1) * lc.chunk, nvec)) for b in range(lc.grid)]
+        assert lc.seg == 0
+    else:               # block b: [b*chunk, (b+1)*chunk) of every segment of seg vectors
+        assert lc.seg * world >= nvec > lc.seg * (world - 1) - world
+        spans = [(s * lc.seg + b * lc.chunk, min(s * lc.seg + min((b + 1) * lc.chunk, lc.seg), nvec))
+                 for s in range(world) for b in range(lc.grid)]
+        assert lc.seg * abi.VEC_BYTES <= L.pull_sizes(8 * MB, world)[1]  # fits the reduced-segment half
+    covered = sorted(v for a, b in spans for v in range(a, b))
+    assert covered == list(range(nvec))
+    assert all(a < b for a, b in spans)  # no idle block (each one publishes and waits)
+
+
+def test_pull_blocks_fit_the_kernels_launch_bounds():
+    from fastcomm.jit import source_dir
+
+    text = (source_dir() / "kernels.cu").read_text()
+    for sym in (") fc_pull_##NAME", "fc_pull2_##NAME"):
+        bound = int(text.split(sym)[0].rsplit("__launch_bounds__(", 1)[1].split(")")[0])
+        assert abi.PULL_THREADS == bound, sym

@@ -59,3 +59,29 @@ def test_two_shot_ll_sends_the_two_shot_payload_without_flags(world):
     assert wire_bytes("two_shot_ll", 1, 8, "p2p") == 2 * 7 * 16  # one padded vector per segment
     with pytest.raises(ValueError, match="no island form"):
         wire_bytes("two_shot_ll", n, 8, "p2p", islands=2)
+def test_pull_reads_the_payload_and_writes_only_flags():
+    from fastcomm.policy import pull_launch, wire_split
+
+    for n in (512 * KB, 1 << 20):
+        grid = pull_launch(n, 2, 128).grid
+        # Two ranks, one stage: each GPU reads its peer's whole copy and writes one flag word per block.
+        assert wire_split("pull", n, 2, "p2p") == (grid * 4, n)
+        # The two-shot writes the same payload (half out, half back) plus its flags, and reads nothing.
+        ts = wire_split("two_shot", n, 2, "p2p")
+        assert ts[1] == 0 and n <= ts[0] <= 1.01 * n
+        assert wire_bytes("pull", n, 2, "p2p") == grid * 4 + n
+    assert wire_split("pull", 17, 2, "p2p") == (4, 32)  # the tail vector is read whole
+
+
+def test_pull_two_stage_reads_near_the_ring_bound_one_stage_every_copy():
+    from fastcomm.policy import pull_launch, pull_stages, wire_split
+
+    n = 1 << 20
+    assert pull_stages(n, 8) == 2
+    w, r = wire_split("pull", n, 8, "p2p")
+    ideal = 2 * 7 * n // 8
+    assert ideal <= r <= 1.01 * ideal and w == 2 * 7 * 4 * pull_launch(n, 8, 128).grid
+    small = 128 * KB
+    assert pull_stages(small, 8) == 1 and wire_split("pull", small, 8, "p2p")[1] == 7 * small
+    with pytest.raises(ValueError, match="P2P"):
+        wire_split("pull", n, 2, "host")

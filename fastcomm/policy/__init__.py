@@ -9,18 +9,19 @@
 - ``wire``: bytes each GPU sends per call, per implementation.
 """
 from .checks import DTYPE_SIZE, FUSED_MAX_ROW_BYTES, SUPPORTED_DTYPES, check_fused, check_tensor
-from .launch import Launch, cdiv, fused_launch, ll_bytes, num_blocks, one_shot_launch, packets_for, round_up, \
-    two_shot_launch, two_shot_ll_launch, two_shot_ll_max_bytes, two_shot_ll_slot_bytes, vectors_for
+from .launch import Launch, cdiv, fused_launch, ll_bytes, num_blocks, one_shot_launch, packets_for, pull_launch, \
+    pull_stages, round_up, two_shot_launch, two_shot_ll_launch, two_shot_ll_max_bytes, two_shot_ll_slot_bytes, vectors_for
 from .links import LinkType, islands, summarize, validate_islands, worst_link
 from .nccl import nccl_env
-from .wire import wire_bytes
+from .wire import wire_bytes, wire_split
 from .plan import Facts, Plan, make_plan
 from .rules import DEFAULT_TABLE, Algo, PolicyKey, Rule, SizeRange, Transport, choose_algo, lookup_rules, \
     render_ranges, size_ranges
 
 __all__ = ["DTYPE_SIZE", "FUSED_MAX_ROW_BYTES", "SUPPORTED_DTYPES", "check_fused", "check_tensor", "Launch", "cdiv",
-           "fused_launch", "ll_bytes", "num_blocks", "one_shot_launch", "packets_for", "round_up", "two_shot_launch",
-           "two_shot_ll_launch", "two_shot_ll_max_bytes", "two_shot_ll_slot_bytes", "vectors_for",
+           "fused_launch", "ll_bytes", "num_blocks", "one_shot_launch", "packets_for", "pull_launch", "pull_stages",
+           "round_up", "two_shot_launch", "two_shot_ll_launch", "two_shot_ll_max_bytes", "two_shot_ll_slot_bytes",
+           "vectors_for",
            "LinkType", "islands", "summarize", "validate_islands", "worst_link", "nccl_env", "Facts", "Plan",
            "make_plan", "DEFAULT_TABLE", "Algo", "PolicyKey", "Rule", "SizeRange", "Transport", "choose_algo",
-           "lookup_rules", "render_ranges", "size_ranges", "wire_bytes"]
+           "lookup_rules", "render_ranges", "size_ranges", "wire_bytes", "wire_split"]

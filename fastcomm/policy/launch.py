@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..abi import (ALIGN, FUSED_MAX_SPLITS, FUSED_THREADS, FUSED_VARIANTS, MAX_BLOCKS, ONE_SHOT_THREADS, PACKET_BYTES,
-                   PACKET_PAYLOAD, TWO_SHOT_THREADS, VEC_BYTES)
+                   PACKET_PAYLOAD, PULL_THREADS, TWO_SHOT_THREADS, VEC_BYTES)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -35,10 +35,11 @@ def vectors_for(nbytes: int) -> int:
 class Launch:
     grid: int
     block: int
-    seg: int = 0     # two-shot: elements per segment; two_shot_ll: 16-byte vectors per segment
-    chunk: int = 0   # two-shot: elements per block within a segment
+    seg: int = 0     # two-shot: elements per segment; two_shot_ll and pull (two-stage): 16-byte vectors per segment
+    chunk: int = 0   # two-shot: elements per block within a segment; pull: vectors per block (in a segment)
     splits: int = 0  # fused: blocks per row
     k: int = 0       # fused: packets per thread (kernel variant fc_fused_rmsnorm<k>)
+    stages: int = 0  # pull: 1 (fc_pull) or 2 (fc_pull2)
 
 
 def one_shot_launch(nbytes: int, max_blocks: int) -> Launch:
@@ -81,6 +82,29 @@ def two_shot_ll_launch(nbytes: int, world_size: int, max_blocks: int) -> Launch:
     sv = two_shot_ll_segment_vectors(nbytes, world_size)
     block = min(ONE_SHOT_THREADS, max(32, round_up(sv, 32)))
     return Launch(num_blocks(sv, block, max_blocks), block, seg=sv)
+# The pull's one-stage reads (W-1) x S per GPU in one flag round, the two-stage 2 (W-1) S / W in two: the
+# one-stage reads (W-1)(W-2)/W x S more and saves a round (~1-2 us). Equal bytes at 2 ranks, so always one
+# stage there; above, one stage up to these sizes. MODELLED on vLLM's custom all-reduce (one stage below
+# 512 KB up to 4 ranks, below 256 KB up to 8); the bytes model (a round ~ what NVLink moves in 1.5 us,
+# ~600 KB) gives the same order: ~900 / 400 / 115 KB at 3 / 4 / 8 ranks. Not measured here.
+PULL_ONE_STAGE_MAX = {3: 512 * 1024, 4: 512 * 1024, 5: 256 * 1024, 6: 256 * 1024, 7: 256 * 1024, 8: 256 * 1024}
+
+
+def pull_stages(nbytes: int, world: int) -> int:
+    """1 (read the whole message from every peer) or 2 (reduce-scatter by pull, then all-gather by pull)."""
+    return 1 if world <= 2 or nbytes <= PULL_ONE_STAGE_MAX[world] else 2
+
+
+def pull_launch(nbytes: int, world: int, max_blocks: int) -> Launch:
+    """Block b owns chunk b of the message (one stage) or of every segment (two stages); about one 16-byte
+    vector per thread, capped at max_blocks (all blocks co-resident: a block waits for the same block of its
+    peers) and at the flag arrays' MAX_BLOCKS. Segments are cut as layout.pull_sizes cuts them."""
+    nvec = vectors_for(nbytes)
+    stages = pull_stages(nbytes, world)
+    span = nvec if stages == 1 else cdiv(nvec, world)
+    grid = num_blocks(span, PULL_THREADS, min(max_blocks, MAX_BLOCKS))
+    chunk = max(1, cdiv(span, grid))
+    return Launch(max(1, cdiv(span, chunk)), PULL_THREADS, seg=span if stages == 2 else 0, chunk=chunk, stages=stages)
 
 
 FUSED_SPLIT_VECTORS = 128      # about one 16-byte vector per thread of a 128-thread share of the pushes

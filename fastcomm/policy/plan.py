@@ -50,10 +50,12 @@ class Plan:
     two_shot_ll_max_bytes: int = 0  # the Lamport two-shot serves inputs up to this (what the one-shot's slots hold)
 
     def algo_for(self, nbytes: int, forced: str | None = None) -> Algo:
-        """The algorithm for one message (NCCL: not served by fastcomm)."""
-        return choose_algo(nbytes, self.rules, one_shot_max_bytes=self.one_shot_max_bytes,
+        """The algorithm for one message (NCCL: not served by fastcomm). The pull is P2P only: forced per
+        call on the host transport it is NCCL, 'not served' (make_plan keeps it out of host rules)."""
+        algo = choose_algo(nbytes, self.rules, one_shot_max_bytes=self.one_shot_max_bytes,
                            max_bytes=self.max_bytes, forced=forced or self.forced_algo,
                            two_shot_ll_max_bytes=self.two_shot_ll_max_bytes)
+        return Algo.NCCL if algo is Algo.PULL and self.transport is not Transport.P2P else algo
 
     def ranges(self) -> tuple[SizeRange, ...]:
         return size_ranges(self.rules, one_shot_max_bytes=self.one_shot_max_bytes, max_bytes=self.max_bytes,
@@ -131,11 +133,16 @@ def make_plan(facts: Facts, config: Config) -> Plan:
             raise FastcommError("island (hierarchical) mode needs P2P; the host transport is flat by nature")
         if len(islands) < 2:
             islands = None
+    if config.algo == Algo.PULL.value and transport is not Transport.P2P:
+        raise FastcommError("FASTCOMM_ALGO=pull needs the P2P transport (it reads peers' GPU memory); this "
+                            "workspace uses host memory: unset it or pick one_shot / two_shot")
     if facts.tuned_rules is not None:
         rules, source = facts.tuned_rules, facts.rules_source
     else:
         rules, how = default_rules(transport, facts.link, world, one_shot_copies(world, islands or None))
         source = how if facts.rules_source == "defaults" else f"{facts.rules_source}; {how}"
+    if transport is not Transport.P2P:  # no peer-readable memory: whatever a table says, the two-shot serves
+        rules = tuple(Rule(r.max_bytes, Algo.TWO_SHOT) if r.algo is Algo.PULL else r for r in rules)
     one_shot_max = min(config.one_shot_max_bytes, config.max_bytes)
     # The fused op is the one-shot exchange laid out by rows: the same bytes, so the same range.
     one_shot_rule = next((r.max_bytes for r in rules if r.algo is Algo.ONE_SHOT), 0)

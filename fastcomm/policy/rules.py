@@ -18,6 +18,7 @@ class Algo(str, enum.Enum):
     ONE_SHOT = "one_shot"  # push everything to everyone (payload only, Lamport slots), reduce locally
     TWO_SHOT = "two_shot"  # reduce-scatter then all-gather (chunk flags)
     TWO_SHOT_LL = "two_shot_ll"  # reduce-scatter then all-gather, readiness in the data (the one-shot's slots)
+    PULL = "pull"          # read every peer's copy directly (P2P only; one- or two-stage by world and size)
     NCCL = "nccl"          # not served by fastcomm: the caller's fallback
 
 
@@ -49,13 +50,18 @@ DEFAULT_TABLE: dict[PolicyKey, tuple[Rule, ...]] = {
     # Two ranks, measured on 2 x H200 (run 5 and run 10 in bench/results/): one-shot 7.7 / 9.9 us against
     # two-shot 10.0 / 10.8 at 512 / 768 KB (12.3 / 12.8 after a GEMM at 768 KB), two-shot ahead from 1 MB
     # (11.6-11.8 against 12.0-12.2). 768 KB is also a 64-token GLM-5 decode step's all-reduce.
+    # Above the one-shot: the pull in place of the two-shot. MODELLED, not measured: vLLM's custom
+    # all-reduce (a one-stage pull at 2 ranks) took 6.1 / 7.2 / 8.2 us at 512 KB / 768 KB / 1 MB on the same
+    # 2 x H200 against the two-shot's 7.8 / 10.8 / 11.6 (bench/RESULTS.md). Pull reads cross NVLink at
+    # about local cost; over PCIe a read is a full round trip, so the pull is in the NVLink rows only.
     PolicyKey(Transport.P2P, LinkType.NVLINK, 2): (
-        Rule(768 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT)),
+        Rule(768 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.PULL)),
     # 3-8 ranks: the 2-rank bound, scaled by the plan's bytes-per-GPU model (policy.plan.default_rules).
     # (Each rank writes (n-1) x size for the one-shot since the Lamport slots, 2 x that when the bound was
-    # measured; not yet re-measured, so kept.)
+    # measured; not yet re-measured, so kept.) The pull (modelled as above) picks one or two stages by
+    # world and size (policy.launch.pull_stages).
     PolicyKey(Transport.P2P, LinkType.NVLINK, 0): (
-        Rule(768 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.TWO_SHOT)),
+        Rule(768 * KiB, Algo.ONE_SHOT), Rule(64 * MiB, Algo.PULL)),
     # PCIe (modelled, not measured: no PCIe-only GPUs lent yet). Writes are cheap and posted; one-shot has a
     # single hop but each GPU writes (n-1) x size over its own x16 link (policy.wire), so its range shrinks
     # with the world size. Set when it wrote twice that (8 ranks, 32 KB: 7 x 64 KB = ~10 us of link time at
@@ -107,16 +113,22 @@ def choose_algo(nbytes: int, rules: Sequence[Rule], *, one_shot_max_bytes: int, 
     """The algorithm for one message. NCCL means 'not fastcomm': too big for the workspace or the table.
 
     The one-shot and the Lamport two-shot share the one-shot's slots: past what they hold (the two limits),
-    a rule naming either falls to the two-shot, and forcing either gives NCCL."""
+    a rule naming either falls to the table's next two-shot or pull rule (else the two-shot), and forcing
+    either gives NCCL."""
     if nbytes > max_bytes:
         return Algo.NCCL
     limit = {Algo.ONE_SHOT: one_shot_max_bytes, Algo.TWO_SHOT_LL: two_shot_ll_max_bytes}
     if forced != "auto":
         algo = Algo(forced)
         return Algo.NCCL if nbytes > limit.get(algo, max_bytes) else algo
-    for rule in rules:
+    for i, rule in enumerate(rules):
         if nbytes <= rule.max_bytes:
-            return Algo.TWO_SHOT if nbytes > limit.get(rule.algo, max_bytes) else rule.algo
+            if nbytes > limit.get(rule.algo, max_bytes):
+                # Past the slots the one-shot and the Lamport two-shot share: what the table uses after the
+                # rule (the pull where it has one), else the two-shot.
+                later = [r.algo for r in rules[i + 1:] if r.algo in (Algo.TWO_SHOT, Algo.PULL)]
+                return later[0] if later else Algo.TWO_SHOT
+            return rule.algo
     return Algo.NCCL
 
 

@@ -1,22 +1,31 @@
-"""Bytes on the wire: what each GPU writes over its own link per call, per implementation.
+"""Bytes on the wire: what crosses each GPU's own link per call, per implementation.
 
 Computed from the same launch shapes and slot formats the kernels use (``launch``), so a PCIe cost can be
 read without PCIe GPUs (``fastcomm bench`` shows it as a column). Counted: payload and flag bytes a GPU
-stores into peer memory (P2P) or host memory (host transport); not counted: packet headers of the link, and
-reads (the host transport's readers pull every peer's slot in over their own link, inbound). Where ranks
-differ (the two-shot's short last segment), the busiest rank's count, as it sets the pace.
+stores into peer memory (P2P) or host memory (host transport), and, for the pull, the payload it loads from
+peers' memory (those reads are its traffic: nothing is pushed but flags). Not counted: packet headers and
+read requests of the link, and the host transport's reads (its readers pull every peer's slot in over their
+own link, inbound). Where ranks differ (a short last segment), the busiest rank's count, as it sets the
+pace. ``wire_split`` gives (written, read); ``wire_bytes`` their sum.
 """
 from __future__ import annotations
 
 from ..abi import MAX_BLOCKS, VEC_BYTES
-from .launch import cdiv, two_shot_launch, two_shot_ll_segment_vectors, vectors_for
+from .launch import cdiv, pull_launch, two_shot_launch, two_shot_ll_segment_vectors, vectors_for
 
 FLAG_BYTES = 4  # the two-shot's per-block flag word
 
 
 def wire_bytes(algo: str, nbytes: int, world: int, transport: str, islands: int = 1, *, elem_size: int = 2,
                max_blocks: int = MAX_BLOCKS) -> int:
-    """Bytes one GPU sends per call of ``algo`` ("one_shot", "two_shot", "two_shot_ll", "fused") on ``nbytes``.
+    """Bytes that cross one GPU's link per call of ``algo`` on ``nbytes`` of input: ``wire_split``'s sum."""
+    return sum(wire_split(algo, nbytes, world, transport, islands, elem_size=elem_size, max_blocks=max_blocks))
+
+
+def wire_split(algo: str, nbytes: int, world: int, transport: str, islands: int = 1, *, elem_size: int = 2,
+               max_blocks: int = MAX_BLOCKS) -> tuple[int, int]:
+    """(bytes one GPU writes, bytes it reads) over its link per call of ``algo`` ("one_shot", "two_shot",
+    "two_shot_ll", "fused", "pull") on ``nbytes`` of input. Only the pull reads.
 
     ``islands``: the number of equal islands of the hierarchical one-shot (P2P only): it sums inside the
     island, then across the islands' partners, so each GPU sends (island size - 1) + (islands - 1) copies.
@@ -30,23 +39,43 @@ def wire_bytes(algo: str, nbytes: int, world: int, transport: str, islands: int 
     if islands > 1 and transport == "host":
         raise ValueError("islands need the P2P transport")
     if nbytes <= 0 or world == 1:
-        return 0
+        return 0, 0
     host = transport == "host"
     if algo in ("one_shot", "fused"):
         per_copy = vectors_for(nbytes) * VEC_BYTES  # both use the Lamport slots: payload only
         if host:
-            return per_copy  # one copy into my own slot of the host segment
-        return per_copy * ((world // islands - 1) + (islands - 1))
-    if algo in ("two_shot", "two_shot_ll") and islands > 1:
+            return per_copy, 0  # one copy into my own slot of the host segment
+        return per_copy * ((world // islands - 1) + (islands - 1)), 0
+    if algo in ("two_shot", "two_shot_ll", "pull") and islands > 1:
         raise ValueError(f"the {algo.replace('_', '-')} has no island form")
     if algo == "two_shot":
-        return _two_shot(nbytes, world, host, elem_size, max_blocks)
+        return _two_shot(nbytes, world, host, elem_size, max_blocks), 0
     if algo == "two_shot_ll":
         # Payload only, every segment padded to the same whole vectors: my copy of each other segment, then
         # my reduced segment to every peer (P2P) or once into my host slot.
         seg = two_shot_ll_segment_vectors(nbytes, world) * VEC_BYTES
-        return (world - 1) * seg + (1 if host else world - 1) * seg
-    raise ValueError(f"no wire model for algorithm {algo!r} (one_shot, two_shot, two_shot_ll, fused)")
+        return (world - 1) * seg + (1 if host else world - 1) * seg, 0
+    if algo == "pull":
+        if host:
+            raise ValueError("the pull needs the P2P transport")
+        return _pull(nbytes, world, max_blocks)
+    raise ValueError(f"no wire model for algorithm {algo!r} (one_shot, two_shot, two_shot_ll, fused, pull)")
+
+
+def _pull(nbytes: int, world: int, max_blocks: int) -> tuple[int, int]:
+    """Written: one flag word per (peer, block, stage). Read: the block's whole vectors from every peer's
+    copy (one stage), or my segment from every peer and then every other reduced segment (two stages)."""
+    lc = pull_launch(nbytes, world, max_blocks)
+    flags = (world - 1) * lc.grid * FLAG_BYTES * lc.stages
+    nvec = vectors_for(nbytes)
+    if lc.stages == 1:
+        return flags, (world - 1) * nvec * VEC_BYTES
+    seg_vecs = [max(0, min(lc.seg, nvec - s * lc.seg)) for s in range(world)]
+
+    def reads(me: int) -> int:  # my segment from each peer, then each other segment once
+        return ((world - 1) * seg_vecs[me] + sum(v for s, v in enumerate(seg_vecs) if s != me)) * VEC_BYTES
+
+    return flags, max(reads(me) for me in range(world))
 
 
 def _two_shot(nbytes: int, world: int, host: bool, elem_size: int, max_blocks: int) -> int:

@@ -39,6 +39,20 @@ def test_core(world, transport):
     assert f"{world} ranks, transport {transport}" in res[0]["describe"]
 
 
+@pytest.mark.parametrize("world", WORLDS)
+def test_pull(world):
+    """The pull forced per call over P2P: sizes 4 KB-8 MB with odd element counts, every dtype, both stages
+    where the world has them, in place, specials, bursts mixed with the other algorithms, a graph."""
+    res = check_all_ok(run_ranks(W.pull, world, 30, timeout=600))
+    print(world, "pull", res[0])
+    assert all(r["exact"] == 3 * (2 + len(W.PULL_SIZES)) and r["random_bitwise"] == 9 and r["interleaved"] == 32
+               and r["graph_replays"] == 30 for r in res), res
+    assert res[0]["stages"] == ([1] if world == 2 else [1, 2]), res[0]
+    if world == 2:
+        assert all("not served by fastcomm" in r["host_refusal"] for r in res), res
+        assert all("FASTCOMM_ALGO=pull needs the P2P transport" in r["host_build_refusal"] for r in res), res
+
+
 @pytest.mark.parametrize("transport", ["p2p", "host"])
 @pytest.mark.parametrize("world", (2, 3, 4, 5, 6, 7, 8))
 def test_two_shot_variants(world, transport):
@@ -50,6 +64,8 @@ def test_two_shot_variants(world, transport):
     assert res[0]["exact"] > 100 and res[0]["random_bitwise"] >= 20, res[0]
     assert all(r["interleaved"] == calls and r["graph_replays"] == replays for r in res)
     assert f"{world} ranks, transport {transport}" in res[0]["describe"]
+
+
 
 
 @pytest.mark.parametrize("world,islands", [(2, ((0,), (1,))), (4, ((0, 1), (2, 3))), (8, ((0, 1, 2, 3), (4, 5, 6, 7)))])
@@ -84,6 +100,15 @@ def test_missing_peer_times_out(world, transport, die, tmp_path):
               + (f"returned at {value['sync_s']:.2f} s" if value["sync_returned"] else "still waiting at 23 s")
               + ("" if status == "ok" else f" ({results[r][1]})"))
     assert glob.glob("/dev/shm/fastcomm-*") == []
+
+
+def test_pull_times_out_naming_the_peer(tmp_path):
+    """A peer that never makes the pull call: the waiting rank's bounded flag wait names it and the step."""
+    run_ranks(W.timeout, 2, "p2p", False, TIMEOUT_S, str(tmp_path), "pull", timeout=45)
+    value = json.loads((tmp_path / "rank0.json").read_text())
+    msg = value["message"]
+    assert msg and "rank 0 timed out" in msg and "peer rank 1" in msg and "pull exchange" in msg, value
+    assert value["record_s"] <= TIMEOUT_S + 2, value
 
 
 @pytest.mark.parametrize("world", (2, 8))

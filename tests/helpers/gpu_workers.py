@@ -420,8 +420,9 @@ def two_shot_variants(rank, world, gloo, transport, calls, replays):
     return found
 
 
-def timeout(rank, world, gloo, transport, die, timeout_s=3.0, report_dir=None):
+def timeout(rank, world, gloo, transport, die, timeout_s=3.0, report_dir=None, algo="auto"):
     """Rank world-1 skips (or dies before) the second call; the others must error out, not hang.
+    ``algo``: forced for both calls (default: the policy's choice for 12 KB, the one-shot).
 
     Each waiting rank reports when its device-side error record appeared (watched from the host: the record
     is pinned memory) and, separately, when CUDA's synchronize returned: with ranks sharing a GPU the two can
@@ -436,7 +437,7 @@ def timeout(rank, world, gloo, transport, die, timeout_s=3.0, report_dir=None):
     _CPU_GROUP = gloo
     ws = fastcomm.Workspace(gloo, transport=transport, timeout_s=timeout_s, max_bytes=1 << 20)
     x = torch.ones(6144, dtype=torch.bfloat16, device=ws.device)
-    fastcomm.all_reduce(x, ws)
+    fastcomm.all_reduce(x, ws, algo=algo)
     torch.cuda.synchronize()
     dist.barrier(group=gloo)
     if rank == world - 1:
@@ -469,7 +470,7 @@ def timeout(rank, world, gloo, transport, die, timeout_s=3.0, report_dir=None):
     faulthandler.dump_traceback_later(timeout_s + 30, exit=False)  # where a rank still stuck then is stuck
     t0 = time.monotonic()
     ws.watch(on_record)
-    fastcomm.all_reduce(x, ws)
+    fastcomm.all_reduce(x, ws, algo=algo)
     say("launched")
     done, out = threading.Event(), {}
 
@@ -510,3 +511,129 @@ def p2p_check(rank, world, gloo, transport, broken):
         x = _ints(6144, torch.bfloat16, rank, 5, ws.device)
         ok = torch.equal(fastcomm.all_reduce(x, ws), _nccl_sum(x))
         return {"transport": ws.transport.value, "describe": ws.describe(), "sum_ok": ok}
+
+
+# The pull's checks: byte sizes from 4 KB to 8 MB (both stages where the world has two: the switch is at
+# 512 KB up to 4 ranks and 256 KB above, fastcomm.policy.pull_stages), each as a whole and an odd element count.
+PULL_SIZES = (4 << 10, 12 << 10, 100 << 10, 256 << 10, 300 << 10, 512 << 10, 768 << 10, 1 << 20, 3 << 20, 8 << 20)
+
+
+def _pull_counts(dtype):
+    """Element counts: two tiny ones, then each size whole or 3 elements short (odd), alternating."""
+    es = torch.tensor([], dtype=dtype).element_size()
+    return (1, 7) + tuple(s // es - (3 if i % 2 else 0) for i, s in enumerate(PULL_SIZES))
+
+
+def pull(rank, world, gloo, replays):
+    """The pull (forced per call), every result checked: exact integer sums against the reference, random
+    data bitwise against fastcomm's own order (rank order, fp32, one rounding) and across ranks, in place,
+    specials, bursts interleaved with the other algorithms (the epoch halves across kernels), and a
+    captured graph replayed with new inputs. At 2 ranks also: the host transport refuses the pull."""
+    global _CPU_GROUP, _ISLANDS
+    _CPU_GROUP, _ISLANDS = gloo, None
+    found = {}
+    with fastcomm.Workspace(gloo, transport="p2p", max_bytes=8 << 20, one_shot_max_bytes=256 << 10) as ws:
+        dev = ws.device
+        found["describe"] = ws.describe()
+        found["stages"] = sorted({fastcomm.policy.pull_stages(n * torch.tensor([], dtype=d).element_size(), world)
+                                  for d in DTYPES for n in _pull_counts(d)})
+        exact = rnd = 0
+        for dtype in DTYPES:
+            for n in _pull_counts(dtype):
+                x = _ints(n, dtype, rank, 17 + n, dev)
+                keep = x.clone()
+                out = _poisoned(x)
+                fastcomm.all_reduce(x, ws, algo="pull", out=out)
+                ref = _nccl_sum(x)
+                assert torch.equal(out, ref), f"pull {dtype} n={n}: {(out != ref).sum().item()} elements differ"
+                assert torch.equal(x, keep), f"pull {dtype} n={n}: input modified"
+                exact += 1
+            for n in (6147, (300 << 10) // 2 + 5, (1 << 20) + 3):
+                g = torch.Generator(device="cpu").manual_seed(29 + n)
+                terms = [torch.randn(n, generator=g).to(dtype) for _ in range(world)]
+                out = fastcomm.all_reduce(terms[rank].to(dev), ws, algo="pull")
+                want = _reduce_like_fastcomm(terms, dtype, islands=None)
+                assert torch.equal(out.cpu(), want), f"pull {dtype} n={n}: random data not bitwise fastcomm's order"
+                assert _same_on_all_ranks(out), f"pull {dtype} n={n}: ranks disagree bitwise"
+                rnd += 1
+            for n in (3, (600 << 10) // 2 + 1):  # in place: out is x
+                x = _ints(n, dtype, rank, 41 + n, dev)
+                ref = _nccl_sum(x)
+                fastcomm.all_reduce(x, ws, algo="pull", out=x)
+                assert torch.equal(x, ref), f"pull in place {dtype} n={n}"
+        found["exact"], found["random_bitwise"] = exact, rnd
+        _specials(ws, ("pull",))
+        found["interleaved"] = _pull_bursts(ws)
+        found["graph_replays"] = _pull_graph(ws, replays)
+        torch.cuda.synchronize()
+    if world == 2:
+        with fastcomm.Workspace(gloo, transport="host", max_bytes=1 << 20) as hws:
+            x = torch.ones(4096, dtype=torch.bfloat16, device=hws.device)
+            try:
+                fastcomm.all_reduce(x, hws, algo="pull")
+            except FastcommError as e:
+                found["host_refusal"] = str(e)
+        try:
+            fastcomm.Workspace(gloo, transport="host", algo="pull", max_bytes=1 << 20).close()
+        except FastcommError as e:
+            found["host_build_refusal"] = str(e)
+    return found
+
+
+def _pull_bursts(ws):
+    """Calls issued back to back without a sync (pull, one-shot, two-shot on the same group), checked after
+    each burst: the pull's two halves are reused only under the argument in pull.cuh."""
+    dev = ws.device
+    rank, world = dist.get_rank(), dist.get_world_size()
+    plan = [(300001, "pull"), (6144, "one_shot"), (300001, "pull"), (131075, "pull"), (100003, "two_shot"),
+            (524288, "pull"), (3, "pull"), (65536, "one_shot")]
+    base = {n: _ints(n, torch.bfloat16, 0, n, dev) for n, _ in plan}
+    good = 0
+    for burst in range(2):
+        outs = []
+        for i, (n, algo) in enumerate(plan * 2):
+            k = (i + burst) % 5 + 1
+            outs.append((n, k, fastcomm.all_reduce(base[n] * ((rank + 1) * k), ws, algo=algo)))
+        torch.cuda.synchronize()
+        for n, k, out in outs:
+            want = _reduce_like_fastcomm([base[n] * ((r + 1) * k) for r in range(world)], torch.bfloat16, islands=None)
+            assert torch.equal(out, want), f"burst {burst}: n={n} k={k} wrong"
+            good += 1
+    return good
+
+
+def _pull_graph(ws, replays):
+    """One graph with a pull of each stage this world has (and a one-shot between), replayed with new inputs."""
+    dev = ws.device
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tri = world * (world + 1) // 2
+    a = torch.zeros(100003, dtype=torch.bfloat16, device=dev)   # ~200 KB: one stage at every world size
+    b = torch.zeros(1500007, dtype=torch.bfloat16, device=dev)  # ~3 MB: two stages above 2 ranks
+    c = torch.zeros(4099, dtype=torch.bfloat16, device=dev)
+    s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for t in (a, b):
+            fastcomm.all_reduce(t, ws, algo="pull")
+        fastcomm.all_reduce(c, ws, algo="one_shot")
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            oa = fastcomm.all_reduce(a, ws, algo="pull")
+            oc = fastcomm.all_reduce(c, ws, algo="one_shot")
+            ob = fastcomm.all_reduce(b, ws, algo="pull")
+            oa2 = fastcomm.all_reduce(oa, ws, algo="pull")  # consumes the first result inside the graph
+    torch.cuda.current_stream().wait_stream(s)
+    ar, br, cr = (torch.arange(t.numel(), device=dev) for t in (a, b, c))
+    checked = 0
+    for i in range(replays):
+        a.copy_(((ar + i) % 5 - 2).to(torch.bfloat16) * (rank + 1))
+        b.copy_(((br + i) % 3 - 1).to(torch.bfloat16) * (rank + 1))
+        c.copy_(((cr + i) % 7 - 3).to(torch.bfloat16) * (rank + 1))
+        g.replay()
+        assert torch.equal(oa, (((ar + i) % 5 - 2) * tri).to(torch.bfloat16)), f"replay {i}: pull (a) wrong"
+        assert torch.equal(ob, (((br + i) % 3 - 1) * tri).to(torch.bfloat16)), f"replay {i}: pull (b) wrong"
+        assert torch.equal(oc, (((cr + i) % 7 - 3) * tri).to(torch.bfloat16)), f"replay {i}: one-shot wrong"
+        assert torch.equal(oa2, (((ar + i) % 5 - 2) * tri * world).to(torch.bfloat16)), f"replay {i}: chained pull"
+        checked += 1
+    torch.cuda.synchronize()
+    return checked
