@@ -26,6 +26,8 @@ static_assert(FC_PACKET_BYTES == 2 * FC_PACKET_PAYLOAD, "a packet is (4B data, 4
 #define FC_STEP_RS 2
 #define FC_STEP_AG 3
 #define FC_STEP_FUSED 4
+#define FC_STEP_FUSED_RS 5  // fused_two_shot.cuh
+#define FC_STEP_FUSED_AG 6
 
 // Written by the first thread that times out, read by the host (pinned, mapped memory survives the trap).
 struct FcError {
