@@ -234,8 +234,8 @@ struct FcF32 {
 // pieces (only 8-byte halves are single-copy atomic) is read correctly: a vector is taken once no element
 // of it is the sentinel, and an element, once written, keeps its value until a clear in a later call.
 //
-// Buffers and clears. Counting only the calls that use these slots (one-shot and fused, which share
-// them), call c of a group uses buffer c mod 3 (state[2], in device memory so graph replays advance it).
+// Buffers and clears. Counting only the calls that use these slots (one-shot, fused and fused two-shot,
+// which share them), call c of a group uses buffer c mod 3 (state[2], in device memory so graph replays advance it).
 // Every slot starts as the sentinel (fastcomm.layout sentinel_regions: the workspace fills them with 0xFF)
 // and is put back to the sentinel, over the bytes the call wrote (state[3]), one call later, in call c+1,
 // by the only rank that may:
@@ -251,8 +251,9 @@ struct FcF32 {
 //    that slot again in call c+2, and a reader reaches call c+2 only after seeing s's call-c+1 data,
 //    written after s's call-c kernel (the clear) completed, so it reads the sentinel or call-c+2 data,
 //    never call c-1's.
-// "Needs this rank's data" holds for both kernels: a peer's grid reads every vector of the message from
-// every rank before its kernel ends. Two-shot calls on the group touch neither these buffers nor
+// "Needs this rank's data" holds for every kernel on these slots: a peer's grid reads data from every rank
+// before its kernel ends (the one-shot and fused op every vector of the message, the fused two-shot every
+// owner's part; fused_two_shot.cuh says how its slots are laid out). Two-shot calls on the group touch neither these buffers nor
 // state[2..3]; they only move the epoch, which here names the call in error messages.
 
 template <class D>
