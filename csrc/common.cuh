@@ -28,6 +28,8 @@ static_assert(FC_PACKET_BYTES == 2 * FC_PACKET_PAYLOAD, "a packet is (4B data, 4
 #define FC_STEP_FUSED 4
 #define FC_STEP_PULL 5
 #define FC_STEP_PULL_AG 6
+#define FC_STEP_FUSED_RS 7  // fused_two_shot.cuh
+#define FC_STEP_FUSED_AG 8
 
 // Written by the first thread that times out, read by the host (pinned, mapped memory survives the trap).
 struct FcError {
@@ -252,8 +254,9 @@ struct FcF32 {
 // pieces (only 8-byte halves are single-copy atomic) is read correctly: a vector is taken once no element
 // of it is the sentinel, and an element, once written, keeps its value until a clear in a later call.
 //
-// Buffers and clears. Counting only the calls that use these slots (one-shot, fused and the Lamport
-// two-shot, which share them; two_shot_ll.cuh says why it may), call c of a group uses buffer c mod 3 (state[2], in device memory so graph replays advance it).
+// Buffers and clears. Counting only the calls that use these slots (one-shot, fused, fused two-shot and the
+// Lamport two-shot, which share them; two_shot_ll.cuh and fused_two_shot.cuh say why they may), call c of a
+// group uses buffer c mod 3 (state[2], in device memory so graph replays advance it).
 // Every slot starts as the sentinel (fastcomm.layout sentinel_regions: the workspace fills them with 0xFF)
 // and is put back to the sentinel, over the bytes the call wrote (state[3]), one call later, in call c+1,
 // by the only rank that may:
@@ -269,9 +272,11 @@ struct FcF32 {
 //    that slot again in call c+2, and a reader reaches call c+2 only after seeing s's call-c+1 data,
 //    written after s's call-c kernel (the clear) completed, so it reads the sentinel or call-c+2 data,
 //    never call c-1's.
-// "Needs this rank's data" holds for all three kernels: a peer's grid reads data from every rank before its
-// kernel ends. Flagged two-shot calls on the group touch neither these buffers nor state[2..3]; they only
-// move the epoch, which here names the call in error messages.
+// "Needs this rank's data" holds for every kernel on these slots: a peer's grid reads data from every rank
+// before its kernel ends (the one-shot and fused op every vector of the message, the Lamport two-shot every
+// segment, the fused two-shot every owner's part; fused_two_shot.cuh says how its slots are laid out).
+// Flagged two-shot calls on the group touch neither these buffers nor state[2..3]; they only move the
+// epoch, which here names the call in error messages.
 
 template <class D>
 struct FcLamport;

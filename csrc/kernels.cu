@@ -6,6 +6,7 @@
 #include "two_shot_ll.cuh"
 #include "fused_rmsnorm.cuh"
 #include "pull.cuh"
+#include "fused_two_shot.cuh"
 #include "p2p_check.cuh"
 
 // The fused kernel comes in K = 1, 2, 4, 8 (fc_fused_rmsnorm<K>_<dtype>), and for islands in one launch
@@ -41,6 +42,7 @@
   extern "C" __global__ void __launch_bounds__(256) fc_two_shot_ll_##NAME(const FcTable* t, const char* in,    \
                                                                          char* out, u64 nbytes) {             \
     fc_two_shot_ll<D>(t, in, out, nbytes);                                                                     \
+  }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(512) fc_pull_##NAME(const FcTable* t, const char* in, char* out, \
                                                                   u64 nbytes, u64 chunk) {                    \
     fc_pull<D>(t, in, out, nbytes, chunk);                                                                     \
@@ -48,6 +50,12 @@
   extern "C" __global__ void __launch_bounds__(512)                                                            \
       fc_pull2_##NAME(const FcTable* t, const char* in, char* out, u64 nbytes, u64 seg, u64 chunk) {           \
     fc_pull2<D>(t, in, out, nbytes, seg, chunk);                                                               \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(1024)                                                           \
+      fc_fused_two_shot_##NAME(const FcTable* t, const char* in, const char* residual, const char* weight,     \
+                               char* out, char* residual_out, u32 tokens, u32 hidden, u32 cols, u32 splits,  \
+                               float eps) {                                                                    \
+    fc_fused_two_shot<D>(t, in, residual, weight, out, residual_out, tokens, hidden, cols, splits, eps);       \
   }                                                                                                            \
   FC_DEFINE_FUSED(NAME, D, 1)                                                                                  \
   FC_DEFINE_FUSED(NAME, D, 2)                                                                                  \

@@ -26,10 +26,12 @@ FLAT, ISLAND, PARTNER = 0, 1, 2
 GROUPS = {FLAT: "all ranks", ISLAND: "island", PARTNER: "cross-island partners"}
 
 # Steps (FC_STEP_*), named in timeout errors.
-STEP_ONE_SHOT, STEP_RS, STEP_AG, STEP_FUSED, STEP_PULL, STEP_PULL_AG = 1, 2, 3, 4, 5, 6
+STEP_ONE_SHOT, STEP_RS, STEP_AG, STEP_FUSED, STEP_PULL, STEP_PULL_AG, STEP_FUSED_RS, STEP_FUSED_AG = 1, 2, 3, 4, 5, 6, 7, 8
 STEPS = {STEP_ONE_SHOT: "one-shot exchange", STEP_RS: "two-shot reduce-scatter",
          STEP_AG: "two-shot all-gather", STEP_FUSED: "fused all-reduce + RMSNorm exchange",
-         STEP_PULL: "pull exchange", STEP_PULL_AG: "pull all-gather"}
+         STEP_PULL: "pull exchange", STEP_PULL_AG: "pull all-gather",
+         STEP_FUSED_RS: "fused two-shot all-reduce + RMSNorm reduce-scatter",
+         STEP_FUSED_AG: "fused two-shot all-reduce + RMSNorm all-gather"}
 
 DTYPE_SUFFIX = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 
@@ -38,6 +40,9 @@ DTYPE_SUFFIX = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 FUSED_THREADS = 1024
 FUSED_VARIANTS = (1, 2, 4, 8)
 FUSED_MAX_SPLITS = 32  # the kernel's shared partial-sum array
+# fused_two_shot.cuh: a block holds a row's positions (16-byte vectors of every part) in registers, at most
+# FTS_K per thread (FC_FTS_K), FUSED_THREADS threads.
+FTS_K = 4
 ONE_SHOT_THREADS = 256
 TWO_SHOT_THREADS = 512
 PULL_THREADS = 512     # __launch_bounds__ of fc_pull / fc_pull2
@@ -145,5 +150,10 @@ FUSED_RMSNORM_ISLANDS = Kernel("fused_rmsnorm_islands", (("ti", "ptr"), ("tp", "
                                                          ("residual_out", "ptr"), ("tokens", "u32"),
                                                          ("hidden", "u32"), ("splits", "u32"), ("eps", "f32")),
                                variants=tuple(str(k) for k in FUSED_VARIANTS))
+# Two-shot shaped fused op (fused_two_shot.cuh): ``cols`` elements of every row per rank's part.
+FUSED_TWO_SHOT = Kernel("fused_two_shot", (("t", "ptr"), ("in", "ptr"), ("residual", "ptr"), ("weight", "ptr"),
+                                           ("out", "ptr"), ("residual_out", "ptr"), ("tokens", "u32"),
+                                           ("hidden", "u32"), ("cols", "u32"), ("splits", "u32"), ("eps", "f32")))
 P2P_CHECK = Kernel("p2p_check", (("dst", "ptr"), ("pattern", "u64"), ("count", "u32")), typed=False)
-KERNELS = (ONE_SHOT, ONE_SHOT_ISLANDS, TWO_SHOT, TWO_SHOT_LL, PULL, PULL2, FUSED_RMSNORM, FUSED_RMSNORM_ISLANDS, P2P_CHECK)
+KERNELS = (ONE_SHOT, ONE_SHOT_ISLANDS, TWO_SHOT, TWO_SHOT_LL, PULL, PULL2, FUSED_RMSNORM, FUSED_RMSNORM_ISLANDS,
+           FUSED_TWO_SHOT, P2P_CHECK)

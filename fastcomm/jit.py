@@ -12,7 +12,8 @@ import os
 import tempfile
 from pathlib import Path
 
-SOURCES = ("common.cuh", "one_shot.cuh", "two_shot.cuh", "two_shot_ll.cuh", "fused_rmsnorm.cuh", "pull.cuh", "p2p_check.cuh",
+SOURCES = ("common.cuh", "one_shot.cuh", "two_shot.cuh", "two_shot_ll.cuh", "fused_rmsnorm.cuh", "pull.cuh",
+           "fused_two_shot.cuh", "p2p_check.cuh",
            "kernels.cu")
 ENTRY = "kernels.cu"
 OPTIONS = ("-std=c++17", "-default-device")

@@ -93,6 +93,21 @@ def _fused(ws: Workspace, table: int, x: torch.Tensor, residual, weight, out, re
             variant=str(lc.k))
 
 
+def _fused_two_shot(ws: Workspace, x: torch.Tensor, residual, weight, out, residual_out, eps: float) -> None:
+    """fused_two_shot.cuh on the flat group. Splitting rows across blocks has the fused op's conditions
+    (every block of a row reads its whole residual; host: every block would read the row from host memory)."""
+    hidden = x.shape[-1]
+    tokens = x.numel() // hidden
+    split_rows = ws.transport is not Transport.HOST and (
+        residual is None or not (_overlap(out, residual) or
+                                 (residual_out is not None and _overlap(residual_out, residual))))
+    lc = policy.fused_two_shot_launch(tokens, hidden, x.element_size(), ws.world_size, ws.plan.max_blocks,
+                                      split_rows=split_rows)
+    _launch(ws, abi.FUSED_TWO_SHOT, x.dtype, lc.grid, lc.block, ws.tables[FLAT], x.data_ptr(),
+            residual.data_ptr() if residual is not None else 0, weight.data_ptr(), out.data_ptr(),
+            residual_out.data_ptr() if residual_out is not None else 0, tokens, hidden, lc.cols, lc.splits, eps)
+
+
 def _check_out(name: str, out: torch.Tensor, like: torch.Tensor) -> None:
     if out.shape != like.shape or out.dtype != like.dtype or out.device != like.device or not out.is_contiguous():
         raise FastcommError(f"{name} must be a contiguous {like.dtype} tensor of shape {tuple(like.shape)} on {like.device}")
@@ -166,16 +181,21 @@ def _on_device(ws: Workspace):
 
 def fused_all_reduce_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, ws: Workspace, *,
                              residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                             residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                             residual_out: torch.Tensor | None = None,
+                             algo: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """``residual_out = all_reduce(x) + residual`` (or ``all_reduce(x)``) and ``out = rmsnorm(residual_out) * weight``.
 
     Same rounding as all_reduce followed by vLLM's native (fused_add_)rms_norm as torch.compile runs it
     (``residual_out`` bit for bit; ``out`` too but for the order of the row's sum of squares, which can move
     it by one ulp, rarely). Outputs may alias the inputs (``out is x``, ``residual_out is residual``) for
     in-place use. Collective.
+
+    The kernel comes from the policy (``ws.fused_route``: the one-shot form in the one-shot's range, the
+    two-shot form above it at >= 4 ranks), else whichever can run; ``algo`` ("one_shot" / "two_shot")
+    forces one. Both keep the same rounding contract.
     """
     ws.raise_if_failed()
-    reason = ws.why_not_fused(x, residual, weight, within_policy=False)  # routing callers ask ws.can_fuse()
+    kernel, reason = ws.fused_route(x, residual, weight, within_policy=False, algo=algo)  # routing: ws.can_fuse()
     if reason is not None:
         raise FastcommError(f"fastcomm.fused_all_reduce_rmsnorm: {reason}")
     out = torch.empty_like(x) if out is None else out
@@ -185,7 +205,9 @@ def fused_all_reduce_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, 
     if x.numel() == 0:
         return out, residual_out
     with _on_device(ws):
-        if ws.plan.islands is not None:
+        if kernel is policy.FusedAlgo.TWO_SHOT:
+            _fused_two_shot(ws, x, residual, weight, out, residual_out, float(eps))
+        elif ws.plan.islands is not None:
             # One launch: the island sum (rounded to the dtype) crosses to the partners, then the norm.
             _fused(ws, ws.tables[PARTNER], x, residual, weight, out, residual_out, float(eps),
                    island_table=ws.tables[ISLAND])

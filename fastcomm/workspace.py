@@ -363,28 +363,40 @@ class Workspace:
     def can_all_reduce(self, x: torch.Tensor) -> bool:
         return self.why_not(x) is None
 
-    def why_not_fused(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                      weight: torch.Tensor | None = None, *, within_policy: bool = True) -> str | None:
-        """Why the fused all-reduce + RMSNorm should not take these inputs (None: it should). The one input
-        check of the fused op. ``within_policy`` (what routing callers such as the vLLM integration want)
-        also refuses sizes above the plan's fused range, where all-reduce + norm is the faster path;
-        ``fused_all_reduce_rmsnorm`` itself only refuses what cannot run (the one-shot buffers' limit)."""
+    def fused_route(self, x: torch.Tensor, residual: torch.Tensor | None = None, weight: torch.Tensor | None = None,
+                    *, within_policy: bool = True, algo: str = "auto") -> tuple[policy.FusedAlgo | None, str | None]:
+        """(fused kernel, None) when the fused all-reduce + RMSNorm takes these inputs, else (None, why not).
+        The one input check of the fused op. ``within_policy`` (what routing callers such as the vLLM
+        integration want) keeps to the plan's fused ranges (policy.choose_fused: the one-shot kernel in the
+        one-shot's range, the two-shot kernel above it at >= 4 ranks), outside which all-reduce + norm is the
+        path to take; ``fused_all_reduce_rmsnorm`` itself only refuses what cannot run (the buffers' limits).
+        ``algo`` ("one_shot" / "two_shot"): that kernel wherever it can run."""
         if self.closed:
-            return "workspace is closed"
+            return None, "workspace is closed"
         reason = self.tensor_reason(x)
         if reason or x.dim() < 1:
-            return reason or "input must have a hidden dimension"
+            return None, reason or "input must have a hidden dimension"
         if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
                                      or not residual.is_contiguous() or residual.device != x.device
                                      or residual.data_ptr() % abi.ALIGN):
-            return "residual must match the input's shape, dtype and device, be contiguous and 16-byte aligned"
+            return None, "residual must match the input's shape, dtype and device, be contiguous and 16-byte aligned"
         hidden = x.shape[-1]
         if weight is not None and (weight.shape != (hidden,) or weight.dtype != x.dtype or weight.device != x.device
                                    or not weight.is_contiguous()):
-            return f"weight must be a contiguous {x.dtype} vector of {hidden} elements on {x.device}"
-        limit = self.plan.fused_max_bytes if within_policy else self.plan.one_shot_max_bytes
-        return policy.check_fused(tokens=x.numel() // max(hidden, 1), hidden=hidden, elem_size=x.element_size(),
-                                  one_shot_max_bytes=limit)
+            return None, f"weight must be a contiguous {x.dtype} vector of {hidden} elements on {x.device}"
+        try:
+            return policy.choose_fused(
+                tokens=x.numel() // max(hidden, 1), hidden=hidden, elem_size=x.element_size(),
+                world=self.world_size, host=self.transport is Transport.HOST, islands=self.plan.islands is not None,
+                fused_max_bytes=self.plan.fused_max_bytes, one_shot_max_bytes=self.plan.one_shot_max_bytes,
+                slot_bytes=self.layout.groups[0].lp_slot, within_policy=within_policy, forced=algo)
+        except ValueError as e:
+            return None, str(e)
+
+    def why_not_fused(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                      weight: torch.Tensor | None = None, *, within_policy: bool = True) -> str | None:
+        """Why the fused all-reduce + RMSNorm should not take these inputs (None: it should); see fused_route."""
+        return self.fused_route(x, residual, weight, within_policy=within_policy)[1]
 
     def can_fuse(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                  weight: torch.Tensor | None = None, *, within_policy: bool = True) -> bool:

@@ -1,8 +1,8 @@
 """Can this input run on fastcomm at all? A reason string when not (the same on every rank), else None."""
 from __future__ import annotations
 
-from ..abi import ALIGN, FUSED_THREADS, FUSED_VARIANTS, PACKET_PAYLOAD
-from .launch import packets_for
+from ..abi import ALIGN, FTS_K, FUSED_THREADS, FUSED_VARIANTS, PACKET_PAYLOAD
+from .launch import fused_two_shot_slot_bytes, packets_for, two_shot_cut
 
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 DTYPE_SIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -38,4 +38,26 @@ def check_fused(*, tokens: int, hidden: int, elem_size: int, one_shot_max_bytes:
         return (f"{tokens} tokens x {hidden} ({tokens * row_bytes} bytes) is above the fused op's limit of "
                 f"{one_shot_max_bytes} bytes here (routing: the one-shot's range at this world size and transport; "
                 "otherwise the one-shot buffers)")
+    return None
+
+
+def check_fused_two_shot(*, tokens: int, hidden: int, elem_size: int, world: int, host: bool,
+                         slot_bytes: int) -> str | None:
+    """Why fused_two_shot.cuh cannot run this input, or None. It rides on the one-shot's Lamport slots
+    (``slot_bytes`` each, layout.GroupLayout.lp_slot)."""
+    if hidden <= 0 or tokens <= 0:
+        return "empty input"
+    if world < 2:
+        return "the fused two-shot needs at least 2 ranks"
+    cut = two_shot_cut(hidden, elem_size, world)
+    if not all(cut.part_vectors):
+        # Every rank must own a part: the clears' safety argument needs each rank to wait for every peer.
+        return f"a row of {hidden} elements is too narrow to give each of {world} ranks a 16-byte part"
+    if cut.positions > FTS_K * FUSED_THREADS:
+        return (f"a row of {hidden} elements ({cut.positions} vectors) exceeds the fused two-shot's "
+                f"{FTS_K * FUSED_THREADS} vectors")
+    need = fused_two_shot_slot_bytes(tokens, hidden, elem_size, world, host)
+    if need > slot_bytes:
+        return (f"{tokens} tokens x {hidden} needs {need} bytes per slot, above the one-shot buffers' {slot_bytes} "
+                "(FASTCOMM_ONE_SHOT_MAX_BYTES)")
     return None

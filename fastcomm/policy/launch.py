@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..abi import (ALIGN, FUSED_MAX_SPLITS, FUSED_THREADS, FUSED_VARIANTS, MAX_BLOCKS, ONE_SHOT_THREADS, PACKET_BYTES,
-                   PACKET_PAYLOAD, PULL_THREADS, TWO_SHOT_THREADS, VEC_BYTES)
+from ..abi import (ALIGN, FTS_K, FUSED_MAX_SPLITS, FUSED_THREADS, FUSED_VARIANTS, MAX_BLOCKS, ONE_SHOT_THREADS,
+                   PACKET_BYTES, PACKET_PAYLOAD, PULL_THREADS, TWO_SHOT_THREADS, VEC_BYTES)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -40,6 +40,7 @@ class Launch:
     splits: int = 0  # fused: blocks per row
     k: int = 0       # fused: packets per thread (kernel variant fc_fused_rmsnorm<k>)
     stages: int = 0  # pull: 1 (fc_pull) or 2 (fc_pull2)
+    cols: int = 0    # fused two-shot: columns of every row in each rank's part
 
 
 def one_shot_launch(nbytes: int, max_blocks: int) -> Launch:
@@ -131,6 +132,51 @@ def fused_launch(tokens: int, hidden: int, elem_size: int, max_blocks: int, *, s
     block = min(FUSED_THREADS, max(32, round_up(cdiv(span, k), 32)))
     rows_per_round = max(1, min(tokens, max_blocks // splits))
     return Launch(rows_per_round * splits, block, splits=splits, k=k)
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoShotCut:
+    """How fused_two_shot.cuh cuts the rows: ``world`` parts of ``cols`` columns (a multiple of 16 bytes, the
+    last part shorter), ``pv`` 16-byte vectors per part and row; a row has ``world x pv`` positions."""
+
+    cols: int
+    pv: int
+    part_vectors: tuple[int, ...]  # vectors of each part in one row (the last may be fewer than pv)
+
+    @property
+    def positions(self) -> int:
+        return len(self.part_vectors) * self.pv
+
+
+def two_shot_cut(hidden: int, elem_size: int, world: int) -> TwoShotCut:
+    """Parts of every row by hidden columns, each starting 16 bytes into its row times a whole number."""
+    per_vec = VEC_BYTES // elem_size
+    cols = round_up(cdiv(hidden, world), per_vec)
+    widths = [max(0, min(cols, hidden - p * cols)) for p in range(world)]
+    return TwoShotCut(cols, cols // per_vec, tuple(cdiv(w * elem_size, VEC_BYTES) for w in widths))
+
+
+def fused_two_shot_slot_bytes(tokens: int, hidden: int, elem_size: int, world: int, host: bool) -> int:
+    """Bytes of one Lamport slot a fused_two_shot call writes (what it records for the next call's clear):
+    P2P, a source's copy of my part and its reduced part; host, my copy of every part and my reduced part."""
+    tp = tokens * two_shot_cut(hidden, elem_size, world).pv * VEC_BYTES
+    return ((world if host else 1) + 1) * tp
+
+
+def fused_two_shot_launch(tokens: int, hidden: int, elem_size: int, world: int, max_blocks: int, *,
+                          split_rows: bool = True) -> Launch:
+    """A block per (row, split), at most max_blocks (all resident: phase 2 waits on other blocks' phase 1).
+
+    A block covers a row's positions, at most FTS_K per thread (checks.check_fused_two_shot); ``split_rows`` as for fused_launch
+    (False: one block per row, since every block of a row reads its whole residual).
+    """
+    cut = two_shot_cut(hidden, elem_size, world)
+    npos = cut.positions
+    block = min(FUSED_THREADS, max(32, round_up(npos, 32)))  # one position per thread where the row allows
+    splits = max(1, min(cdiv(npos, FUSED_SPLIT_VECTORS), FUSED_MAX_SPLITS, max(1, max_blocks // max(tokens, 1)),
+                        max_blocks)) if split_rows else 1
+    rows_per_round = max(1, min(tokens, max_blocks // splits))
+    return Launch(rows_per_round * splits, block, splits=splits, cols=cut.cols)
 
 
 def num_blocks(work_items: int, threads: int, max_blocks: int) -> int:

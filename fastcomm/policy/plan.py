@@ -12,6 +12,7 @@ from ..abi import MAX_BLOCKS, MAX_WORLD, VEC_BYTES
 from ..config import Config
 from ..errors import FastcommError
 from ..units import format_size
+from .fused import FUSED_TWO_SHOT_MAX_TOKENS, FUSED_TWO_SHOT_MIN_WORLD
 from .launch import round_up, two_shot_ll_max_bytes
 from .links import LinkType, validate_islands
 from .rules import DEFAULT_TABLE, Algo, PolicyKey, Rule, SizeRange, Transport, choose_algo, render_ranges, \
@@ -46,7 +47,8 @@ class Plan:
     one_shot_max_bytes: int
     max_blocks: int
     forced_algo: str = "auto"
-    fused_max_bytes: int = 0   # the fused all-reduce + RMSNorm serves inputs up to this (the one-shot's range)
+    fused_max_bytes: int = 0   # the one-shot fused all-reduce + RMSNorm serves inputs up to this (the one-shot's
+                               # range); the two-shot form above it: policy.fused.choose_fused
     two_shot_ll_max_bytes: int = 0  # the Lamport two-shot serves inputs up to this (what the one-shot's slots hold)
 
     def algo_for(self, nbytes: int, forced: str | None = None) -> Algo:
@@ -65,6 +67,8 @@ class Plan:
         isl = f", islands {self.islands}" if self.islands else ""
         fused = f"fused all-reduce + RMSNorm <= {format_size(self.fused_max_bytes)}" if self.fused_max_bytes \
             else "no fused all-reduce + RMSNorm"
+        if self.world_size >= FUSED_TWO_SHOT_MIN_WORLD and not self.islands:  # policy.fused.choose_fused
+            fused += f", two-shot form above that to {FUSED_TWO_SHOT_MAX_TOKENS} tokens"
         return (f"fastcomm: {self.world_size} ranks, transport {self.transport.value}, link {self.link.value}{isl}; "
                 f"{'; '.join(render_ranges(self.ranges()))}; {fused} (policy: {self.rules_source})")
 

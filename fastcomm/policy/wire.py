@@ -11,26 +11,30 @@ pace. ``wire_split`` gives (written, read); ``wire_bytes`` their sum.
 from __future__ import annotations
 
 from ..abi import MAX_BLOCKS, VEC_BYTES
-from .launch import cdiv, pull_launch, two_shot_launch, two_shot_ll_segment_vectors, vectors_for
+from .launch import cdiv, pull_launch, two_shot_cut, two_shot_launch, two_shot_ll_segment_vectors, vectors_for
 
 FLAG_BYTES = 4  # the two-shot's per-block flag word
 
 
 def wire_bytes(algo: str, nbytes: int, world: int, transport: str, islands: int = 1, *, elem_size: int = 2,
-               max_blocks: int = MAX_BLOCKS) -> int:
+               max_blocks: int = MAX_BLOCKS, hidden: int | None = None) -> int:
     """Bytes that cross one GPU's link per call of ``algo`` on ``nbytes`` of input: ``wire_split``'s sum."""
-    return sum(wire_split(algo, nbytes, world, transport, islands, elem_size=elem_size, max_blocks=max_blocks))
+    return sum(wire_split(algo, nbytes, world, transport, islands, elem_size=elem_size, max_blocks=max_blocks,
+                          hidden=hidden))
 
 
 def wire_split(algo: str, nbytes: int, world: int, transport: str, islands: int = 1, *, elem_size: int = 2,
-               max_blocks: int = MAX_BLOCKS) -> tuple[int, int]:
+               max_blocks: int = MAX_BLOCKS, hidden: int | None = None) -> tuple[int, int]:
     """(bytes one GPU writes, bytes it reads) over its link per call of ``algo`` ("one_shot", "two_shot",
-    "two_shot_ll", "fused", "pull") on ``nbytes`` of input. Only the pull reads.
+    "two_shot_ll", "fused", "fused_two_shot", "pull") on ``nbytes`` of input. Only the pull reads.
 
     ``islands``: the number of equal islands of the hierarchical one-shot (P2P only): it sums inside the
     island, then across the islands' partners, so each GPU sends (island size - 1) + (islands - 1) copies.
     ``fused``: the fused all-reduce + RMSNorm (tokens x hidden x element size = ``nbytes``): the one-shot's
     exchange (its P2P copy into the rank's own slot stays in local memory).
+    ``fused_two_shot``: its two-shot form (fused_two_shot.cuh), rows of ``hidden`` elements cut by columns:
+    my copy of every other rank's part of each row, then my reduced part to every peer (host: once, into my
+    own slot); each part of a row padded to 16 bytes.
     """
     if transport not in ("p2p", "host"):
         raise ValueError(f"transport must be 'p2p' or 'host', not {transport!r}")
@@ -55,11 +59,24 @@ def wire_split(algo: str, nbytes: int, world: int, transport: str, islands: int 
         # my reduced segment to every peer (P2P) or once into my host slot.
         seg = two_shot_ll_segment_vectors(nbytes, world) * VEC_BYTES
         return (world - 1) * seg + (1 if host else world - 1) * seg, 0
+    if algo == "fused_two_shot":
+        if islands > 1:
+            raise ValueError("the fused two-shot has no island form")
+        if not hidden or nbytes % (hidden * elem_size):
+            raise ValueError(f"fused_two_shot needs the row length: {nbytes} bytes is not whole rows of {hidden}")
+        return _fused_two_shot(nbytes // (hidden * elem_size), hidden, world, host, elem_size), 0
     if algo == "pull":
         if host:
             raise ValueError("the pull needs the P2P transport")
         return _pull(nbytes, world, max_blocks)
-    raise ValueError(f"no wire model for algorithm {algo!r} (one_shot, two_shot, two_shot_ll, fused, pull)")
+    raise ValueError(f"no wire model for algorithm {algo!r} (one_shot, two_shot, two_shot_ll, fused, fused_two_shot, "
+                     "pull)")
+
+
+def _fused_two_shot(tokens: int, hidden: int, world: int, host: bool, elem_size: int) -> int:
+    parts = [v * VEC_BYTES * tokens for v in two_shot_cut(hidden, elem_size, world).part_vectors]
+    ag_copies = 1 if host else world - 1
+    return max(sum(parts) - parts[me] + ag_copies * parts[me] for me in range(world))
 
 
 def _pull(nbytes: int, world: int, max_blocks: int) -> tuple[int, int]:

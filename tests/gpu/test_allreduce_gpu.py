@@ -66,6 +66,22 @@ def test_two_shot_variants(world, transport):
     assert f"{world} ranks, transport {transport}" in res[0]["describe"]
 
 
+@pytest.mark.parametrize("transport", ["p2p", "host"])
+@pytest.mark.parametrize("world", WORLDS)
+def test_fused_two_shot(world, transport):
+    """The two-shot fused all-reduce + RMSNorm (fused_two_shot.cuh): every shape, dtype and mode checked in
+    the worker against the rounding contract's reference and across ranks; here, that the checks ran."""
+    replays = 24
+    res = check_all_ok(run_ranks(W.fused_two_shot, world, transport, replays, timeout=900))
+    print(world, transport, {k: v for k, v in res[0].items() if k != "skipped"}, len(res[0]["skipped"]), "skipped")
+    # 3 dtypes x (15 shapes x 3 modes + 2 specials), less what the buffers refuse (reported, never silent).
+    assert all(r["checked"] + 3 * len(r["skipped"]) == 3 * (15 * 3 + 2) for r in res), res[0]["skipped"]
+    assert res[0]["checked"] >= 3 * 2 + 3 * 3 * 12, res[0]["skipped"]  # at most a few 64-token fp32 shapes skipped
+    assert all(r["graph_replays"] == replays for r in res)
+    route = res[0]["route"]
+    # The policy (policy.fused.choose_fused): the two-shot form up to 64 tokens at >= 4 ranks, above the one-shot's.
+    assert route[65] is None and route[1] in ("one_shot", "two_shot")
+    assert (route[64] == "two_shot") == (world >= 4) and (world >= 4 or "two_shot" not in route.values()), route
 
 
 @pytest.mark.parametrize("world,islands", [(2, ((0,), (1,))), (4, ((0, 1), (2, 3))), (8, ((0, 1, 2, 3), (4, 5, 6, 7)))])

@@ -303,6 +303,154 @@ def _fused(ws, seed):
     return worst
 
 
+def _bits_match(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (so -0.0 is not 0.0), except that any NaN matches any NaN: the CPU and the GPU make
+    NaNs with different payloads."""
+    raw = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    same = a.contiguous().view(raw) == b.contiguous().view(raw)
+    return bool((same | (torch.isnan(a) & torch.isnan(b))).all())
+
+
+_FUSED_BOUNDS = {torch.bfloat16: (1.0, 0.99), torch.float16: (1.0, 0.97), torch.float32: (64.0, 0.0)}
+
+
+def _check_fused_result(what, out, rout, ref_out, ref_z):
+    """residual_out bit for bit; out within the one-ulp sum-of-squares order allowance (see _fused); both
+    identical on every rank."""
+    assert torch.equal(rout, ref_z), f"{what}: residual_out differs"
+    err, exact = ulp_stats(out, ref_out)
+    bound, share = _FUSED_BOUNDS[out.dtype]
+    assert err <= bound, f"{what}: {err} ulps"
+    if out.numel() >= 1000:
+        assert exact >= share, f"{what}: only {exact:.4f} exact"
+    assert _same_on_all_ranks(out) and _same_on_all_ranks(rout), f"{what}: ranks differ"
+    return err
+
+
+def _fused_two_shot_specials(ws, dtype):
+    """-0.0, +-inf, NaN and the sentinel's bit pattern through fused_two_shot. Rows 0-2 give inv_rms values
+    whose use is exact (z = -0, inv = 0, NaN), so their outputs must be the reference's bits; row 3 is
+    ordinary (rsqrtf: the usual ulp allowance)."""
+    dev, rank = ws.device, dist.get_rank()
+    raw = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}[dtype]
+    x = torch.ones(4, 1000, dtype=dtype, device=dev)
+    x[0] = -0.0                                  # a row of -0.0: z = -0, out = -0
+    x[1, 4], x[1, 7] = float("inf"), float("-inf")  # ss = inf: inv = 0, out = +-0 and NaN at the infs
+    x[2, 3] = float("nan") if rank == 0 else 1.0
+    x[2, 5] = float("inf") if rank == 0 else float("-inf")
+    if rank == 0:
+        x[2, 6] = torch.tensor([-1], dtype=raw).view(dtype)[0]  # the "not arrived" pattern, sent as a NaN
+    w = torch.ones(1000, dtype=dtype, device=dev)
+    ar = _ordered_sum(x)
+    for r in (None, torch.cat([torch.full((1, 1000), -0.0), torch.full((3, 1000), 0.5)]).to(dtype).to(dev)):
+        out, rout = fastcomm.fused_all_reduce_rmsnorm(x, w, 1e-5, ws, residual=r, algo="two_shot")
+        ref_out, ref_z = rmsnorm_ref(ar, r, w, 1e-5)
+        what = f"fused two-shot {dtype} specials (residual {r is not None})"
+        assert _bits_match(rout, ref_z) and _bits_match(out[:3], ref_out[:3]), \
+            f"{what}: {out[:3, :8].tolist()} against {ref_out[:3, :8].tolist()}"
+        assert ulp_stats(out[3], ref_out[3])[0] <= _FUSED_BOUNDS[dtype][0], what
+        assert bool(torch.signbit(out[0]).all()) and bool(torch.isnan(out[2]).all())
+        assert _same_on_all_ranks(out) and _same_on_all_ranks(rout)
+
+
+def _fused_two_shot_graph(ws, replays):
+    """One graph holding a one-shot all-reduce, the one-shot fused op and the two-shot one (they share the
+    Lamport buffers' rotation and clears), replayed with new inputs each time, every result checked."""
+    dev = ws.device
+    rank, world = dist.get_rank(), dist.get_world_size()
+    hidden = 6144
+    a = torch.zeros(6144, dtype=torch.bfloat16, device=dev)
+    x = torch.zeros(8, hidden, dtype=torch.bfloat16, device=dev)
+    res = torch.zeros_like(x)
+    w = (torch.arange(hidden, device=dev) % 3 + 1).to(torch.bfloat16)
+    s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fastcomm.all_reduce(a, ws, algo="one_shot")
+        fastcomm.fused_all_reduce_rmsnorm(x[:2], w, 1e-5, ws, residual=res[:2], algo="one_shot")
+        fastcomm.fused_all_reduce_rmsnorm(x, w, 1e-5, ws, residual=res, algo="two_shot")
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            oa = fastcomm.all_reduce(a, ws, algo="one_shot")
+            o1, r1 = fastcomm.fused_all_reduce_rmsnorm(x[:2], w, 1e-5, ws, residual=res[:2], algo="one_shot")
+            o2, r2 = fastcomm.fused_all_reduce_rmsnorm(x, w, 1e-5, ws, residual=res, algo="two_shot")
+    torch.cuda.current_stream().wait_stream(s)
+    ar = torch.arange(6144, device=dev)
+    grid = torch.arange(8 * hidden, device=dev).view(8, hidden)
+    checked = 0
+    for i in range(replays):
+        a.copy_(((ar + i) % 5 - 2).to(torch.bfloat16) * (rank + 1))
+        x.copy_(((grid * (i + 1)) % 7 - 3).to(torch.bfloat16))  # small integers: every sum exact
+        res.copy_(((grid + i) % 5 - 2).to(torch.bfloat16))
+        g.replay()
+        torch.cuda.current_stream().synchronize()
+        assert torch.equal(oa, (((ar + i) % 5 - 2) * (world * (world + 1) // 2)).to(torch.bfloat16)), f"replay {i}"
+        ref_ar = (((grid * (i + 1)) % 7 - 3) * world).to(torch.bfloat16)
+        ref_out, ref_z = rmsnorm_ref(ref_ar, res, w, 1e-5)
+        _check_fused_result(f"graph replay {i} (two-shot)", o2, r2, ref_out, ref_z)
+        _check_fused_result(f"graph replay {i} (one-shot)", o1, r1, ref_out[:2], ref_z[:2])
+        checked += 1
+    return checked
+
+
+def fused_two_shot(rank, world, gloo, transport, replays):
+    """fused_two_shot.cuh against the CPU reference of the fused op's rounding contract (rmsnorm_ref over
+    the rank-ordered sum, as _fused), and bit for bit across ranks: tokens 1-64 x hidden 6144, 7168, 1000
+    and 1001 (rows not 16-byte aligned), every dtype, with and without a residual, in place, specials, the
+    policy's choice of kernel, and graph replays. The same residual on every rank, as vLLM's."""
+    global _CPU_GROUP, _ISLANDS
+    _CPU_GROUP, _ISLANDS = gloo, None
+    # One-shot buffers of 2.5 MiB: the host transport's slots hold every part of the message (64 x 6144 fp32
+    # at 2 ranks: 2.25 MiB); a small two-shot region keeps the host segment below the core test's.
+    with fastcomm.Workspace(gloo, transport=transport, max_bytes=5 << 19, one_shot_max_bytes=5 << 19) as ws:
+        dev = ws.device
+        found = {"describe": ws.describe(), "checked": 0, "skipped": [], "worst_ulps": 0.0}
+        shapes = [(t, h) for h in (6144, 1000) for t in (1, 2, 3, 8, 17, 64)] + [(3, 7168), (1, 1001), (17, 1001)]
+        for dtype in DTYPES:
+            for tokens, hidden in shapes:
+                x = torch.empty(tokens, hidden, dtype=dtype, device=dev)
+                kernel, why = ws.fused_route(x, within_policy=False, algo="two_shot")
+                if kernel is None:
+                    found["skipped"].append(f"{dtype} {tokens}x{hidden}: {why}")
+                    continue
+                g = torch.Generator(device="cpu").manual_seed(tokens * hidden + 11)
+                x = torch.randn(tokens, hidden, generator=g).to(dtype).to(dev) * (rank + 1)
+                resid = torch.randn(tokens, hidden, generator=g).to(dtype).to(dev)
+                w = (torch.rand(hidden, generator=g) + 0.5).to(dtype).to(dev)
+                x_before = x.clone()
+                ar = _ordered_sum(x)
+                for mode in ("residual", "no residual", "in place"):
+                    what = f"fused two-shot {dtype} {tokens}x{hidden} {mode}"
+                    r = None if mode == "no residual" else resid.clone()
+                    if mode == "in place":
+                        xi = x.clone()
+                        out, rout = fastcomm.fused_all_reduce_rmsnorm(xi, w, 1e-5, ws, residual=r, out=xi,
+                                                                      residual_out=r, algo="two_shot")
+                        assert out.data_ptr() == xi.data_ptr() and rout.data_ptr() == r.data_ptr()
+                    else:
+                        out, rout = _poisoned(x), _poisoned(x)
+                        fastcomm.fused_all_reduce_rmsnorm(x, w, 1e-5, ws, residual=r, out=out, residual_out=rout,
+                                                          algo="two_shot")
+                        assert torch.equal(x, x_before) and (r is None or torch.equal(r, resid)), f"{what}: input changed"
+                    ref_out, ref_z = rmsnorm_ref(ar, None if mode == "no residual" else resid, w, 1e-5)
+                    found["worst_ulps"] = max(found["worst_ulps"], _check_fused_result(what, out, rout, ref_out, ref_z))
+                    found["checked"] += 1
+            _fused_two_shot_specials(ws, dtype)
+            found["checked"] += 2
+        # The policy's choice, as the vLLM plugin sees it (ws.why_not_fused / can_fuse, within the policy).
+        found["route"] = {}
+        for t in (1, 2, 8, 64, 65):
+            kernel = ws.fused_route(torch.empty(t, 6144, dtype=torch.bfloat16, device=dev))[0]
+            found["route"][t] = None if kernel is None else kernel.value
+        auto_x = torch.full((8, 6144), 1.0, dtype=torch.bfloat16, device=dev)
+        out, rout = fastcomm.fused_all_reduce_rmsnorm(auto_x, torch.ones(6144, dtype=torch.bfloat16, device=dev),
+                                                      1e-5, ws)
+        assert torch.equal(rout, torch.full_like(auto_x, world)) and torch.equal(out, torch.ones_like(auto_x))
+        found["graph_replays"] = _fused_two_shot_graph(ws, replays)
+        torch.cuda.synchronize()
+    return found
+
+
 def core(rank, world, gloo, transport, islands, calls, replays):
     global _CPU_GROUP, _ISLANDS
     _CPU_GROUP = gloo
