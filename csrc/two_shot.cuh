@@ -22,13 +22,6 @@
 #pragma once
 #include "common.cuh"
 
-__device__ __forceinline__ void fc_fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
-
-// A strong (relaxed, system-scope) store: with a preceding fence it is a release (see above).
-__device__ __forceinline__ void fc_st_relaxed_sys(u32* p, u32 v) {
-  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
 // Elements of block b's chunk inside segment s: segments and chunks are whole 16-byte vectors, so only the
 // segment holding the message's end can be short (or empty, for small messages), and only it can end in a
 // partial vector.
@@ -92,7 +85,7 @@ __device__ __forceinline__ void fc_two_shot_w(const FcTable* __restrict__ t, con
     }
     __syncthreads();
     if (tid == 0) {
-      fc_fence_acq_rel_sys();
+      fc_fence_sys();
 #pragma unroll
       for (u32 s = 0; s < W; ++s)
         if (s != me) fc_st_relaxed_sys(flag[s], epoch);
@@ -153,7 +146,7 @@ __device__ __forceinline__ void fc_two_shot_w(const FcTable* __restrict__ t, con
     }
     __syncthreads();
     if (tid == 0) {
-      fc_fence_acq_rel_sys();
+      fc_fence_sys();
 #pragma unroll
       for (u32 j = 0; j < W - 1; ++j)
         if (j < nag) fc_st_relaxed_sys(agf[j], epoch);
