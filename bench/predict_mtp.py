@@ -1,0 +1,135 @@
+"""A model, from measured numbers, of single-request decode with GLM-5's MTP on 8 x RTX PRO 6000 over PCIe.
+
+    python -m fastcomm_bench.predict_mtp [DECODE_RECORD.json]
+
+It is a model, labelled as one; every input is named in its output:
+- measured on 1 x H200 (the record, default the committed bench/results file): decode step time of the
+  78-layer GLM-5-shaped GGUF at 1-4 concurrent requests. A verify step of k draft tokens is one forward over
+  k + 1 tokens of one request, which does the work of a decode step of k + 1 requests (same matmul shapes,
+  same weights read; attention over short contexts is a small share), so the step time at c requests
+  stands for the verify step at k = c - 1. Fitted as base + (c - 1) x per_token.
+- the brief's measurement on the user's 8 x RTX PRO 6000: 43 tok/s with CUDA graphs and NCCL at ~40 us per
+  all-reduce, i.e. 23.3 ms per step of which ~17 ms is not all-reduce.
+- fastcomm's all-reduce per call at 8 ranks over PCIe Gen5: a floor per link crossing plus the bytes each GPU
+  writes (fastcomm.policy.wire_bytes) over ~45 GB/s, for the cheaper of the one-shot (one crossing) and the
+  Lamport two-shot (two).
+- the per-token increment on 8 GPUs: either scaled from the H200's by the bytes each GPU reads (1/8 of the
+  weights) and the bandwidth ratio (1.79 / 4.8 TB/s) -- if that increment is bandwidth-bound -- or kept as
+  measured on the H200 -- if it is bound by per-token launches, which TP does not shrink. Both are shown.
+- the draft: one MTP block (one decoder layer's share of the step) plus the LM head it reads, and its three
+  all-reduces; the acceptance length L of published GLM-5 MTP runs (2.2-2.8 at 3 draft tokens), turned into
+  a per-draft acceptance rate a with L = (1 - a^(k+1)) / (1 - a), so other k follow from the same a.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from fastcomm.policy import wire_bytes
+
+RECORD = Path(__file__).resolve().parent / "results" / "2026-12-01-h200x1-gguf-78L-tp1-decode.json"
+
+HIDDEN = 6144
+LAYERS = 78
+ALLREDUCES_PER_STEP = 157          # 2 per layer + the embedding (the brief)
+ALLREDUCES_PER_DRAFT = 3           # the MTP block's two, and its eh_proj's
+BRIEF_STEP_MS, BRIEF_AR_US = 23.3, 40.0   # 43 tok/s with CUDA graphs through NCCL (the brief)
+HEAD_SHARE = 0.029                 # LM head bytes / bytes read per token (780 MB of ~27 GB in the GGUF)
+H200_TBPS, RTX_PRO_6000_TBPS = 4.8, 1.79
+PUBLISHED_L = (2.2, 2.8)           # acceptance length at 3 draft tokens (published 8-GPU GLM-5 MTP runs)
+PUBLISHED_K = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    base_ms: float       # one token
+    per_token_ms: float  # each further token of the same step
+
+
+def fit_step(points: dict[int, float], max_tokens: int = 4) -> Fit:
+    """Least squares of step time (ms) over tokens per step, base + (c - 1) x per_token, for c <= max_tokens."""
+    xs = sorted(c for c in points if c <= max_tokens)
+    if len(xs) < 2:
+        raise ValueError("need step times at two or more token counts")
+    mx = sum(c - 1 for c in xs) / len(xs)
+    my = sum(points[c] for c in xs) / len(xs)
+    slope = sum((c - 1 - mx) * (points[c] - my) for c in xs) / sum((c - 1 - mx) ** 2 for c in xs)
+    return Fit(my - slope * mx, slope)
+
+
+CROSSINGS = {"one_shot": 1, "two_shot_ll": 2}  # dependent link crossings per call
+
+
+def allreduce_us(tokens: int, world: int = 8, floor_us: float = 3.0, link_gbps: float = 45.0) -> float:
+    """Modelled fastcomm all-reduce over PCIe, the cheaper algorithm: a floor per link crossing (~3 us: the
+    one-shot's measured floor) + the bytes each GPU writes over ~45 GB/s."""
+    nbytes = tokens * HIDDEN * 2
+    return min(n * floor_us + wire_bytes(a, nbytes, world, "p2p") / (link_gbps * 1e3) for a, n in CROSSINGS.items())
+
+
+def acceptance_rate(length: float, k: int) -> float:
+    """Per-draft acceptance a with (1 - a^(k+1)) / (1 - a) = length (geometric acceptance), by bisection."""
+    if not 1.0 <= length <= k + 1:
+        raise ValueError(f"acceptance length {length} impossible with {k} draft tokens")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        a = (lo + hi) / 2
+        got = (k + 1) if a == 1.0 else (1 - a ** (k + 1)) / (1 - a)
+        lo, hi = (a, hi) if got < length else (lo, a)
+    return (lo + hi) / 2
+
+
+def expected_length(a: float, k: int) -> float:
+    return float(k + 1) if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
+
+
+def predict(fit: Fit, k: int, length: float, *, scaled: bool) -> dict:
+    """Single-request tok/s on 8 x RTX PRO 6000 with fastcomm for k draft tokens (k = 0: no MTP)."""
+    compute_1 = BRIEF_STEP_MS - ALLREDUCES_PER_STEP * BRIEF_AR_US / 1e3     # ~17 ms, not all-reduce
+    per_token = fit.per_token_ms * ((1 / 8) * (H200_TBPS / RTX_PRO_6000_TBPS) if scaled else 1.0)
+    verify = compute_1 + k * per_token + ALLREDUCES_PER_STEP * allreduce_us(k + 1) / 1e3
+    draft = compute_1 * (1 / LAYERS + HEAD_SHARE) + ALLREDUCES_PER_DRAFT * allreduce_us(1) / 1e3
+    step = verify + k * draft
+    tokens = length if k else 1.0
+    return {"k": k, "acceptance_length": round(tokens, 2), "verify_ms": round(verify, 2),
+            "draft_ms": round(k * draft, 2), "step_ms": round(step, 2), "tok_s": round(tokens / step * 1e3, 1)}
+
+
+def table(points: dict[int, float]) -> list[str]:
+    fit = fit_step(points)
+    lines = [f"# MODEL, not a measurement. H200 step times (ms) by tokens per step: "
+             + ", ".join(f"{c}: {points[c]:.1f}" for c in sorted(points))
+             + f"; fit over 1-4: {fit.base_ms:.1f} + (c - 1) x {fit.per_token_ms:.1f}",
+             f"# H200 verify step cost against a plain decode step: "
+             + ", ".join(f"k={c - 1}: {points[c] / points[1]:.2f}x" for c in sorted(points) if 2 <= c <= 4),
+             f"# fastcomm all-reduce (modelled, 8 x PCIe Gen5): {allreduce_us(1):.1f} us at 1 token, "
+             f"{allreduce_us(4):.1f} us at 4",
+             "| per-token increment on 8 GPUs | k | L | verify ms | drafts ms | step ms | tok/s |",
+             "|---|---|---|---|---|---|---|"]
+    for scaled in (True, False):
+        label = "bandwidth-scaled (/8, x 4.8/1.79)" if scaled else "as on the H200 (launch-bound)"
+        for k in range(PUBLISHED_K + 1):
+            for L in ((1.0,) if k == 0 else PUBLISHED_L):
+                length = expected_length(acceptance_rate(L, PUBLISHED_K), k) if k else 1.0
+                r = predict(fit, k, length, scaled=scaled)
+                lines.append(f"| {label} | {k} | {r['acceptance_length']} | {r['verify_ms']} | {r['draft_ms']} | "
+                             f"{r['step_ms']} | {r['tok_s']} |")
+    return lines
+
+
+def points_from(record: dict) -> dict[int, float]:
+    sweep = record["vllm"]["sweep"] if "vllm" in record else record["sweep"]
+    return {p["concurrency"]: p["tpot_ms"] for p in sweep}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m fastcomm_bench.predict_mtp", description=__doc__.split("\n\n")[0])
+    p.add_argument("record", nargs="?", default=str(RECORD), help="bench-decode record of the GGUF at TP 1")
+    a = p.parse_args(argv)
+    print("\n".join(table(points_from(json.loads(Path(a.record).read_text())))))
+
+
+if __name__ == "__main__":
+    main()

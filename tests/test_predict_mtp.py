@@ -1,0 +1,42 @@
+"""The MTP prediction model's pieces (bench/predict_mtp.py): each recovers what it was built from."""
+import pytest
+
+from fastcomm.policy import wire_bytes
+from fastcomm_bench import predict_mtp as M
+
+
+def test_fit_recovers_a_line_and_ignores_points_past_four_tokens():
+    fit = M.fit_step({1: 20.0, 2: 23.0, 3: 26.0, 4: 29.0, 8: 500.0})
+    assert fit.base_ms == pytest.approx(20.0) and fit.per_token_ms == pytest.approx(3.0)
+    with pytest.raises(ValueError):
+        M.fit_step({1: 20.0})
+
+
+@pytest.mark.parametrize("a,k", [(0.0, 3), (0.5, 1), (0.6, 3), (0.9, 2)])
+def test_acceptance_rate_inverts_the_expected_length(a, k):
+    assert M.acceptance_rate(M.expected_length(a, k), k) == pytest.approx(a, abs=1e-6)
+    with pytest.raises(ValueError):
+        M.acceptance_rate(k + 1.5, k)
+
+
+def test_allreduce_model_takes_the_cheaper_algorithm_from_the_layout_bytes():
+    one = 3.0 + wire_bytes("one_shot", 6144 * 2, 8, "p2p") / 45e3
+    assert M.allreduce_us(1) == pytest.approx(one)            # 1 token: one crossing wins
+    ll = 6.0 + wire_bytes("two_shot_ll", 4 * 6144 * 2, 8, "p2p") / 45e3
+    assert M.allreduce_us(4) == pytest.approx(ll)             # 4 tokens: fewer bytes win
+
+
+def test_prediction_grows_with_drafts_and_the_table_labels_itself_a_model():
+    fit = M.Fit(25.0, 12.0)
+    plain = M.predict(fit, 0, 1.0, scaled=True)
+    assert plain["draft_ms"] == 0 and plain["tok_s"] == pytest.approx(1e3 / plain["step_ms"], rel=1e-2)
+    k3 = M.predict(fit, 3, 2.5, scaled=True)
+    assert k3["verify_ms"] > plain["verify_ms"] and k3["tok_s"] == pytest.approx(2.5e3 / k3["step_ms"], rel=1e-2)
+    assert M.predict(fit, 3, 2.5, scaled=False)["step_ms"] > k3["step_ms"]
+    lines = M.table({1: 24.8, 2: 36.2, 3: 55.0, 4: 58.5})
+    assert lines[0].startswith("# MODEL, not a measurement") and len(lines) == 5 + 2 * 7
+
+
+def test_committed_record_feeds_the_model():
+    points = M.points_from(__import__("json").loads(M.RECORD.read_text()))
+    assert sorted(points) == [1, 2, 3, 4, 8] and all(v > 0 for v in points.values())
