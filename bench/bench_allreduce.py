@@ -36,7 +36,7 @@ def _impls(torch, rank, world, gloo, opts):
         try:
             ws = fastcomm.Workspace(gloo, rank, transport="p2p", max_bytes=opts.workspace_bytes)
             workspaces.append(ws)
-            for algo in ("one_shot", "two_shot", "two_shot_ll", "auto"):
+            for algo in ("one_shot", "two_shot", "two_shot_ll", "pull", "auto"):
                 impls[f"fastcomm-{algo}"] = (ws, algo)
         except fastcomm.FastcommError as e:
             print(f"[rank {rank}] no P2P workspace: {e}")
@@ -205,6 +205,7 @@ def _bench_fused(torch, rank, world, gloo, workspaces, opts):
     import torch.distributed as dist
 
     import fastcomm
+    from fastcomm import policy
     from fastcomm_bench.norm_baseline import add_rmsnorm
 
     rows = []
@@ -222,6 +223,10 @@ def _bench_fused(torch, rank, world, gloo, workspaces, opts):
             out, rout, ar = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
             if not ws.can_fuse(x, res):
                 continue
+            kernel, _ = ws.fused_route(x, res)  # which fused kernel the policy runs, for the name and the wire
+            nbytes = tokens * hidden * x.element_size()
+            fused_wire = policy.wire_bytes("fused" if kernel.value == "one_shot" else "fused_two_shot", nbytes, world,
+                                           ws.transport.value, elem_size=x.element_size(), hidden=hidden)
             variants = {
                 f"{tag}fused": lambda: fastcomm.fused_all_reduce_rmsnorm(x, w, 1e-5, ws, residual=res, out=out, residual_out=rout),
                 f"{tag}allreduce+norm": lambda: (fastcomm.all_reduce(x, ws, out=ar), add_rmsnorm(ar, res, w, 1e-5, out, rout)),
@@ -233,9 +238,11 @@ def _bench_fused(torch, rank, world, gloo, workspaces, opts):
                 dist.barrier()
                 t_graph = timers(torch, fn, opts.graph_calls, opts.iters, opts.warmup, graph=True)
                 t_eager = timers(torch, fn, opts.graph_calls, max(3, opts.iters // 4), 2, graph=False)
-                rows.append(dict(size=tokens * hidden * x.element_size(), count=tokens * hidden, type=opts.dtype,
-                                 redop="fused", impl=f"{name} {tokens}x{hidden}", graph_us=t_graph, eager_us=t_eager,
-                                 wrong=-1))
+                fused = name.endswith("fused")
+                rows.append(dict(size=nbytes, count=tokens * hidden, type=opts.dtype, redop="fused",
+                                 impl=f"{name} {tokens}x{hidden}{f' {kernel.value}' if fused else ''}",
+                                 graph_us=t_graph, eager_us=t_eager, wrong=-1,
+                                 wire_bytes=fused_wire if fused else None))
                 _show(rows[-1], rank, world)
     return rows
 

@@ -83,6 +83,8 @@ def main(argv=None) -> int:
     print(f"### P2P ({run['meta'].get('label', '')}; NCCL {run['meta'].get('nccl')}, torch {run['meta'].get('torch')})\n")
     print("Graph mode, us per call:\n")
     impls = ["fastcomm-auto", "fastcomm-one_shot", "fastcomm-two_shot", "nccl", "symm-one_shot", "symm-two_shot"]
+    # Kernels newer than some results files: a column where the run has them.
+    impls[3:3] = [i for i in ("fastcomm-two_shot_ll", "fastcomm-pull") if any(r["impl"] == i for r in rows)]
     if any(r["impl"] == "vllm-custom-ar" for r in rows):
         impls.append("vllm-custom-ar")
     print(allreduce_table(rows, impls, "nccl"))

@@ -31,7 +31,7 @@ FILE_NAME = "tune.json"
 # safer default (no workspace limits, no extra buffers in the graph).
 DEFAULT_MARGIN = 0.03
 # Ties go to the first: one-shot has one hop and no intermediate state.
-FASTCOMM_ALGOS = (Algo.ONE_SHOT, Algo.TWO_SHOT)
+FASTCOMM_ALGOS = (Algo.ONE_SHOT, Algo.TWO_SHOT, Algo.TWO_SHOT_LL, Algo.PULL)  # pull: P2P only (skipped on host)
 
 
 class TuneCacheError(FastcommError):
@@ -303,7 +303,7 @@ def rules_from_file(config: Config, fingerprint: Fingerprint) -> tuple[tuple[Rul
 
 def rules_from_measurements(rows: Iterable[Mapping], sizes: Sequence[int], *,
                             margin: float = DEFAULT_MARGIN) -> tuple[Rule, ...]:
-    """Rules from graph-mode timings: rows of {"size", "algo" (one_shot/two_shot/nccl), "us"}.
+    """Rules from graph-mode timings: rows of {"size", "algo" (an Algo value), "us"}.
 
     Per size the faster fastcomm algorithm is picked; fastcomm serves every size up to the largest one where it
     beats NCCL by ``margin`` (NCCL beyond); consecutive sizes with the same algorithm merge into one rule whose

@@ -354,3 +354,19 @@ def test_tune_writes_a_loadable_cache(tmp_path):
     cache = T.load(out)
     assert cache.fingerprint.gpu_count == 2 and len(cache.table) == 1
     assert {m["algo"] for m in cache.measurements} == {"one_shot", "two_shot", "nccl"}
+
+
+def test_tune_times_every_fastcomm_algorithm_and_can_pick_the_new_ones():
+    from fastcomm.commands import tune as T
+    from fastcomm.policy import Algo
+    from fastcomm.tunecache import FASTCOMM_ALGOS, rules_from_measurements
+
+    assert {Algo.TWO_SHOT_LL, Algo.PULL} <= set(FASTCOMM_ALGOS)
+    head = T.table_header(8)
+    assert all(a.value in head for a in FASTCOMM_ALGOS)
+    rows = [dict(size=4096, algo="one_shot", us=5.0), dict(size=4096, algo="nccl", us=20.0),
+            dict(size=65536, algo="one_shot", us=30.0), dict(size=65536, algo="two_shot_ll", us=9.0),
+            dict(size=65536, algo="nccl", us=25.0), dict(size=1 << 20, algo="pull", us=8.0),
+            dict(size=1 << 20, algo="two_shot", us=11.0), dict(size=1 << 20, algo="nccl", us=14.0)]
+    rules = rules_from_measurements(rows, [4096, 65536, 1 << 20])
+    assert [r.algo for r in rules] == [Algo.ONE_SHOT, Algo.TWO_SHOT_LL, Algo.PULL]

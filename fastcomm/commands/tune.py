@@ -31,7 +31,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _tune_rank(rank, world, gloo, opts, sweep):
-    """One rank: time one-shot, two-shot and NCCL at every size (bfloat16, the decode dtype)."""
+    """One rank: time every fastcomm algorithm the workspace serves at a size, and NCCL (bfloat16, the decode
+    dtype)."""
     import torch
     import torch.distributed as dist
 
@@ -68,12 +69,12 @@ def _tune_rank(rank, world, gloo, opts, sweep):
 
 def table_header(world: int) -> str:
     return (f"# fastcomm tune: {world} ranks; us per call (graph mode), bfloat16\n"
-            f"#{'size':>11} {'one_shot':>9} {'two_shot':>9} {'nccl':>9}")
+            f"#{'size':>11} " + " ".join(f"{a.value:>11}" for a in (*FASTCOMM_ALGOS, Algo.NCCL)))
 
 
 def table_row(size: int, us: dict[str, float]) -> str:
     cells = [us.get(a.value) for a in (*FASTCOMM_ALGOS, Algo.NCCL)]
-    return f" {size:>11} " + " ".join(f"{'-' if c is None else f'{c:.2f}':>9}" for c in cells)
+    return f" {size:>11} " + " ".join(f"{'-' if c is None else f'{c:.2f}':>11}" for c in cells)
 
 
 def tune(opts) -> int:
