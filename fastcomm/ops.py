@@ -54,6 +54,8 @@ def _two_shot_ll(ws: Workspace, src: torch.Tensor, dst: torch.Tensor) -> None:
     lc = policy.two_shot_ll_launch(nbytes, ws.world_size, ws.plan.max_blocks)
     _launch(ws, abi.TWO_SHOT_LL, src.dtype, lc.grid, lc.block, ws.tables[FLAT], src.data_ptr(), dst.data_ptr(),
             nbytes)
+
+
 def _pull(ws: Workspace, src: torch.Tensor, dst: torch.Tensor) -> None:
     """One or two stages, by world size and message size (policy.pull_stages); P2P only (the plan never
     routes the pull elsewhere)."""
