@@ -225,7 +225,7 @@ def _bench_fused(torch, rank, world, gloo, workspaces, opts):
                 continue
             kernel, _ = ws.fused_route(x, res)  # which fused kernel the policy runs, for the name and the wire
             nbytes = tokens * hidden * x.element_size()
-            fused_wire = policy.wire_bytes("fused" if kernel.value == "one_shot" else "fused_two_shot", nbytes, world,
+            fused_wire = policy.wire_bytes("fused" if kernel is policy.FusedAlgo.ONE_SHOT else "fused_two_shot", nbytes, world,
                                            ws.transport.value, elem_size=x.element_size(), hidden=hidden)
             variants = {
                 f"{tag}fused": lambda: fastcomm.fused_all_reduce_rmsnorm(x, w, 1e-5, ws, residual=res, out=out, residual_out=rout),

@@ -50,8 +50,8 @@ def wire_split(algo: str, nbytes: int, world: int, transport: str, islands: int 
         if host:
             return per_copy, 0  # one copy into my own slot of the host segment
         return per_copy * ((world // islands - 1) + (islands - 1)), 0
-    if algo in ("two_shot", "two_shot_ll", "pull") and islands > 1:
-        raise ValueError(f"the {algo.replace('_', '-')} has no island form")
+    if algo in ("two_shot", "two_shot_ll", "fused_two_shot", "pull") and islands > 1:
+        raise ValueError(f"the {algo.replace('_', ' ')} has no island form")
     if algo == "two_shot":
         return _two_shot(nbytes, world, host, elem_size, max_blocks), 0
     if algo == "two_shot_ll":
@@ -60,8 +60,6 @@ def wire_split(algo: str, nbytes: int, world: int, transport: str, islands: int 
         seg = two_shot_ll_segment_vectors(nbytes, world) * VEC_BYTES
         return (world - 1) * seg + (1 if host else world - 1) * seg, 0
     if algo == "fused_two_shot":
-        if islands > 1:
-            raise ValueError("the fused two-shot has no island form")
         if not hidden or nbytes % (hidden * elem_size):
             raise ValueError(f"fused_two_shot needs the row length: {nbytes} bytes is not whole rows of {hidden}")
         return _fused_two_shot(nbytes // (hidden * elem_size), hidden, world, host, elem_size), 0
