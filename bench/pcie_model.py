@@ -3,11 +3,11 @@
     python -m fastcomm_bench.pcie_model [--results DIR] [--sizes 4K,12K,...] [--json PATH]
 
 It is a model, labelled as one on every row. Its inputs, each printed with where it comes from:
-- measured on 2 x H200 (the committed ``fastcomm bench`` files of 2026-11-30 in bench/results/), each a least
-  squares line of graph-mode time against the bytes each GPU wrote with that run's code (intercept: the
-  per-call constant; slope: 1 / bandwidth): the one-shot's and the two-shot's floors over NVLink, the host
-  transport's floor and per-byte cost (it crosses real PCIe Gen5 to host memory), a norm kernel's graph node,
-  the islands' second launch, and what an all-reduce right after a GEMM costs over back-to-back calls;
+- measured on 2 x H200 (the committed ``fastcomm bench`` files of 2026-11-30 in bench/results/), graph mode:
+  least squares lines of time against the bytes each GPU wrote with that run's code (intercept: the per-call
+  constant; slope: 1 / bandwidth) for the one-shot's and the two-shot's floors over NVLink and the host
+  transport's floor and per-byte cost (it crosses real PCIe Gen5 to host memory); differences of rows for a
+  kernel node in a graph, the islands' second launch, and an all-reduce right after a GEMM over back-to-back;
 - assumptions where nothing was measured (issue 15's figures): ~50 GB/s per direction per x16 link, ~24 GB/s
   per GPU across the two sockets, ~1 us per PCIe write crossing, 0.3 us per dependent re-poll from L2, the
   old two-shot's ~22 dependent latencies per thread at 8 ranks (~4 at 2); the brief's NCCL (~40 us per call,
@@ -17,7 +17,8 @@ It is a model, labelled as one on every row. Its inputs, each printed with where
 
 Per call: floor + one PCIe write crossing per dependent hop + dependent waits + bytes / bandwidth (the two
 sockets: the larger of the link's and the socket link's share; islands: inside, then across). Not modelled:
-system-scope fence costs, host-memory bandwidth shared by 8 readers, PCIe switch contention, NCCL's sizes.
+system-scope fence costs, host-memory bandwidth shared by 8 readers, PCIe switch contention, NCCL's protocols
+(its time is the brief's at 12 KB plus its ring's further bytes at the link rate).
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ OLD_TWO_SHOT_LATENCIES = Const("old_two_shot_latencies", 22 - 4, "loads", "assum
                                "the code): the old two-shot's dependent latencies per thread, 22 at 8 ranks "
                                "minus the 4 at 2 already in the measured floor")
 NCCL_US = Const("nccl_us", BRIEF_AR_US, "us", "the brief: NCCL per all-reduce in the 8 x RTX PRO 6000 decode "
-                "step (30-135 us seen; LL or not, its floor dominates at these sizes)")
+                "step (30-135 us seen); its protocol (LL or not) is not modelled")
 NCCL_RANGE_US = (30.0, 135.0)
 ASSUMPTIONS = (LINK_GBPS, SOCKET_GBPS, CROSSING_US, L2_POLL_US, OLD_TWO_SHOT_LATENCIES, NCCL_US)
 
@@ -223,7 +224,13 @@ def _copy(nbytes: int, old: bool) -> int:
 
 
 def predict(algo: str, nbytes: int, box: Box, m: Measured) -> Prediction:
-    """Modelled us per call of ``algo`` on ``box``, as named terms (floor, crossings, waits, bytes)."""
+    """Modelled us per call of ``algo`` on ``box``, as named terms that add up:
+    floor: the measured 2-rank floor of the same kernel shape (graph node + one hop over NVLink; the two-shot:
+    two phases with flags; host: node + a hop through host memory); crossings: one PCIe write crossing per
+    dependent hop; second hop: a further hop inside the same kernel, priced as the one-shot's floor less a
+    graph node; waits: dependent re-polls (the old code waited on peers one by one; the old two-shot's table
+    loads); second launch: the two-launch islands' measured extra; bytes: the busiest link's bytes over its
+    bandwidth (host: what each GPU reads back, at the measured host rate)."""
     w, x = box.world, CROSSING_US.value
     per_us = 1e-3 / LINK_GBPS.value   # us per byte
     socket_us = 1e-3 / SOCKET_GBPS.value
@@ -392,18 +399,38 @@ def render(rep: dict) -> list[str]:
     return lines
 
 
+def markdown(rep: dict) -> list[str]:
+    """The summary RESULTS.md shows: us per call by size per box, then the saves tables."""
+    sizes = sorted({r["size"] for r in rep["rows"]})
+    lines = [f"| 8 GPUs, us per call | {' | '.join(format_size(s, True) for s in sizes)} | |",
+             "|---|" + "---|" * (len(sizes) + 1)]
+    cells: dict = {}
+    for r in rep["rows"]:
+        cells.setdefault((r["box"].removeprefix("8 x PCIe Gen5, "), r["impl"]), {})[r["size"]] = r["us"]
+    lines += [f"| {box}: {impl} | {' | '.join(f'{us[s]:.1f}' for s in sizes)} | model |"
+              for (box, impl), us in cells.items()]
+    for name, rows in rep["saves"].items():
+        lines += ["", f"What each change saves, {name.removeprefix('8 x PCIe Gen5, ')}, 12 KB, in a decode step "
+                  f"(model + the measured after-GEMM cost):", "",
+                  "| change | us per all-reduce | saves us | saves ms / step | tok/s | |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['change']} | {r['us']:.1f} | {r['saves_us']:.1f} | {r['saves_ms_per_step']:.2f} | "
+                  f"{r['tok_s']:.1f} | {r['label']} |" for r in rows]
+    return lines
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m fastcomm_bench.pcie_model", description=__doc__.split("\n\n")[0])
     p.add_argument("--results", default=str(RESULTS), help="folder of the committed fastcomm bench files")
     p.add_argument("--sizes", default=",".join(format_size(s, True) for s in SIZES), help="message sizes, e.g. 4K,12K")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    p.add_argument("--markdown", action="store_true", help="print the summary tables bench/RESULTS.md shows")
     a = p.parse_args(argv)
     try:
         sizes = [parse_size(s) for s in a.sizes.split(",") if s.strip()]
         rep = report(measure(Path(a.results)), sizes)
     except ValueError as e:
         p.error(str(e))
-    print("\n".join(render(rep)))
+    print("\n".join(markdown(rep) if a.markdown else render(rep)))
     if a.json:
         Path(a.json).write_text(json.dumps(rep, indent=1) + "\n")
 

@@ -117,3 +117,15 @@ def test_every_output_row_is_labelled_a_model(tmp_path, capsys):
     rep = json.loads(out.read_text())
     assert rep["label"] == "model" and {r["size"] for r in rep["rows"]} == {4096, 12288}
     assert all(r["label"] == "model" for r in rep["rows"] + [s for v in rep["saves"].values() for s in v])
+    M.main(["--markdown"])
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ") and "---" not in ln]
+    body = [ln for ln in rows if not ln.startswith(("| 8 GPUs", "| change"))]
+    assert body and all(ln.endswith("| model |") for ln in body)
+
+
+def test_results_md_shows_the_models_current_output():
+    text = (M.RESULTS.parent / "RESULTS.md").read_text()
+    section = text[text.index("## Model: 8 GPUs on PCIe Gen5"):]
+    assert "python -m fastcomm_bench.pcie_model --markdown" in section
+    missing = [ln for ln in M.markdown(M.report(M.measure())) if ln and ln not in section]
+    assert not missing, f"bench/RESULTS.md is stale: rerun the command; first missing line: {missing[0]}"
