@@ -11,6 +11,8 @@ from fastcomm import abi
 from fastcomm.jit import source_dir
 
 COMMON = (source_dir() / "common.cuh").read_text()
+# Step ids a kernel family adds for itself live in its own file (two_shot_islands.cuh).
+ALL_SOURCES = "\n".join(p.read_text() for p in sorted(source_dir().glob("*.cu*")))
 KERNELS = (source_dir() / "kernels.cu").read_text()
 _C_TYPES = {"u32": "u32", "u64": "u64", "float": "f32", "unsigned": "u32"}
 
@@ -45,8 +47,16 @@ def test_constants_match(name, value):
 
 
 def test_every_step_has_a_name():
-    steps = {int(v) for v in re.findall(r"#define FC_STEP_\w+ (\d+)", COMMON)}
-    assert steps == set(abi.STEPS)
+    found = re.findall(r"#define FC_STEP_\w+ (\d+)", ALL_SOURCES)
+    steps = {int(v) for v in found}
+    assert steps == set(abi.STEPS) and len(found) == len(steps)  # and no id defined twice
+
+
+@pytest.mark.parametrize("name,value", [("FC_STEP_ISL_RS", abi.STEP_ISL_RS), ("FC_STEP_ISL_X", abi.STEP_ISL_X),
+                                        ("FC_STEP_ISL_AG", abi.STEP_ISL_AG)])
+def test_island_two_shot_steps_match(name, value):
+    m = re.search(rf"#define {name} (\d+)", (source_dir() / "two_shot_islands.cuh").read_text())
+    assert m and int(m.group(1)) == value
 
 
 @pytest.mark.parametrize("struct,mirror,size", [("FcTable", abi.FcTable, abi.TABLE_BYTES),
