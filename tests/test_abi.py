@@ -98,3 +98,15 @@ def test_pack_checks_the_argument_count():
         abi.ONE_SHOT.pack(1, 2)
     with pytest.raises(ValueError, match="no variant"):
         abi.FUSED_RMSNORM.symbol("bfloat16", "3")
+
+
+def test_island_two_shot_timeouts_name_the_step_and_group():
+    from fastcomm.errors import describe
+
+    rec = abi.ErrorRecord()
+    rec.code, rec.rank, rec.peer, rec.step, rec.group, rec.epoch = 1, 1, 5, abi.STEP_ISL_X, abi.PARTNER, 7
+    msg = describe(rec, 3.0)
+    assert "rank 1 timed out" in msg and "peer rank 5" in msg
+    assert "island two-shot exchange across islands (cross-island partners" in msg
+    rec.step, rec.group = abi.STEP_ISL_AG, abi.ISLAND
+    assert "island two-shot all-gather (inside the island) (island," in describe(rec, 3.0)

@@ -165,3 +165,19 @@ def test_two_shot_islands(case):
     assert "islands" in res[0]["describe"] and "two_shot_islands" in res[0]["describe"], res[0]["describe"]
     # Above the one-shot the policy takes the island two-shot (the pull keeps NVLink rows, as flat).
     assert res[0]["auto_1MiB"] == ("pull" if res[0]["link"] == "nvlink" else "two_shot_islands"), res[0]
+
+
+def test_two_shot_islands_times_out_naming_peer_and_step(tmp_path):
+    """Rank 3 (island (2, 3)) skips the island two-shot (12 KB: one block). Its island peer stalls in the
+    island reduce-scatter and its partner (rank 1) in the exchange across islands, both naming rank 3;
+    rank 0 waits in the exchange for its partner, rank 2, itself stalled. Every wait bounded and named."""
+    run_ranks(W.timeout, 4, "p2p", False, TIMEOUT_S, str(tmp_path), "two_shot_islands", ((0, 1), (2, 3)),
+              timeout=45)
+    expect = {0: (2, "island two-shot exchange across islands (cross-island partners"),
+              1: (3, "island two-shot exchange across islands (cross-island partners"),
+              2: (3, "island two-shot reduce-scatter (inside the island) (island,")}
+    for r, (peer, step) in expect.items():
+        value = json.loads((tmp_path / f"rank{r}.json").read_text())
+        msg = value["message"]
+        assert msg and f"rank {r} timed out" in msg and f"peer rank {peer}" in msg and step in msg, value
+        assert value["record_s"] <= TIMEOUT_S + 2, value

@@ -53,9 +53,9 @@ _ISLANDS = None  # the workspace's islands (set by each body): the reference the
 def _reduce_like_fastcomm(terms, dtype, islands="workspace"):
     """What fastcomm's all-reduce computes, bit for bit, from every rank's term (fp32 sums, the first term
     seeding each): flat, all ranks in rank order, rounded once to the dtype; with islands (the one-shot, the
-    island two-shot and the fused op; ``islands`` defaults to the workspace's), each island's members in order rounded to the
-    dtype (the partial that crosses), then the partials in island order, rounded again. The fused op's
-    contract starts from the same value."""
+    island two-shot and the fused op; ``islands`` defaults to the workspace's), each island's members in
+    order rounded to the dtype (the partial that crosses), then the partials in island order, rounded
+    again. The fused op's contract starts from the same value."""
     def ordered(ts):
         acc = ts[0].float()
         for t in ts[1:]:
@@ -568,9 +568,10 @@ def two_shot_variants(rank, world, gloo, transport, calls, replays):
     return found
 
 
-def timeout(rank, world, gloo, transport, die, timeout_s=3.0, report_dir=None, algo="auto"):
+def timeout(rank, world, gloo, transport, die, timeout_s=3.0, report_dir=None, algo="auto", islands=None):
     """Rank world-1 skips (or dies before) the second call; the others must error out, not hang.
-    ``algo``: forced for both calls (default: the policy's choice for 12 KB, the one-shot).
+    ``algo``: forced for both calls (default: the policy's choice for 12 KB, the one-shot); ``islands``: the
+    workspace's, if any.
 
     Each waiting rank reports when its device-side error record appeared (watched from the host: the record
     is pinned memory) and, separately, when CUDA's synchronize returned: with ranks sharing a GPU the two can
@@ -583,7 +584,8 @@ def timeout(rank, world, gloo, transport, die, timeout_s=3.0, report_dir=None, a
 
     global _CPU_GROUP
     _CPU_GROUP = gloo
-    ws = fastcomm.Workspace(gloo, transport=transport, timeout_s=timeout_s, max_bytes=1 << 20)
+    ws = fastcomm.Workspace(gloo, transport=transport, timeout_s=timeout_s, max_bytes=1 << 20,
+                            **({"islands": islands} if islands else {}))
     x = torch.ones(6144, dtype=torch.bfloat16, device=ws.device)
     fastcomm.all_reduce(x, ws, algo=algo)
     torch.cuda.synchronize()
@@ -873,7 +875,7 @@ def two_shot_islands(rank, world, gloo, islands, replays):
             x = _ints(6147, dtype, rank, 41, dev)
             x[rank::7] = float("nan") if rank % 2 else -0.0
             x[3 * rank + 1] = float("inf") if rank % 3 else float("-inf")
-            x[-1] = torch.tensor([-1], dtype=raw[dtype]).view(dtype)[0]
+            x[-1] = torch.tensor([-1], dtype=raw[dtype]).view(dtype).to(dev)[0]  # the sentinel pattern
             a = fastcomm.all_reduce(x, ws, algo="two_shot_islands")
             b = fastcomm.all_reduce(x, ws, algo="one_shot")
             assert _bits_match(a, b), f"{dtype}: specials differ from the one-shot island form"
