@@ -144,10 +144,11 @@ def test_p2p_that_drops_writes_falls_back_or_fails():
     assert all("FASTCOMM_TRANSPORT=p2p" in r["error"] and "rank 0 -> rank 1" in r["error"] for r in forced), forced
 
 
-# (world, islands): the island two-shot's shapes (islands x island size): 2 x 2, 3 x 2, 2 x 3, 2 x 4. The host
+# (world, islands): the island two-shot's shapes (islands x island size): 2 x 2, 3 x 2, 2 x 3, 2 x 4, 4 x 2. The host
 # transport has no island mode (policy.make_plan refuses it), so P2P only.
 ISLAND_TWO_SHOT_CASES = {"4-p2p-2x2": (4, ((0, 1), (2, 3))), "6-p2p-3x2": (6, ((0, 1), (2, 3), (4, 5))),
-                         "6-p2p-2x3": (6, ((0, 1, 2), (3, 4, 5))), "8-p2p-2x4": (8, ((0, 1, 2, 3), (4, 5, 6, 7)))}
+                         "6-p2p-2x3": (6, ((0, 1, 2), (3, 4, 5))), "8-p2p-2x4": (8, ((0, 1, 2, 3), (4, 5, 6, 7))),
+                         "8-p2p-4x2": (8, ((0, 1), (2, 3), (4, 5), (6, 7)))}
 
 
 @pytest.mark.parametrize("case", list(ISLAND_TWO_SHOT_CASES))
