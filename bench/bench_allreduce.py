@@ -50,6 +50,8 @@ def _impls(torch, rank, world, gloo, opts):
         ws = fastcomm.Workspace(gloo, rank, transport="p2p", max_bytes=opts.workspace_bytes, islands=isl)
         workspaces.append(ws)
         impls["fastcomm-islands-one_shot"] = (ws, "one_shot")
+        if world >= 4:  # islands of 2+ ranks: the island two-shot (in one launch)
+            impls["fastcomm-islands-two_shot_islands"] = (ws, "two_shot_islands")
     impls["nccl"] = ("nccl", None)
     if opts.symm:
         try:
@@ -357,7 +359,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="host-transport workspace size (default 4M)")
     p.add_argument("--no-symm", dest="symm", action="store_false", help="skip torch symmetric memory rows")
     p.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip vLLM's custom all-reduce row")
-    p.add_argument("--islands", action="store_true", help="add forced-island (hierarchical) one-shot rows")
+    p.add_argument("--islands", action="store_true", help="add forced-island (hierarchical) one-shot and two-shot rows")
     p.add_argument("--fused", action="store_true", help="also time the fused all-reduce + RMSNorm")
     p.add_argument("--interleave", action="store_true",
                    help="also time each all-reduce right after a hidden x hidden GEMM (--interleave-tokens): "

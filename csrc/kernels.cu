@@ -4,6 +4,7 @@
 #include "one_shot.cuh"
 #include "two_shot.cuh"
 #include "two_shot_ll.cuh"
+#include "two_shot_islands.cuh"
 #include "fused_rmsnorm.cuh"
 #include "pull.cuh"
 #include "fused_two_shot.cuh"
@@ -38,6 +39,11 @@
   extern "C" __global__ void __launch_bounds__(512) fc_two_shot_##NAME(const FcTable* t, const char* in,       \
                                                                       char* out, u64 n, u64 seg, u64 chunk) {  \
     fc_two_shot<D>(t, in, out, n, seg, chunk);                                                                 \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(512)                                                            \
+      fc_two_shot_islands_##NAME(const FcTable* ti, const FcTable* tp, const char* in, char* out, u64 n,         \
+                                 u64 seg, u64 chunk) {                                                         \
+    fc_two_shot_islands<D>(ti, tp, in, out, n, seg, chunk);                                                    \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(256) fc_two_shot_ll_##NAME(const FcTable* t, const char* in,    \
                                                                          char* out, u64 nbytes) {             \

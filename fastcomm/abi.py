@@ -32,6 +32,11 @@ STEPS = {STEP_ONE_SHOT: "one-shot exchange", STEP_RS: "two-shot reduce-scatter",
          STEP_PULL: "pull exchange", STEP_PULL_AG: "pull all-gather",
          STEP_FUSED_RS: "fused two-shot all-reduce + RMSNorm reduce-scatter",
          STEP_FUSED_AG: "fused two-shot all-reduce + RMSNorm all-gather"}
+# The island two-shot (FC_STEP_ISL_* in csrc/two_shot_islands.cuh).
+STEP_ISL_RS, STEP_ISL_X, STEP_ISL_AG = 9, 10, 11
+STEPS.update({STEP_ISL_RS: "island two-shot reduce-scatter (inside the island)",
+              STEP_ISL_X: "island two-shot exchange across islands",
+              STEP_ISL_AG: "island two-shot all-gather (inside the island)"})
 
 DTYPE_SUFFIX = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 
@@ -135,6 +140,10 @@ ONE_SHOT_ISLANDS = Kernel("one_shot_islands", (("ti", "ptr"), ("tp", "ptr"), ("i
                                                ("nbytes", "u64")))
 TWO_SHOT = Kernel("two_shot", (("t", "ptr"), ("in", "ptr"), ("out", "ptr"), ("n", "u64"), ("seg", "u64"),
                                ("chunk", "u64")))
+# The island two-shot in one launch (two_shot_islands.cuh): the island's table, then the partners'; seg and
+# chunk as the flat two-shot's for a world of the island's size (policy.two_shot_launch).
+TWO_SHOT_ISLANDS = Kernel("two_shot_islands", (("ti", "ptr"), ("tp", "ptr"), ("in", "ptr"), ("out", "ptr"),
+                                               ("n", "u64"), ("seg", "u64"), ("chunk", "u64")))
 # The Lamport two-shot (two_shot_ll.cuh): segments and launch shape from nbytes (policy.two_shot_ll_launch).
 TWO_SHOT_LL = Kernel("two_shot_ll", (("t", "ptr"), ("in", "ptr"), ("out", "ptr"), ("nbytes", "u64")))
 # Pull (pull.cuh): one-stage (chunk: vectors per block), and two-stage (seg: vectors per segment).
@@ -156,4 +165,4 @@ FUSED_TWO_SHOT = Kernel("fused_two_shot", (("t", "ptr"), ("in", "ptr"), ("residu
                                            ("hidden", "u32"), ("cols", "u32"), ("splits", "u32"), ("eps", "f32")))
 P2P_CHECK = Kernel("p2p_check", (("dst", "ptr"), ("pattern", "u64"), ("count", "u32")), typed=False)
 KERNELS = (ONE_SHOT, ONE_SHOT_ISLANDS, TWO_SHOT, TWO_SHOT_LL, PULL, PULL2, FUSED_RMSNORM, FUSED_RMSNORM_ISLANDS,
-           FUSED_TWO_SHOT, P2P_CHECK)
+           FUSED_TWO_SHOT, P2P_CHECK, TWO_SHOT_ISLANDS)

@@ -142,10 +142,11 @@ VARIABLES: tuple[Var, ...] = (
         "set above FASTCOMM_MAX_BYTES: an error.", _bytes),
     Var("FASTCOMM_TRANSPORT", "transport", "auto", "auto | p2p | host: peer GPU memory or shared pinned host memory.",
         _choice("auto", "p2p", "host")),
-    Var("FASTCOMM_ALGO", "algo", "auto", "auto | one_shot | two_shot | two_shot_ll | pull: force an algorithm for "
-        "every call (two_shot_ll: the two-shot with readiness in the data, in the one-shot's buffers; pull reads "
-        "peers' GPU memory: P2P only, an error at workspace build on the host transport).",
-        _choice("auto", "one_shot", "two_shot", "two_shot_ll", "pull")),
+    Var("FASTCOMM_ALGO", "algo", "auto", "auto | one_shot | two_shot | two_shot_ll | pull | two_shot_islands: force "
+        "an algorithm for every call (two_shot_ll: the two-shot with readiness in the data, in the one-shot's "
+        "buffers; pull reads peers' GPU memory: P2P only, an error at workspace build on the host transport; "
+        "two_shot_islands: the hierarchical two-shot, an error at build without islands of 2+ ranks).",
+        _choice("auto", "one_shot", "two_shot", "two_shot_ll", "pull", "two_shot_islands")),
     Var("FASTCOMM_ISLANDS", "islands", "", "Force a hierarchical island layout, e.g. '0,1;2,3' (equal-sized groups "
         "of ranks 0..N-1).", _islands),
     Var("FASTCOMM_MAX_BLOCKS", "max_blocks", "0", "Cap on thread blocks per kernel; 0 picks from the device.", _count),
@@ -171,7 +172,7 @@ _BY_NAME = {v.name: v for v in VARIABLES}
 _BY_FIELD = {v.field: v for v in VARIABLES}
 
 TRANSPORTS = ("auto", "p2p", "host")
-ALGOS = ("auto", "one_shot", "two_shot", "two_shot_ll", "pull")
+ALGOS = ("auto", "one_shot", "two_shot", "two_shot_ll", "pull", "two_shot_islands")
 LOG_LEVELS = ("debug", "info", "warning", "error", "off")
 
 

@@ -36,6 +36,9 @@ class GroupLayout:
     pull_off: int = 0
     pull_red_off: int = 0
     pull_flag_off: int = 0
+    # Partner groups of the island two-shot use only the ag slots (a slot per source for each rank's island
+    # partial, two_shot_islands.cuh): no rs slots or rs flags are placed, and the table leaves them null.
+    ag_only: bool = False
 
 
 def pull_sizes(max_bytes: int, world: int) -> tuple[int, int]:
@@ -46,10 +49,10 @@ def pull_sizes(max_bytes: int, world: int) -> tuple[int, int]:
 
 
 def _group_regions(members: Sequence[int], group_id: int, ll_slot: int, lp_slot: int, seg: int, start: int,
-                   host: bool, pull: tuple[int, int] = (0, 0)) -> GroupLayout:
+                   host: bool, pull: tuple[int, int] = (0, 0), ag_only: bool = False) -> GroupLayout:
     """P2P: each rank's buffer holds slots indexed by source. Host: one segment holds every rank's slots."""
     g = len(members)
-    rs_slots = g * g if host else g           # host: [segment][source]; P2P: [source] (segment is mine)
+    rs_slots = 0 if ag_only else g * g if host else g  # host: [segment][source]; P2P: [source] (segment is mine)
     off = round_up(start, ALIGN)
     ll_off = off
     off += 2 * g * ll_slot
@@ -71,7 +74,7 @@ def _group_regions(members: Sequence[int], group_id: int, ll_slot: int, lp_slot:
     pull_flag_off = off
     off += 2 * g * PULL_FLAG_BYTES if pull_slot else 0
     return GroupLayout(tuple(members), group_id, ll_slot, lp_slot, seg, ll_off, lp_off, rs_off, ag_off, rs_flag_off,
-                       ag_flag_off, off, pull_slot, pull_seg, pull_off, pull_red_off, pull_flag_off)
+                       ag_flag_off, off, pull_slot, pull_seg, pull_off, pull_red_off, pull_flag_off, ag_only)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,11 +108,17 @@ def plan_layout(transport: str, world_size: int, max_bytes: int, one_shot_max_by
     # The pull serves flat messages up to max_bytes over P2P (the host transport has no peer-readable copy).
     groups = [_group_regions(range(world_size), FLAT, ll_slot, lp_slot, seg, 0, host, pull_sizes(max_bytes, world_size))]
     if islands and len(islands) > 1:
+        # The island two-shot (two_shot_islands.cuh) cuts the message in island-size segments: the island
+        # groups get two-shot slots of that segment (as the flat group of that world size would), the
+        # partner groups ag slots of it only. Islands of one rank have no island two-shot (nothing to reduce
+        # inside), so no slots. Own regions, not the flat group's: each group's halves follow its own epoch.
+        size = len(islands[0])
+        iseg = round_up(cdiv(max_bytes, size), ALIGN) if size > 1 else 0
         for isl in islands:
-            groups.append(_group_regions(isl, ISLAND, ll_slot, lp_slot, 0, groups[-1].end, host))
-        for i in range(len(islands[0])):
-            groups.append(_group_regions(tuple(isl[i] for isl in islands), PARTNER, ll_slot, lp_slot, 0,
-                                         groups[-1].end, host))
+            groups.append(_group_regions(isl, ISLAND, ll_slot, lp_slot, iseg, groups[-1].end, host))
+        for i in range(size):
+            groups.append(_group_regions(tuple(isl[i] for isl in islands), PARTNER, ll_slot, lp_slot, iseg,
+                                         groups[-1].end, host, ag_only=True))
     shared = round_up(groups[-1].end, 4096)
     state_off = 0
     scratch_off = round_up(STATE_BYTES * len(groups), 256)
@@ -172,10 +181,11 @@ def build_table(layout: Layout, g: GroupLayout, rank: int, *, own_base: int, pee
                 agf = b + g.ag_flag_off + h * gsz * flag
                 t.n_ag_push = 1
                 for s in range(gsz):
-                    t.rs_push[h][s] = rs + (s * gsz + me) * g.seg
-                    t.rs_flag_push[h][s] = rsf + (s * gsz + me) * flag
-                    t.rs_pull[h][s] = rs + (me * gsz + s) * g.seg
-                    t.rs_flag_pull[h][s] = rsf + (me * gsz + s) * flag
+                    if not g.ag_only:
+                        t.rs_push[h][s] = rs + (s * gsz + me) * g.seg
+                        t.rs_flag_push[h][s] = rsf + (s * gsz + me) * flag
+                        t.rs_pull[h][s] = rs + (me * gsz + s) * g.seg
+                        t.rs_flag_pull[h][s] = rsf + (me * gsz + s) * flag
                     t.ag_pull[h][s] = ag + s * g.seg
                     t.ag_flag_pull[h][s] = agf + s * flag
                 t.ag_push[h][0] = ag + me * g.seg
@@ -191,10 +201,11 @@ def build_table(layout: Layout, g: GroupLayout, rank: int, *, own_base: int, pee
                 t.ll_pull[h][p] = own_base + g.ll_off + (h * gsz + p) * g.ll_slot
             if g.seg:
                 for s in range(gsz):  # the owner of segment s keeps, per source, a slot and a flag array
-                    t.rs_push[h][s] = base_of[s] + g.rs_off + (h * gsz + me) * g.seg
-                    t.rs_flag_push[h][s] = base_of[s] + g.rs_flag_off + (h * gsz + me) * flag
-                    t.rs_pull[h][s] = own_base + g.rs_off + (h * gsz + s) * g.seg
-                    t.rs_flag_pull[h][s] = own_base + g.rs_flag_off + (h * gsz + s) * flag
+                    if not g.ag_only:
+                        t.rs_push[h][s] = base_of[s] + g.rs_off + (h * gsz + me) * g.seg
+                        t.rs_flag_push[h][s] = base_of[s] + g.rs_flag_off + (h * gsz + me) * flag
+                        t.rs_pull[h][s] = own_base + g.rs_off + (h * gsz + s) * g.seg
+                        t.rs_flag_pull[h][s] = own_base + g.rs_flag_off + (h * gsz + s) * flag
                     t.ag_pull[h][s] = own_base + g.ag_off + (h * gsz + s) * g.seg
                     t.ag_flag_pull[h][s] = own_base + g.ag_flag_off + (h * gsz + s) * flag
                 for j, p in enumerate(peers):

@@ -49,6 +49,13 @@ def _two_shot(ws: Workspace, src: torch.Tensor, dst: torch.Tensor) -> None:
             src.numel(), lc.seg, lc.chunk)
 
 
+def _two_shot_islands(ws: Workspace, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Hierarchical, one launch: the message cut for a world of the island's size (two_shot_islands.cuh)."""
+    lc = policy.two_shot_launch(src.numel(), src.element_size(), ws.plan.island_size, ws.plan.max_blocks)
+    _launch(ws, abi.TWO_SHOT_ISLANDS, src.dtype, lc.grid, lc.block, ws.tables[ISLAND], ws.tables[PARTNER],
+            src.data_ptr(), dst.data_ptr(), src.numel(), lc.seg, lc.chunk)
+
+
 def _two_shot_ll(ws: Workspace, src: torch.Tensor, dst: torch.Tensor) -> None:
     nbytes = src.numel() * src.element_size()
     lc = policy.two_shot_ll_launch(nbytes, ws.world_size, ws.plan.max_blocks)
@@ -170,6 +177,10 @@ def _run(ws: Workspace, chosen: Algo, x: torch.Tensor, out: torch.Tensor) -> Non
             _two_shot_ll(ws, x, out)  # flat in every layout, as the two-shot
         elif chosen is Algo.PULL:
             _pull(ws, x, out)
+        elif chosen is Algo.TWO_SHOT_ISLANDS:
+            # Reduce-scatter in the island, cross once with 1/island size, all-gather in the island: the one-shot
+            # island form's rounding and order, so the same bits (two_shot_islands.cuh).
+            _two_shot_islands(ws, x, out)
         else:
             _two_shot(ws, x, out)
 

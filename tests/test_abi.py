@@ -11,6 +11,8 @@ from fastcomm import abi
 from fastcomm.jit import source_dir
 
 COMMON = (source_dir() / "common.cuh").read_text()
+# Step ids a kernel family adds for itself live in its own file (two_shot_islands.cuh).
+ALL_SOURCES = "\n".join(p.read_text() for p in sorted(source_dir().glob("*.cu*")))
 KERNELS = (source_dir() / "kernels.cu").read_text()
 _C_TYPES = {"u32": "u32", "u64": "u64", "float": "f32", "unsigned": "u32"}
 
@@ -45,8 +47,16 @@ def test_constants_match(name, value):
 
 
 def test_every_step_has_a_name():
-    steps = {int(v) for v in re.findall(r"#define FC_STEP_\w+ (\d+)", COMMON)}
-    assert steps == set(abi.STEPS)
+    found = re.findall(r"#define FC_STEP_\w+ (\d+)", ALL_SOURCES)
+    steps = {int(v) for v in found}
+    assert steps == set(abi.STEPS) and len(found) == len(steps)  # and no id defined twice
+
+
+@pytest.mark.parametrize("name,value", [("FC_STEP_ISL_RS", abi.STEP_ISL_RS), ("FC_STEP_ISL_X", abi.STEP_ISL_X),
+                                        ("FC_STEP_ISL_AG", abi.STEP_ISL_AG)])
+def test_island_two_shot_steps_match(name, value):
+    m = re.search(rf"#define {name} (\d+)", (source_dir() / "two_shot_islands.cuh").read_text())
+    assert m and int(m.group(1)) == value
 
 
 @pytest.mark.parametrize("struct,mirror,size", [("FcTable", abi.FcTable, abi.TABLE_BYTES),
@@ -88,3 +98,15 @@ def test_pack_checks_the_argument_count():
         abi.ONE_SHOT.pack(1, 2)
     with pytest.raises(ValueError, match="no variant"):
         abi.FUSED_RMSNORM.symbol("bfloat16", "3")
+
+
+def test_island_two_shot_timeouts_name_the_step_and_group():
+    from fastcomm.errors import describe
+
+    rec = abi.ErrorRecord()
+    rec.code, rec.rank, rec.peer, rec.step, rec.group, rec.epoch = 1, 1, 5, abi.STEP_ISL_X, abi.PARTNER, 7
+    msg = describe(rec, 3.0)
+    assert "rank 1 timed out" in msg and "peer rank 5" in msg
+    assert "island two-shot exchange across islands (cross-island partners" in msg
+    rec.step, rec.group = abi.STEP_ISL_AG, abi.ISLAND
+    assert "island two-shot all-gather (inside the island) (island," in describe(rec, 3.0)

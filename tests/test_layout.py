@@ -234,3 +234,68 @@ def test_pull_has_no_regions_on_the_host_transport_or_in_island_groups():
     assert all(t.pull_buf[h][s] == 0 and t.pull_flag_push[h][s] == 0 for h in range(2) for s in range(4))
     isl = L.plan_layout("p2p", 4, 8 * MB, 1 * MB, ((0, 1), (2, 3)))
     assert isl.groups[0].pull_slot and all(g.pull_slot == 0 for g in isl.groups[1:])
+
+
+# The island two-shot (two_shot_islands.cuh): island groups carry two-shot slots of an island cut, partner
+# groups ag slots of it only.
+ISLAND_SHAPES = [(4, ((0, 1), (2, 3))), (6, ((0, 1, 2), (3, 4, 5))), (6, ((0, 1), (2, 3), (4, 5))),
+                 (8, ((0, 1, 2, 3), (4, 5, 6, 7))), (8, ((0, 1), (2, 3), (4, 5), (6, 7))), (4, ((0, 2), (1, 3)))]
+
+
+@pytest.mark.parametrize("world,islands", ISLAND_SHAPES)
+@pytest.mark.parametrize("transport", ["p2p", "host"])
+def test_island_two_shot_regions_are_disjoint_and_hold_every_cut(world, islands, transport):
+    from fastcomm.policy import two_shot_launch
+
+    max_bytes = 8 * MB + 6  # not a multiple of the island size or of 16
+    lay = L.plan_layout(transport, world, max_bytes, 1 * MB, islands)
+    spans = sorted(r for g in lay.groups for r in _regions(g) if r[1] > r[0])
+    for (a0, a1), (b0, b1) in zip(spans, spans[1:]):
+        assert a1 <= b0
+    assert lay.groups[-1].end <= lay.shared_bytes
+    size = len(islands[0])
+    for g in lay.groups[1:]:
+        assert g.seg > 0 and g.ag_only == (g.group_id == abi.PARTNER)
+        if g.ag_only:  # no rs slots or flags placed
+            assert g.rs_off == g.ag_off and g.rs_flag_off == g.ag_flag_off
+        # Every segment the launch cuts for a message the workspace takes fits a slot, for every dtype.
+        for es in (2, 4):
+            for numel in (max_bytes // es, max_bytes // es - 1, 1, 17):
+                lc = two_shot_launch(numel, es, size, MAX_BLOCKS)
+                assert lc.seg * es <= g.seg and lc.grid <= MAX_BLOCKS
+
+
+@pytest.mark.parametrize("world,islands", ISLAND_SHAPES)
+def test_island_two_shot_tables_agree_between_writer_and_reader(world, islands):
+    """Island groups: rs and ag slots pair up as in the flat group. Partner groups: my ag slot in partner q is
+    where q reads my partial, and no rs pointer is set (the kernel must not use one)."""
+    lay = L.plan_layout("p2p", world, 8 * MB, 1 * MB, islands)
+    bases = _bases(world)
+    for g in lay.groups[1:]:
+        n = len(g.members)
+        t = {r: L.build_table(lay, g, r, own_base=bases[r], peer_bases=bases, host_base=None, state_ptr=0,
+                              err_ptr=0, timeout_ns=1) for r in g.members}
+        tabs = [t[r] for r in g.members]
+        written = set()
+        for a in range(n):
+            peers = [p for p in range(n) if p != a]
+            assert tabs[a].n_ag_push == n - 1
+            for h in range(2):
+                for j, b in enumerate(peers):
+                    assert tabs[a].ag_push[h][j] == tabs[b].ag_pull[h][a]
+                    assert tabs[a].ag_flag_push[h][j] == tabs[b].ag_flag_pull[h][a]
+                    assert tabs[a].ag_push[h][j] // (1 << 40) == g.members[b] + 1  # in the reader's buffer
+                    written.add(tabs[a].ag_push[h][j])
+                    if g.ag_only:
+                        assert tabs[a].rs_push[h][b] == 0 and tabs[a].rs_flag_pull[h][b] == 0
+                    else:
+                        assert tabs[a].rs_push[h][b] == tabs[b].rs_pull[h][a]
+                        assert tabs[a].rs_flag_push[h][b] == tabs[b].rs_flag_pull[h][a]
+                        written.add(tabs[a].rs_push[h][b])
+        # Distinct slots per (writer, reader, half, phase).
+        assert len(written) == 2 * n * (n - 1) * (1 if g.ag_only else 2)
+
+
+def test_islands_of_one_rank_get_no_two_shot_slots():
+    lay = L.plan_layout("p2p", 2, 8 * MB, 1 * MB, ((0,), (1,)))
+    assert all(g.seg == 0 for g in lay.groups[1:])

@@ -95,7 +95,7 @@ def test_one_shot_range_follows_bytes_per_gpu():
     assert "8 ranks" in eight.describe() and "scaled to 7 copies" in eight.describe()
     # Islands: each GPU sends to its 3 island peers and one partner: 4 copies.
     isl = _plan(8, True, LinkType.CROSS_SOCKET, islands=((0, 1, 2, 3), (4, 5, 6, 7)))
-    assert isl.algo_for(16 * KB) is Algo.ONE_SHOT and isl.algo_for(20 * KB) is Algo.TWO_SHOT
+    assert isl.algo_for(16 * KB) is Algo.ONE_SHOT and isl.algo_for(20 * KB) is Algo.TWO_SHOT_ISLANDS
     # Rows written for an exact world size are used as they are.
     pcie8 = _plan(8, True, LinkType.PCIE_SWITCH)
     assert pcie8.rules == P.DEFAULT_TABLE[P.PolicyKey(Transport.P2P, LinkType.PCIE_SWITCH, 8)]
@@ -341,3 +341,78 @@ def test_pull_blocks_fit_the_kernels_launch_bounds():
     for sym in (") fc_pull_##NAME", "fc_pull2_##NAME"):
         bound = int(text.split(sym)[0].rsplit("__launch_bounds__(", 1)[1].split(")")[0])
         assert abi.PULL_THREADS == bound, sym
+
+
+ISLANDS_2X4 = ((0, 1, 2, 3), (4, 5, 6, 7))
+
+
+@pytest.mark.parametrize("link,world,islands", [(LinkType.CROSS_SOCKET, 8, ISLANDS_2X4),
+                                                (LinkType.PCIE_SWITCH, 8, ISLANDS_2X4),
+                                                (LinkType.PCIE_SWITCH, 4, ((0, 1), (2, 3))),
+                                                (LinkType.UNKNOWN, 6, ((0, 1, 2), (3, 4, 5))),
+                                                (LinkType.UNKNOWN, 6, ((0, 1), (2, 3), (4, 5)))])
+def test_islands_take_the_island_two_shot_above_the_one_shot(link, world, islands):
+    """With islands, every size the flat plan gives a two-shot (flagged or Lamport) goes to the island
+    two-shot; the one-shot's range and everything else stay as the flat plan has them."""
+    isl = _plan(world, True, link, islands=islands)
+    flat = _plan(world, True, link)
+    sizes = sorted({1, 4 * KB, 12 * KB, 20 * KB, 64 * KB, 100 * KB, MB, 4 * MB, 8 * MB, 8 * MB + 2}
+                   | {r.max_bytes + d for r in flat.rules for d in (0, 1)})
+    island_copies = P.plan.one_shot_copies(world, islands)
+    two_shots = {Algo.TWO_SHOT, Algo.TWO_SHOT_LL}
+    seen = set()
+    for n in sizes:
+        a, f = isl.algo_for(n), flat.algo_for(n)
+        if a is Algo.ONE_SHOT:
+            assert n <= isl.one_shot_max_bytes
+        elif a is Algo.TWO_SHOT_ISLANDS:
+            assert f in two_shots or f is Algo.ONE_SHOT  # the island one-shot's range is the narrower one
+        else:
+            assert a is f and a not in two_shots, (n, a, f)
+        seen.add(a)
+    assert Algo.TWO_SHOT_ISLANDS in seen and Algo.TWO_SHOT not in seen and Algo.TWO_SHOT_LL not in seen
+    assert island_copies < world - 1
+    assert "two_shot_islands" in isl.describe() and "two_shot_islands" not in flat.describe()
+    # Forcing the flat two-shot still gives it (the comparison the tests make).
+    assert isl.algo_for(MB, "two_shot") is Algo.TWO_SHOT and isl.algo_for(MB, "two_shot_islands") is \
+        Algo.TWO_SHOT_ISLANDS
+    assert isl.algo_for(8 * MB + 2, "two_shot_islands") is Algo.NCCL  # past the workspace
+
+
+def test_island_two_shot_needs_islands_of_two_ranks():
+    from fastcomm.errors import FastcommError
+
+    ones = _plan(2, True, LinkType.CROSS_SOCKET, islands=((0,), (1,)))
+    assert ones.island_size == 1
+    # Nothing to reduce inside an island of one: the flat two-shot stays, and forcing the island one is
+    # "not served" per call, an error at build.
+    assert ones.algo_for(4 * MB) is Algo.TWO_SHOT and ones.algo_for(MB, "two_shot_islands") is Algo.NCCL
+    assert _plan(4, True, LinkType.PCIE_SWITCH).algo_for(MB, "two_shot_islands") is Algo.NCCL
+    with pytest.raises(FastcommError, match="FASTCOMM_ALGO=two_shot_islands needs islands"):
+        _plan(4, True, LinkType.PCIE_SWITCH, algo="two_shot_islands")
+    forced = _plan(4, True, LinkType.PCIE_SWITCH, algo="two_shot_islands", islands=((0, 1), (2, 3)))
+    assert forced.algo_for(4) is Algo.TWO_SHOT_ISLANDS and forced.algo_for(8 * MB) is Algo.TWO_SHOT_ISLANDS
+
+
+def test_choose_algo_maps_only_with_islands_of_two():
+    rules = (Rule(64 * KB, Algo.ONE_SHOT), Rule(MB, Algo.TWO_SHOT_LL), Rule(8 * MB, Algo.TWO_SHOT))
+    kw = dict(one_shot_max_bytes=64 * KB, max_bytes=8 * MB, two_shot_ll_max_bytes=MB)
+    for size in (0, 1):
+        assert [P.choose_algo(n, rules, island_size=size, **kw) for n in (KB, 512 * KB, 4 * MB)] == \
+            [Algo.ONE_SHOT, Algo.TWO_SHOT_LL, Algo.TWO_SHOT]
+    assert [P.choose_algo(n, rules, island_size=2, **kw) for n in (KB, 512 * KB, 4 * MB, 9 * MB)] == \
+        [Algo.ONE_SHOT, Algo.TWO_SHOT_ISLANDS, Algo.TWO_SHOT_ISLANDS, Algo.NCCL]
+    # Past the one-shot slots a one-shot rule falls to the two-shot: the island form, with islands.
+    small = dict(kw, one_shot_max_bytes=16 * KB)
+    assert P.choose_algo(32 * KB, rules, island_size=4, **small) is Algo.TWO_SHOT_ISLANDS
+    ranges = P.size_ranges(rules, island_size=2, **kw)
+    assert [r.algo for r in ranges] == [Algo.ONE_SHOT, Algo.TWO_SHOT_ISLANDS, Algo.NCCL]
+
+
+def test_island_two_shot_block_fits_the_kernels_launch_bounds():
+    from fastcomm.jit import source_dir
+
+    text = (source_dir() / "kernels.cu").read_text()
+    bound = int(re.search(r"__launch_bounds__\((\d+)\)[\s\\]*fc_two_shot_islands_##NAME", text).group(1))
+    for world in (2, 3, 4):
+        assert P.two_shot_launch(8 << 20, 2, world, 128).block <= bound

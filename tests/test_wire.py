@@ -85,3 +85,43 @@ def test_pull_two_stage_reads_near_the_ring_bound_one_stage_every_copy():
     assert pull_stages(small, 8) == 1 and wire_split("pull", small, 8, "p2p")[1] == 7 * small
     with pytest.raises(ValueError, match="P2P"):
         wire_split("pull", n, 2, "host")
+
+
+@pytest.mark.parametrize("world,islands", [(4, 2), (6, 2), (6, 3), (8, 2), (8, 4)])
+def test_island_two_shot_crosses_with_one_island_segment(world, islands):
+    """Each rank sends its island segment once to each other island's partner: about S / L across (L ranks
+    per island), where the flat two-shot on the same box sends about 2 (W - L) / W x S."""
+    from fastcomm.policy import two_shot_launch, wire_cross, wire_split
+
+    size = world // islands
+    for n in (12 * KB, 1 << 20, (1 << 20) + 6):
+        lc = two_shot_launch(n // 2, 2, size, 128)
+        flags = lc.grid * 4
+        seg = lc.seg * 2  # the busiest rank's segment (the first ones are full)
+        cross = wire_cross("two_shot_islands", n, world, islands)
+        assert cross == (islands - 1) * (seg + flags)
+        total, read = wire_split("two_shot_islands", n, world, "p2p", islands)
+        # Inside the island: the reduce-scatter and the all-gather, each about (L - 1) / L x S.
+        assert read == 0 and total == cross + 2 * (size - 1) * flags + (n - seg) + (size - 1) * seg
+        flat_cross = wire_cross("two_shot", n, world, islands)
+        ideal_flat = 2 * (world - size) * n // world
+        assert ideal_flat <= flat_cross <= 1.02 * ideal_flat + 2 * (world - size) * flags
+        assert cross <= 1.02 * (islands - 1) * n / size + (islands - 1) * flags
+        if n >= 1 << 20:
+            # The issue's figure at 2 x 4: the flat two-shot sends 4x as much across.
+            assert flat_cross / cross == pytest.approx(2 * (world - size) * size / world / (islands - 1), rel=0.02)
+    assert wire_cross("one_shot", 12 * KB, 8, 2) == 12 * KB
+    assert wire_cross("two_shot_ll", 12 * KB, 8, 2) == 2 * 4 * wire_split("two_shot_ll", 12 * KB, 8, "p2p")[0] // 14
+
+
+def test_island_two_shot_wire_refusals():
+    from fastcomm.policy import wire_cross
+
+    with pytest.raises(ValueError, match="2\\+ islands of 2\\+ ranks"):
+        wire_bytes("two_shot_islands", 12 * KB, 2, "p2p", islands=2)
+    with pytest.raises(ValueError, match="P2P"):
+        wire_bytes("two_shot_islands", 12 * KB, 8, "host", islands=2)
+    with pytest.raises(ValueError, match="equal islands"):
+        wire_cross("two_shot", 12 * KB, 8, 3)
+    with pytest.raises(ValueError, match="no cross-island model"):
+        wire_cross("pull", 12 * KB, 8, 2)

@@ -56,12 +56,18 @@ class Plan:
         call on the host transport it is NCCL, 'not served' (make_plan keeps it out of host rules)."""
         algo = choose_algo(nbytes, self.rules, one_shot_max_bytes=self.one_shot_max_bytes,
                            max_bytes=self.max_bytes, forced=forced or self.forced_algo,
-                           two_shot_ll_max_bytes=self.two_shot_ll_max_bytes)
+                           two_shot_ll_max_bytes=self.two_shot_ll_max_bytes, island_size=self.island_size)
         return Algo.NCCL if algo is Algo.PULL and self.transport is not Transport.P2P else algo
 
     def ranges(self) -> tuple[SizeRange, ...]:
         return size_ranges(self.rules, one_shot_max_bytes=self.one_shot_max_bytes, max_bytes=self.max_bytes,
-                           forced=self.forced_algo, two_shot_ll_max_bytes=self.two_shot_ll_max_bytes)
+                           forced=self.forced_algo, two_shot_ll_max_bytes=self.two_shot_ll_max_bytes,
+                           island_size=self.island_size)
+
+    @property
+    def island_size(self) -> int:
+        """Ranks per island (0: flat). From 2, the island two-shot serves what the table gives the two-shots."""
+        return len(self.islands[0]) if self.islands else 0
 
     def describe(self) -> str:
         isl = f", islands {self.islands}" if self.islands else ""
@@ -140,6 +146,9 @@ def make_plan(facts: Facts, config: Config) -> Plan:
     if config.algo == Algo.PULL.value and transport is not Transport.P2P:
         raise FastcommError("FASTCOMM_ALGO=pull needs the P2P transport (it reads peers' GPU memory); this "
                             "workspace uses host memory: unset it or pick one_shot / two_shot")
+    if config.algo == Algo.TWO_SHOT_ISLANDS.value and not (islands and len(islands[0]) >= 2):
+        raise FastcommError("FASTCOMM_ALGO=two_shot_islands needs islands of at least 2 ranks (FASTCOMM_ISLANDS, "
+                            "or a probe that finds them); this workspace is flat: unset it or pick two_shot")
     if facts.tuned_rules is not None:
         rules, source = facts.tuned_rules, facts.rules_source
     else:

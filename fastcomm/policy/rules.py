@@ -19,6 +19,7 @@ class Algo(str, enum.Enum):
     TWO_SHOT = "two_shot"  # reduce-scatter then all-gather (chunk flags)
     TWO_SHOT_LL = "two_shot_ll"  # reduce-scatter then all-gather, readiness in the data (the one-shot's slots)
     PULL = "pull"          # read every peer's copy directly (P2P only; one- or two-stage by world and size)
+    TWO_SHOT_ISLANDS = "two_shot_islands"  # reduce-scatter in the island, cross once with 1/island size, gather
     NCCL = "nccl"          # not served by fastcomm: the caller's fallback
 
 
@@ -108,19 +109,37 @@ def lookup_rules(table: dict[PolicyKey, tuple[Rule, ...]], transport: Transport,
     return ()
 
 
+# With islands, the flat two-shots give way to the island two-shot (two_shot_islands.cuh). MODELLED, not
+# measured (no multi-socket GPUs lent): islands exist because the link between them is the slow one, and
+# there each rank sends S / L bytes across it (L ranks per island; to each of the other islands' partners)
+# where the flat two-shot and the Lamport two-shot send about S (policy.wire.wire_cross: 4x at 2 x 4), for
+# one more flag round (three, against two). The one-shot keeps its range (its island form also crosses
+# once). Islands of one rank have nothing to reduce inside: the flat two-shot stays.
+_ISLAND_FORM = {Algo.TWO_SHOT: Algo.TWO_SHOT_ISLANDS, Algo.TWO_SHOT_LL: Algo.TWO_SHOT_ISLANDS}
+
+
 def choose_algo(nbytes: int, rules: Sequence[Rule], *, one_shot_max_bytes: int, max_bytes: int,
-                forced: str = "auto", two_shot_ll_max_bytes: int = 0) -> Algo:
+                forced: str = "auto", two_shot_ll_max_bytes: int = 0, island_size: int = 0) -> Algo:
     """The algorithm for one message. NCCL means 'not fastcomm': too big for the workspace or the table.
 
     The one-shot and the Lamport two-shot share the one-shot's slots: past what they hold (the two limits),
     a rule naming either falls to the table's next two-shot or pull rule (else the two-shot), and forcing
-    either gives NCCL."""
+    either gives NCCL. ``island_size``: ranks per island (0: no islands); from 2, what the table gives as a
+    flat two-shot runs as the island two-shot (_ISLAND_FORM), which is also what forcing it needs (forcing
+    "two_shot" keeps the flat one)."""
     if nbytes > max_bytes:
         return Algo.NCCL
-    limit = {Algo.ONE_SHOT: one_shot_max_bytes, Algo.TWO_SHOT_LL: two_shot_ll_max_bytes}
+    limit = {Algo.ONE_SHOT: one_shot_max_bytes, Algo.TWO_SHOT_LL: two_shot_ll_max_bytes,
+             Algo.TWO_SHOT_ISLANDS: max_bytes if island_size >= 2 else 0}
     if forced != "auto":
         algo = Algo(forced)
         return Algo.NCCL if nbytes > limit.get(algo, max_bytes) else algo
+    algo = _table_algo(nbytes, rules, limit, max_bytes)
+    return _ISLAND_FORM.get(algo, algo) if island_size >= 2 else algo
+
+
+def _table_algo(nbytes: int, rules: Sequence[Rule], limit: dict, max_bytes: int) -> Algo:
+    """The first rule that holds ``nbytes``, within the per-algorithm ``limit``s."""
     for i, rule in enumerate(rules):
         if nbytes <= rule.max_bytes:
             if nbytes > limit.get(rule.algo, max_bytes):
@@ -142,7 +161,7 @@ class SizeRange:
 
 
 def size_ranges(rules: Sequence[Rule], *, one_shot_max_bytes: int, max_bytes: int,
-                forced: str = "auto", two_shot_ll_max_bytes: int = 0) -> tuple[SizeRange, ...]:
+                forced: str = "auto", two_shot_ll_max_bytes: int = 0, island_size: int = 0) -> tuple[SizeRange, ...]:
     """``choose_algo`` as ranges. It only changes at a rule bound or a workspace limit, so asking it at each
     of those bounds (and one byte past the last) finds every range exactly."""
     bounds = sorted({r.max_bytes for r in rules} | {one_shot_max_bytes, max_bytes}
@@ -151,7 +170,8 @@ def size_ranges(rules: Sequence[Rule], *, one_shot_max_bytes: int, max_bytes: in
     lo = 1
     for hi in [*bounds, None]:
         algo = choose_algo(bounds[-1] + 1 if hi is None else hi, rules, one_shot_max_bytes=one_shot_max_bytes,
-                           max_bytes=max_bytes, forced=forced, two_shot_ll_max_bytes=two_shot_ll_max_bytes)
+                           max_bytes=max_bytes, forced=forced, two_shot_ll_max_bytes=two_shot_ll_max_bytes,
+                           island_size=island_size)
         if ranges and ranges[-1].algo is algo:
             ranges[-1] = dataclasses.replace(ranges[-1], max_bytes=hi)
         else:

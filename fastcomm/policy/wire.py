@@ -35,6 +35,9 @@ def wire_split(algo: str, nbytes: int, world: int, transport: str, islands: int 
     ``fused_two_shot``: its two-shot form (fused_two_shot.cuh), rows of ``hidden`` elements cut by columns:
     my copy of every other rank's part of each row, then my reduced part to every peer (host: once, into my
     own slot); each part of a row padded to 16 bytes.
+    ``two_shot_islands``: the island two-shot (two_shot_islands.cuh; ``islands`` equal islands of 2+ ranks):
+    my copy of each other island segment, my island partial to every other island's partner, my finished
+    segment to every island peer, each with a flag per block.
     """
     if transport not in ("p2p", "host"):
         raise ValueError(f"transport must be 'p2p' or 'host', not {transport!r}")
@@ -50,6 +53,8 @@ def wire_split(algo: str, nbytes: int, world: int, transport: str, islands: int 
         if host:
             return per_copy, 0  # one copy into my own slot of the host segment
         return per_copy * ((world // islands - 1) + (islands - 1)), 0
+    if algo == "two_shot_islands":
+        return _two_shot_islands(nbytes, world, islands, elem_size, max_blocks)[0], 0
     if algo in ("two_shot", "two_shot_ll", "fused_two_shot", "pull") and islands > 1:
         raise ValueError(f"the {algo.replace('_', ' ')} has no island form")
     if algo == "two_shot":
@@ -68,7 +73,61 @@ def wire_split(algo: str, nbytes: int, world: int, transport: str, islands: int 
             raise ValueError("the pull needs the P2P transport")
         return _pull(nbytes, world, max_blocks)
     raise ValueError(f"no wire model for algorithm {algo!r} (one_shot, two_shot, two_shot_ll, fused, fused_two_shot, "
-                     "pull)")
+                     "pull, two_shot_islands)")
+
+
+def wire_cross(algo: str, nbytes: int, world: int, islands: int, *, elem_size: int = 2,
+               max_blocks: int = MAX_BLOCKS) -> int:
+    """Bytes one GPU writes to GPUs outside its island per call (P2P), on a box of ``islands`` equal islands
+    of consecutive ranks (what the probe finds on a two-socket box): the traffic of the slow link. The
+    island forms ("one_shot", "fused": one copy to each other island's partner; "two_shot_islands": one
+    island segment to each) and the flat two-shots run over that box ("two_shot", "two_shot_ll": every peer
+    outside my island gets what the flat algorithm sends it). The busiest rank's count."""
+    if islands < 2 or world % islands:
+        raise ValueError(f"{world} ranks cannot form {islands} equal islands (2 or more)")
+    if nbytes <= 0:
+        return 0
+    size = world // islands
+    if algo in ("one_shot", "fused"):
+        return vectors_for(nbytes) * VEC_BYTES * (islands - 1)
+    if algo == "two_shot_islands":
+        return _two_shot_islands(nbytes, world, islands, elem_size, max_blocks)[1]
+    if algo == "two_shot":
+        numel = cdiv(nbytes, elem_size)
+        lc = two_shot_launch(numel, elem_size, world, max_blocks)
+        seg_bytes = [max(0, min(lc.seg, numel - s * lc.seg)) * elem_size for s in range(world)]
+        flags = lc.grid * FLAG_BYTES
+
+        def outside(me: int) -> int:
+            away = [s for s in range(world) if s // size != me // size]
+            return sum(seg_bytes[s] + flags for s in away) + len(away) * (seg_bytes[me] + flags)
+
+        return max(outside(me) for me in range(world))
+    if algo == "two_shot_ll":
+        seg = two_shot_ll_segment_vectors(nbytes, world) * VEC_BYTES
+        return 2 * (world - size) * seg
+    raise ValueError(f"no cross-island model for algorithm {algo!r} (one_shot, fused, two_shot, two_shot_ll, "
+                     "two_shot_islands)")
+
+
+def _two_shot_islands(nbytes: int, world: int, islands: int, elem_size: int, max_blocks: int) -> tuple[int, int]:
+    """(all bytes, bytes to other islands) the busiest rank writes: segments cut for a world of the island's
+    size (as ops launches it), a flag word per block and destination in each of the three phases."""
+    size = world // islands
+    if islands < 2 or size < 2:
+        raise ValueError(f"the island two-shot needs 2+ islands of 2+ ranks, not {islands} of {size}")
+    numel = cdiv(nbytes, elem_size)
+    lc = two_shot_launch(numel, elem_size, size, max_blocks)
+    seg_bytes = [max(0, min(lc.seg, numel - s * lc.seg)) * elem_size for s in range(size)]
+    flags = lc.grid * FLAG_BYTES
+
+    def sends(me: int) -> tuple[int, int]:
+        rs = sum(b for s, b in enumerate(seg_bytes) if s != me) + (size - 1) * flags
+        cross = (islands - 1) * (seg_bytes[me] + flags)
+        ag = (size - 1) * (seg_bytes[me] + flags)
+        return rs + cross + ag, cross
+
+    return max((sends(me) for me in range(size)), key=lambda t: t[0])
 
 
 def _fused_two_shot(tokens: int, hidden: int, world: int, host: bool, elem_size: int) -> int:

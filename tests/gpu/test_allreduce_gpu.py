@@ -142,3 +142,43 @@ def test_p2p_that_drops_writes_falls_back_or_fails():
     assert "rank 0 -> rank 1" in res[0]["describe"], res[0]
     forced = check_all_ok(run_ranks(W.p2p_check, 4, "p2p", None, timeout=300, env=env))
     assert all("FASTCOMM_TRANSPORT=p2p" in r["error"] and "rank 0 -> rank 1" in r["error"] for r in forced), forced
+
+
+# (world, islands): the island two-shot's shapes (islands x island size): 2 x 2, 3 x 2, 2 x 3, 2 x 4, 4 x 2. The host
+# transport has no island mode (policy.make_plan refuses it), so P2P only.
+ISLAND_TWO_SHOT_CASES = {"4-p2p-2x2": (4, ((0, 1), (2, 3))), "6-p2p-3x2": (6, ((0, 1), (2, 3), (4, 5))),
+                         "6-p2p-2x3": (6, ((0, 1, 2), (3, 4, 5))), "8-p2p-2x4": (8, ((0, 1, 2, 3), (4, 5, 6, 7))),
+                         "8-p2p-4x2": (8, ((0, 1), (2, 3), (4, 5), (6, 7)))}
+
+
+@pytest.mark.parametrize("case", list(ISLAND_TWO_SHOT_CASES))
+def test_two_shot_islands(case):
+    """The hierarchical two-shot in one launch (two_shot_islands.cuh): every result checked in the worker
+    against the island rule's CPU reference, across ranks, and against the one-shot island form; here, that
+    the checks ran and what the policy chose."""
+    world, islands = ISLAND_TWO_SHOT_CASES[case]
+    replays = 30 if world <= 4 else 20
+    res = check_all_ok(run_ranks(W.two_shot_islands, world, islands, replays, timeout=600))
+    print(case, {k: v for k, v in res[0].items() if k != "describe"})
+    sizes = len(W.ISLAND_TWO_SHOT_SIZES) + 1
+    assert all(r["exact"] == 3 * sizes and r["random_bitwise"] == 15 and r["against_one_shot"] >= 9
+               and r["interleaved"] == 128 and r["graph_replays"] == replays for r in res), res
+    assert "islands" in res[0]["describe"] and "two_shot_islands" in res[0]["describe"], res[0]["describe"]
+    # Above the one-shot the policy takes the island two-shot (the pull keeps NVLink rows, as flat).
+    assert res[0]["auto_1MiB"] == ("pull" if res[0]["link"] == "nvlink" else "two_shot_islands"), res[0]
+
+
+def test_two_shot_islands_times_out_naming_peer_and_step(tmp_path):
+    """Rank 3 (island (2, 3)) skips the island two-shot (12 KB: one block). Its island peer stalls in the
+    island reduce-scatter and its partner (rank 1) in the exchange across islands, both naming rank 3;
+    rank 0 waits in the exchange for its partner, rank 2, itself stalled. Every wait bounded and named."""
+    run_ranks(W.timeout, 4, "p2p", False, TIMEOUT_S, str(tmp_path), "two_shot_islands", ((0, 1), (2, 3)),
+              timeout=45)
+    expect = {0: (2, "island two-shot exchange across islands (cross-island partners"),
+              1: (3, "island two-shot exchange across islands (cross-island partners"),
+              2: (3, "island two-shot reduce-scatter (inside the island) (island,")}
+    for r, (peer, step) in expect.items():
+        value = json.loads((tmp_path / f"rank{r}.json").read_text())
+        msg = value["message"]
+        assert msg and f"rank {r} timed out" in msg and f"peer rank {peer}" in msg and step in msg, value
+        assert value["record_s"] <= TIMEOUT_S + 2, value

@@ -52,10 +52,10 @@ _ISLANDS = None  # the workspace's islands (set by each body): the reference the
 
 def _reduce_like_fastcomm(terms, dtype, islands="workspace"):
     """What fastcomm's all-reduce computes, bit for bit, from every rank's term (fp32 sums, the first term
-    seeding each): flat, all ranks in rank order, rounded once to the dtype; with islands (the one-shot and
-    the fused op; ``islands`` defaults to the workspace's), each island's members in order rounded to the
-    dtype (the partial that crosses), then the partials in island order, rounded again. The fused op's
-    contract starts from the same value."""
+    seeding each): flat, all ranks in rank order, rounded once to the dtype; with islands (the one-shot, the
+    island two-shot and the fused op; ``islands`` defaults to the workspace's), each island's members in
+    order rounded to the dtype (the partial that crosses), then the partials in island order, rounded
+    again. The fused op's contract starts from the same value."""
     def ordered(ts):
         acc = ts[0].float()
         for t in ts[1:]:
@@ -568,9 +568,10 @@ def two_shot_variants(rank, world, gloo, transport, calls, replays):
     return found
 
 
-def timeout(rank, world, gloo, transport, die, timeout_s=3.0, report_dir=None, algo="auto"):
+def timeout(rank, world, gloo, transport, die, timeout_s=3.0, report_dir=None, algo="auto", islands=None):
     """Rank world-1 skips (or dies before) the second call; the others must error out, not hang.
-    ``algo``: forced for both calls (default: the policy's choice for 12 KB, the one-shot).
+    ``algo``: forced for both calls (default: the policy's choice for 12 KB, the one-shot); ``islands``: the
+    workspace's, if any.
 
     Each waiting rank reports when its device-side error record appeared (watched from the host: the record
     is pinned memory) and, separately, when CUDA's synchronize returned: with ranks sharing a GPU the two can
@@ -583,7 +584,8 @@ def timeout(rank, world, gloo, transport, die, timeout_s=3.0, report_dir=None, a
 
     global _CPU_GROUP
     _CPU_GROUP = gloo
-    ws = fastcomm.Workspace(gloo, transport=transport, timeout_s=timeout_s, max_bytes=1 << 20)
+    ws = fastcomm.Workspace(gloo, transport=transport, timeout_s=timeout_s, max_bytes=1 << 20,
+                            **({"islands": islands} if islands else {}))
     x = torch.ones(6144, dtype=torch.bfloat16, device=ws.device)
     fastcomm.all_reduce(x, ws, algo=algo)
     torch.cuda.synchronize()
@@ -785,3 +787,132 @@ def _pull_graph(ws, replays):
         checked += 1
     torch.cuda.synchronize()
     return checked
+
+
+# The island two-shot (two_shot_islands.cuh): sizes across its range (tails of every length, segments
+# shorter than a vector or empty, several blocks, the workspace's largest message).
+ISLAND_TWO_SHOT_SIZES = (1, 2, 3, 7, 9, 15, 17, 31, 33, 127, 1000, 4095, 6147, 40961, 65537, 100003, 300001)
+
+
+def _island_graph(ws, replays):
+    """One graph holding two island two-shots (odd size, in place), a one-shot (island form) and a flat
+    two-shot, replayed with new inputs before every replay. Inputs that bf16 cannot sum exactly, so every
+    output checks the rounding rule bit for bit (each rank builds every rank's terms itself)."""
+    dev = ws.device
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sizes = {"a": 100003, "b": 9, "c": 6144, "d": 40961}
+    bufs = {k: torch.zeros(n, dtype=torch.bfloat16, device=dev) for k, n in sizes.items()}
+    ramps = {k: torch.arange(n) for k, n in sizes.items()}
+
+    def terms(k, i):
+        return [((((ramps[k] + i) % 7) - 3) * ((r + 1) * 37 + i)).to(torch.bfloat16) for r in range(world)]
+
+    def body():
+        return {"a": fastcomm.all_reduce(bufs["a"], ws, algo="two_shot_islands"),
+                "b": fastcomm.all_reduce(bufs["b"], ws, algo="two_shot_islands", out=bufs["b"]),
+                "c": fastcomm.all_reduce(bufs["c"], ws, algo="one_shot"),
+                "d": fastcomm.all_reduce(bufs["d"], ws, algo="two_shot")}
+
+    s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        body()  # warm-up outside capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            outs = body()
+    torch.cuda.current_stream().wait_stream(s)
+    checked = 0
+    for i in range(replays):
+        t = {k: terms(k, i) for k in sizes}
+        for k, b in bufs.items():
+            b.copy_(t[k][rank])
+        g.replay()
+        for k, o in outs.items():
+            want = _reduce_like_fastcomm(t[k], torch.bfloat16, islands=None if k == "d" else "workspace")
+            assert torch.equal(o.cpu(), want), f"replay {i}: {k} wrong"
+        checked += 1
+    torch.cuda.synchronize()
+    return checked
+
+
+def two_shot_islands(rank, world, gloo, islands, replays):
+    """The island two-shot at one (world, islands) shape: exact sums over odd sizes and every dtype; random
+    data bitwise equal to the island rule's CPU reference (island sum in member order rounded to the dtype,
+    then the islands in order) on every rank, and to the one-shot island form wherever that can run; -0.0 /
+    NaN / inf and the sentinel pattern, NaN-free results bitwise against the one-shot form; in place; the
+    policy's choice; calls of every algorithm interleaved; graph replays."""
+    global _CPU_GROUP, _ISLANDS
+    _CPU_GROUP = gloo
+    with fastcomm.Workspace(gloo, transport="p2p", islands=islands, max_bytes=2 << 20,
+                            one_shot_max_bytes=256 << 10) as ws:
+        _ISLANDS = ws.islands
+        dev = ws.device
+        found = {"describe": ws.describe(), "link": ws.plan.link.value,
+                 "auto_1MiB": ws.algo_for(1 << 20).value}
+        top = (2 << 20) // 4  # the workspace's largest fp32 message, in elements
+        found["exact"] = _exact_vs_nccl(ws, ISLAND_TWO_SHOT_SIZES + (top,), ("two_shot_islands",), 31)
+        random_checked = against_one_shot = 0
+        for dtype in DTYPES:
+            es = torch.tensor([], dtype=dtype).element_size()
+            for n in (5, 4097, 65537, (256 << 10) // es, (2 << 20) // es - 3):
+                g = torch.Generator(device="cpu").manual_seed(37 * n + rank)
+                x = torch.randn(n, generator=g).to(dtype).to(dev)
+                want = _ordered_sum(x)
+                out = _poisoned(x)
+                fastcomm.all_reduce(x, ws, algo="two_shot_islands", out=out)
+                assert torch.equal(out, want), f"two_shot_islands {dtype} n={n}: not the island rule's sum"
+                random_checked += 1
+                if ws.algo_for(n * es, "one_shot") is not fastcomm.Algo.NCCL:
+                    one = fastcomm.all_reduce(x, ws, algo="one_shot")
+                    assert torch.equal(one, out), f"{dtype} n={n}: differs from the one-shot island form"
+                    against_one_shot += 1
+        found["random_bitwise"], found["against_one_shot"] = random_checked, against_one_shot
+        _specials(ws, ("two_shot_islands",))
+        # Specials and the sentinel pattern, bit for bit against the one-shot island form (-0.0 included; a
+        # NaN matches any NaN: the one-shot sends the sentinel pattern as another NaN).
+        raw = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+        for dtype in DTYPES:
+            x = _ints(6147, dtype, rank, 41, dev)
+            x[rank::7] = float("nan") if rank % 2 else -0.0
+            x[3 * rank + 1] = float("inf") if rank % 3 else float("-inf")
+            x[-1] = torch.tensor([-1], dtype=raw[dtype]).view(dtype).to(dev)[0]  # the sentinel pattern
+            a = fastcomm.all_reduce(x, ws, algo="two_shot_islands")
+            b = fastcomm.all_reduce(x, ws, algo="one_shot")
+            assert _bits_match(a, b), f"{dtype}: specials differ from the one-shot island form"
+            assert _bits_match(a.cpu(), _ordered_sum(x).cpu()) and _same_on_all_ranks(a), f"{dtype}: specials"
+        for n in (3, 6147, 65537):  # in place
+            x = _ints(n, torch.float16, rank, 43 + n, dev)
+            want = _nccl_sum(x)
+            fastcomm.all_reduce(x, ws, algo="two_shot_islands", out=x)
+            assert torch.equal(x, want), f"in place n={n}"
+        mix = ((100003, "two_shot_islands"), (6144, "one_shot"), (3, "two_shot_islands"), (300001, "auto"),
+               (40961, "two_shot"), (1, "two_shot_islands"), (65537, "two_shot_islands"), (12345, "auto"))
+        found["interleaved"] = _islands_back_to_back(ws, 16 * len(mix), mix)
+        found["graph_replays"] = _island_graph(ws, replays)
+        torch.cuda.synchronize()
+    return found
+
+
+def _islands_back_to_back(ws, calls, plan):
+    """As _back_to_back, with the island rule wherever the call runs an island form (one-shot, island
+    two-shot, and whatever auto picks)."""
+    dev = ws.device
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = {n: _ints(n, torch.bfloat16, 0, n, dev) for n, _ in plan}
+    outs = {n: torch.empty(n, dtype=torch.bfloat16, device=dev) for n, _ in plan}
+    bad = good = 0
+    for i in range(calls):
+        n, algo = plan[i % len(plan)]
+        k = (i % 5) + 1
+        fastcomm.all_reduce(base[n] * ((rank + 1) * k), ws, algo=algo, out=outs[n])
+        chosen = ws.algo_for(2 * n, None if algo == "auto" else algo)
+        flat = chosen in (fastcomm.Algo.TWO_SHOT, fastcomm.Algo.TWO_SHOT_LL, fastcomm.Algo.PULL)
+        want = _reduce_like_fastcomm([base[n] * ((r + 1) * k) for r in range(world)], torch.bfloat16,
+                                     islands=None if flat else "workspace")
+        if torch.equal(outs[n], want):
+            good += 1
+        else:
+            bad += 1
+    torch.cuda.synchronize()
+    assert bad == 0, f"{bad} of {calls} interleaved calls wrong"
+    return good

@@ -1,0 +1,261 @@
+// Hierarchical two-shot in one launch: reduce-scatter inside the island, one exchange across the islands,
+// all-gather inside the island. For a box whose islands (sockets) are joined by a slow link: each rank
+// sends across it only its 1/L share of the message (to I-1 partners), where the flat two-shot sends about
+// the whole message across (half its reduce-scatter and half its all-gather go to the other islands).
+//
+// Groups: ti is my island (L ranks, member order), tp my partners (rank i of each of the I islands, island
+// order). The message is cut into L segments; island member s owns segment s, so the partners of a rank
+// own the same segment. Each segment is cut into gridDim.x chunks, block b handling chunk b of every
+// segment in every phase, so a block waits only for block b of its island peers and partners:
+//   1. island reduce-scatter: my chunk b of every other segment goes to its owner in my island
+//      (ti rs slots, flags per block, as the flat two-shot);
+//   2. island sum of my segment's chunk, in member order seeded by member 0, rounded to D: the partial.
+//      It is written to out (my segment) and pushed to every partner (tp ag slots: a slot per source);
+//   3. across: the I partials summed in island order 0..I-1, seeded by island 0's, rounded to D: the
+//      result, written over the partial in out and pushed to my island peers (ti ag slots);
+//   4. island all-gather: every other segment's result from its owner.
+// Rounding rule: the island sum is rounded to D before it crosses, then summed over the islands in fp32
+// and rounded again: the rule of the one-shot island form (one_shot.cuh, fc_one_shot_islands), with the
+// same terms in the same order, so the two agree bit for bit, and every rank gets the same bits (each
+// segment is finished by its I owners from identical partials, then copied). It can differ from the flat
+// sums by an ulp.
+//
+// Ordering: each phase is the flat two-shot's (two_shot.cuh): stores, __syncthreads, one fence.acq_rel.sys
+// by thread 0, then relaxed flag stores to every destination; the reader acquires the flag in one thread
+// per source and a barrier shares it. Cycles cannot form: phase 1 pushes unconditionally, phase 2 pushes
+// after phase 1's data of my own island arrived, phase 3 after phase 2's of my partners.
+//
+// Buffers (fastcomm.layout, "island two-shot" regions): the island group's two-shot slots (rs and ag, a
+// segment of the island cut each, two halves by the island epoch's parity) and the partner group's ag
+// slots only (a segment of the island cut, two halves by the partner epoch's parity). The halves' reuse
+// without a barrier is common.cuh's FcTable argument, per group: in each group this kernel receives from
+// every rank it sends to (the island in phases 1 and 4, the partners in phase 3), its kernel reads all of
+// it before ending, and every call on a group (this one, or its Lamport calls, which only move the epoch
+// here) advances that group's epoch once. The two groups' epochs advance independently; each argument
+// needs only its own. The Lamport slots and state[2..3] are not touched, as for the flat two-shot.
+//
+// out may alias in: chunk b of segment s is read from in (phase 1, or phase 2 for my own segment, by the
+// thread that then writes the same bytes of out) before block b writes it in out.
+#pragma once
+#include "common.cuh"
+#include "two_shot.cuh"
+
+// Steps named in timeout errors (fastcomm/abi.py STEPS; tests/test_abi.py reads every csrc file for them).
+#define FC_STEP_ISL_RS 9   // the island reduce-scatter
+#define FC_STEP_ISL_X 10   // the exchange across islands
+#define FC_STEP_ISL_AG 11  // the island all-gather
+
+template <class D, u32 L, u32 I>
+__device__ __forceinline__ void fc_two_shot_islands_w(const FcTable* __restrict__ ti, const FcTable* __restrict__ tp,
+                                                      const char* in, char* out, u64 n, u64 seg, u64 chunk) {
+  typedef typename D::raw R;
+  constexpr u32 PV = 16 / sizeof(R);  // elements per vector
+  const u32 ei = fc_begin(ti), ep = fc_begin(tp);
+  const u32 hi = ei & 1u, hp = ep & 1u;
+  const u32 me = ti->rank, isl = tp->rank;
+  const u32 tid = threadIdx.x, nthr = blockDim.x;
+  const u64 base = (u64)blockIdx.x * chunk;  // this block's element offset inside every segment
+
+  u64 cnt[L];  // elements of my chunk in segment s; non-increasing in s
+#pragma unroll
+  for (u32 s = 0; s < L; ++s) cnt[s] = fc_chunk_count(n, seg, chunk, s);
+  const u64 count = fc_chunk_count(n, seg, chunk, me);  // my segment's (cnt[me] would spill cnt[])
+  const u64 nvm = count / PV;
+  char* dout = out + ((u64)me * seg + base) * sizeof(R);
+
+  // 1. Island reduce-scatter, send.
+  {
+    char* dst[L];
+    u32* flag[L];
+#pragma unroll
+    for (u32 s = 0; s < L; ++s) {
+      dst[s] = ti->rs_push[hi][s] + base * sizeof(R);
+      flag[s] = ti->rs_flag_push[hi][s] + blockIdx.x;
+    }
+    const u64 nv = cnt[0] / PV;
+    for (u64 v = tid; v < nv; v += nthr) {
+      uint4 x[L];
+#pragma unroll
+      for (u32 s = 0; s < L; ++s)
+        if (s != me && v < cnt[s] / PV)
+          x[s] = *reinterpret_cast<const uint4*>(in + ((u64)s * seg + base + v * PV) * sizeof(R));
+#pragma unroll
+      for (u32 s = 0; s < L; ++s)
+        if (s != me && v < cnt[s] / PV) *reinterpret_cast<uint4*>(dst[s] + v * 16) = x[s];
+    }
+#pragma unroll
+    for (u32 s = 0; s < L; ++s) {  // the message tail: at most PV-1 elements, in one segment
+      if (s == me) continue;
+      for (u64 e = cnt[s] / PV * PV + tid; e < cnt[s]; e += nthr)
+        *reinterpret_cast<R*>(dst[s] + e * sizeof(R)) =
+            *reinterpret_cast<const R*>(in + ((u64)s * seg + base + e) * sizeof(R));
+    }
+    __syncthreads();
+    if (tid == 0) {
+      fc_fence_sys();
+#pragma unroll
+      for (u32 s = 0; s < L; ++s)
+        if (s != me) fc_st_relaxed_sys(flag[s], ei);
+    }
+  }
+
+  // 2. The island partial of my chunk (member order, rounded to D): into out, and to every partner.
+  fc_wait_all(ti, ti->rs_flag_pull[hi], ei, FC_STEP_ISL_RS);
+  {
+    const char* src[L];
+#pragma unroll
+    for (u32 p = 0; p < L; ++p)
+      src[p] = (p == me) ? in + ((u64)me * seg + base) * sizeof(R) : ti->rs_pull[hi][p] + base * sizeof(R);
+    const u32 nx = tp->n_ag_push;  // I-1 partners (P2P) or my one host slot
+    char* xd[I - 1];
+    u32* xf[I - 1];
+#pragma unroll
+    for (u32 j = 0; j < I - 1; ++j) {
+      xd[j] = j < nx ? tp->ag_push[hp][j] + base * sizeof(R) : nullptr;
+      xf[j] = j < nx ? tp->ag_flag_push[hp][j] + blockIdx.x : nullptr;
+    }
+    for (u64 v = tid; v < nvm; v += nthr) {
+      uint4 x[L];
+#pragma unroll
+      for (u32 p = 0; p < L; ++p)  // every load first, then the sums
+        x[p] = (p == me) ? *reinterpret_cast<const uint4*>(src[p] + v * 16) : fc_load_cv16(src[p] + v * 16);
+      float acc[PV];
+#pragma unroll
+      for (u32 p = 0; p < L; ++p) {
+        float f[PV];
+        FcVec<D>::unpack(x[p], f);
+#pragma unroll
+        for (u32 e = 0; e < PV; ++e) acc[e] = (p == 0) ? f[e] : acc[e] + f[e];
+      }
+      const uint4 r = FcVec<D>::pack(acc);
+      *reinterpret_cast<uint4*>(dout + v * 16) = r;
+#pragma unroll
+      for (u32 j = 0; j < I - 1; ++j)
+        if (j < nx) *reinterpret_cast<uint4*>(xd[j] + v * 16) = r;
+    }
+    for (u64 e = nvm * PV + tid; e < count; e += nthr) {  // the message tail, element by element
+      R x[L];
+#pragma unroll
+      for (u32 p = 0; p < L; ++p)
+        x[p] = (p == me) ? *reinterpret_cast<const R*>(src[p] + e * sizeof(R))
+                         : *reinterpret_cast<const volatile R*>(src[p] + e * sizeof(R));
+      float acc = 0.f;
+#pragma unroll
+      for (u32 p = 0; p < L; ++p) acc = (p == 0) ? D::to_f(x[p]) : acc + D::to_f(x[p]);
+      const R r = D::from_f(acc);
+      *reinterpret_cast<R*>(dout + e * sizeof(R)) = r;
+#pragma unroll
+      for (u32 j = 0; j < I - 1; ++j)
+        if (j < nx) *reinterpret_cast<R*>(xd[j] + e * sizeof(R)) = r;
+    }
+    __syncthreads();
+    if (tid == 0) {
+      fc_fence_sys();
+#pragma unroll
+      for (u32 j = 0; j < I - 1; ++j)
+        if (j < nx) fc_st_relaxed_sys(xf[j], ep);
+    }
+  }
+
+  // 3. Across: the partials in island order (mine from out, where this block put it), rounded to D: the
+  // result, over the partial in out and to every island peer.
+  fc_wait_all(tp, tp->ag_flag_pull[hp], ep, FC_STEP_ISL_X);
+  {
+    const char* src[I];
+#pragma unroll
+    for (u32 q = 0; q < I; ++q) src[q] = (q == isl) ? dout : tp->ag_pull[hp][q] + base * sizeof(R);
+    const u32 nag = ti->n_ag_push;  // L-1 island peers (P2P) or my one host slot
+    char* agd[L > 1 ? L - 1 : 1];
+    u32* agf[L > 1 ? L - 1 : 1];
+#pragma unroll
+    for (u32 j = 0; j < L - 1; ++j) {
+      agd[j] = j < nag ? ti->ag_push[hi][j] + base * sizeof(R) : nullptr;
+      agf[j] = j < nag ? ti->ag_flag_push[hi][j] + blockIdx.x : nullptr;
+    }
+    for (u64 v = tid; v < nvm; v += nthr) {
+      uint4 x[I];
+#pragma unroll
+      for (u32 q = 0; q < I; ++q)
+        x[q] = (q == isl) ? *reinterpret_cast<const uint4*>(src[q] + v * 16) : fc_load_cv16(src[q] + v * 16);
+      float acc[PV];
+#pragma unroll
+      for (u32 q = 0; q < I; ++q) {
+        float f[PV];
+        FcVec<D>::unpack(x[q], f);
+#pragma unroll
+        for (u32 e = 0; e < PV; ++e) acc[e] = (q == 0) ? f[e] : acc[e] + f[e];
+      }
+      const uint4 r = FcVec<D>::pack(acc);
+      *reinterpret_cast<uint4*>(dout + v * 16) = r;
+#pragma unroll
+      for (u32 j = 0; j < L - 1; ++j)
+        if (j < nag) *reinterpret_cast<uint4*>(agd[j] + v * 16) = r;
+    }
+    for (u64 e = nvm * PV + tid; e < count; e += nthr) {
+      R x[I];
+#pragma unroll
+      for (u32 q = 0; q < I; ++q)
+        x[q] = (q == isl) ? *reinterpret_cast<const R*>(src[q] + e * sizeof(R))
+                          : *reinterpret_cast<const volatile R*>(src[q] + e * sizeof(R));
+      float acc = 0.f;
+#pragma unroll
+      for (u32 q = 0; q < I; ++q) acc = (q == 0) ? D::to_f(x[q]) : acc + D::to_f(x[q]);
+      const R r = D::from_f(acc);
+      *reinterpret_cast<R*>(dout + e * sizeof(R)) = r;
+#pragma unroll
+      for (u32 j = 0; j < L - 1; ++j)
+        if (j < nag) *reinterpret_cast<R*>(agd[j] + e * sizeof(R)) = r;
+    }
+    __syncthreads();
+    if (tid == 0) {
+      fc_fence_sys();
+#pragma unroll
+      for (u32 j = 0; j < L - 1; ++j)
+        if (j < nag) fc_st_relaxed_sys(agf[j], ei);
+    }
+  }
+
+  // 4. Island all-gather, receive: every other segment's result, all owners' loads in flight together.
+  fc_wait_all(ti, ti->ag_flag_pull[hi], ei, FC_STEP_ISL_AG);
+  {
+    const char* src[L];
+#pragma unroll
+    for (u32 p = 0; p < L; ++p) src[p] = ti->ag_pull[hi][p] + base * sizeof(R);
+    const u64 nv = cnt[0] / PV;
+    for (u64 v = tid; v < nv; v += nthr) {
+      uint4 x[L];
+#pragma unroll
+      for (u32 p = 0; p < L; ++p)
+        if (p != me && v < cnt[p] / PV) x[p] = fc_load_cv16(src[p] + v * 16);
+#pragma unroll
+      for (u32 p = 0; p < L; ++p)
+        if (p != me && v < cnt[p] / PV)
+          *reinterpret_cast<uint4*>(out + ((u64)p * seg + base + v * PV) * sizeof(R)) = x[p];
+    }
+#pragma unroll
+    for (u32 p = 0; p < L; ++p) {
+      if (p == me) continue;
+      for (u64 e = cnt[p] / PV * PV + tid; e < cnt[p]; e += nthr)
+        *reinterpret_cast<R*>(out + ((u64)p * seg + base + e) * sizeof(R)) =
+            *reinterpret_cast<const volatile R*>(src[p] + e * sizeof(R));
+    }
+  }
+  fc_end(ti, ei);
+  fc_end(tp, ep);
+}
+
+// One entry point per dtype (kernels.cu); the (island size, islands) pair is fixed for the workspace's
+// life, so the branch is uniform. Islands of one rank have nothing to reduce inside: the plan never sends
+// them here (policy.rules.choose_algo), and the island size times the island count is at most FC_MAX_WORLD.
+template <class D>
+__device__ __forceinline__ void fc_two_shot_islands(const FcTable* __restrict__ ti, const FcTable* __restrict__ tp,
+                                                    const char* in, char* out, u64 n, u64 seg, u64 chunk) {
+  switch (ti->world * 16u + tp->world) {
+    case 2 * 16 + 2: fc_two_shot_islands_w<D, 2, 2>(ti, tp, in, out, n, seg, chunk); break;
+    case 2 * 16 + 3: fc_two_shot_islands_w<D, 2, 3>(ti, tp, in, out, n, seg, chunk); break;
+    case 2 * 16 + 4: fc_two_shot_islands_w<D, 2, 4>(ti, tp, in, out, n, seg, chunk); break;
+    case 3 * 16 + 2: fc_two_shot_islands_w<D, 3, 2>(ti, tp, in, out, n, seg, chunk); break;
+    case 4 * 16 + 2: fc_two_shot_islands_w<D, 4, 2>(ti, tp, in, out, n, seg, chunk); break;
+    default: __trap();
+  }
+}
