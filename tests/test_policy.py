@@ -119,10 +119,15 @@ def test_check_tensor_reasons():
 
 
 def test_check_fused_limits():
+    from fastcomm.policy.checks import FusedWhy
+
     assert P.check_fused(tokens=64, hidden=6144, elem_size=2, one_shot_max_bytes=MB) is None
-    assert "above the fused op's limit" in P.check_fused(tokens=128, hidden=6144, elem_size=2, one_shot_max_bytes=MB)
+    why = P.check_fused(tokens=128, hidden=6144, elem_size=2, one_shot_max_bytes=MB)
+    assert why.code is FusedWhy.ABOVE_LIMIT and "above the fused op's limit" in why.message
     assert P.check_fused(tokens=1, hidden=16384, elem_size=4, one_shot_max_bytes=MB) is None
-    assert "exceeds" in P.check_fused(tokens=1, hidden=16385, elem_size=4, one_shot_max_bytes=MB)
+    why = P.check_fused(tokens=1, hidden=16385, elem_size=4, one_shot_max_bytes=MB)
+    assert why.code is FusedWhy.ROW_TOO_LONG and "exceeds" in why.message and str(why) == why.message
+    assert P.check_fused(tokens=0, hidden=6144, elem_size=2, one_shot_max_bytes=MB).code is FusedWhy.EMPTY
     assert P.check_fused(tokens=1, hidden=7, elem_size=2, one_shot_max_bytes=MB) is None  # odd hidden: row tail
 
 
