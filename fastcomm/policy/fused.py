@@ -73,3 +73,31 @@ def choose_fused(*, tokens: int, hidden: int, elem_size: int, world: int, host: 
     if why_two is None:
         return FusedAlgo.TWO_SHOT, None
     return None, f"{one_shot(one_shot_max_bytes).message}; fused two-shot: {why_two}"
+
+
+FUSED_CLUSTER_SETTINGS = ("auto", "on", "off")  # config.Config.fused_cluster (FASTCOMM_FUSED_CLUSTER)
+
+
+def fused_cluster_form(*, setting: str, cc_major: int, cluster_launch: bool,
+                       islands: bool) -> tuple[bool, str | None]:
+    """Whether the flat one-shot fused op runs as one thread-block cluster per row (fused_cluster.cuh), and
+    why not where ``setting`` is "on" and it cannot.
+
+    Modelled, not measured: the cluster form reads each row once per rank (its chunk per block) where the
+    block-per-split form reads it once per block, and swaps partial sums in shared memory, so it is taken
+    wherever the device launches clusters (``cluster_launch``: cudaDevAttrClusterLaunch) and is sm_90 or
+    newer. It has no island form. Ranks must all choose the same form (the two add a row's sum of squares
+    in different orders): every input here is the same on every rank of one GPU model and one setting.
+    """
+    if setting not in FUSED_CLUSTER_SETTINGS:
+        raise ValueError(f"fused cluster setting must be auto, on or off, not {setting!r}")
+    if setting == "off":
+        return False, None
+    why = None
+    if islands:
+        why = "the cluster form of the fused op has no island form"
+    elif cc_major < 9 or not cluster_launch:
+        why = f"the device cannot launch thread-block clusters (compute capability {cc_major}.x)"
+    if why is None:
+        return True, None
+    return False, (why if setting == "on" else None)

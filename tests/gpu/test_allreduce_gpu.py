@@ -84,6 +84,20 @@ def test_fused_two_shot(world, transport):
     assert (route[64] == "two_shot") == (world >= 4) and (world >= 4 or "two_shot" not in route.values()), route
 
 
+@pytest.mark.parametrize("transport", ["p2p"])
+@pytest.mark.parametrize("world", (2, 4, 8))
+def test_fused_cluster(world, transport):
+    """The fused op as one thread-block cluster per row (fused_cluster.cuh, forced on; sm_90+): every shape,
+    dtype and mode checked in the worker against the rounding contract's reference and across ranks."""
+    replays = 24
+    res = check_all_ok(run_ranks(W.fused_cluster, world, transport, replays, timeout=600))
+    print(world, transport, {k: v for k, v in res[0].items() if k != "skipped"}, len(res[0]["skipped"]), "skipped")
+    # 3 dtypes x (13 shapes x 3 modes + 2 specials), less what the buffers refuse (reported, never silent).
+    assert all(r["checked"] + 3 * len(r["skipped"]) == 3 * (13 * 3 + 2) for r in res), res[0]["skipped"]
+    assert all(r["cluster_launches"] == 3 * 13 - len(r["skipped"]) for r in res), res[0]  # none fell back
+    assert all(r["graph_replays"] == replays for r in res)
+
+
 @pytest.mark.parametrize("world,islands", [(2, ((0,), (1,))), (4, ((0, 1), (2, 3))), (8, ((0, 1, 2, 3), (4, 5, 6, 7)))])
 def test_forced_islands(world, islands):
     calls, replays = _counts(world)
