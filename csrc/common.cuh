@@ -421,13 +421,15 @@ __device__ __forceinline__ void fc_lp_gather_sum(const FcTable* t, u32 b, u64 of
   }
 }
 
-// Host transport only: wait until vector 0 of this call has arrived from every peer (one thread per
-// source). A block that gathered no vector itself uses it before clearing its own slot (see above).
+// Host transport only: wait until the vector at byte `off` of every peer's slot (vector 0 by default) of
+// this call has arrived (one thread per source). A block that gathered no vector itself uses it before
+// clearing its own slot (see above). `off` must name a vector every peer writes in every call: the
+// two-shot kernels pass their all-gather area, since not every rank writes vector 0 of the others'.
 template <class D>
-__device__ __forceinline__ void fc_lp_wait_first(const FcTable* t, u32 b, u32 step, u32 epoch) {
+__device__ __forceinline__ void fc_lp_wait_first(const FcTable* t, u32 b, u32 step, u32 epoch, u64 off = 0) {
   const u32 s = threadIdx.x;
   if (s < t->world && s != t->rank) {
-    const char* p = t->lp_pull[b][s];
+    const char* p = t->lp_pull[b][s] + off;
     if (!fc_lp_arrived<D>(fc_lp_load(p))) {
       FcDeadline dl(t->timeout_ns);
       while (!fc_lp_arrived<D>(fc_lp_load(p)))
@@ -470,13 +472,14 @@ __device__ __forceinline__ void fc_lp_clear_received(const FcTable* t, const FcL
 
 // Host: my own slot of the previous buffer is read by every peer. A block may clear its share once it has
 // seen call-c data from every peer (then every peer's call c-1 kernel is over): any thread of the block
-// that gathered a vector (`gathered`) saw all of them; a block without one waits for vector 0. Called by
-// every thread of the block, after its gathers.
+// that gathered a vector (`gathered`) saw all of them; a block without one waits for the vector at byte
+// `first_off` of every peer's slot (fc_lp_wait_first). Called by every thread of the block, after its
+// gathers.
 template <class D>
 __device__ __forceinline__ void fc_lp_clear_own_after_gather(const FcTable* t, const FcLpCall& c, bool gathered,
-                                                             u32 step) {
+                                                             u32 step, u64 first_off = 0) {
   if (!t->host) return;
-  if (!__syncthreads_or(gathered)) fc_lp_wait_first<D>(t, c.buf, step, c.epoch);
+  if (!__syncthreads_or(gathered)) fc_lp_wait_first<D>(t, c.buf, step, c.epoch, first_off);
   __syncthreads();
   fc_lp_clear(t->lp_push[c.prev][0], c.prev_bytes);
 }

@@ -204,21 +204,8 @@ __device__ __forceinline__ void fc_fused_two_shot(const FcTable* __restrict__ t,
     __syncthreads();  // smem32 is reused by the next item
   }
 
-  // Host: clear my own slot of the previous buffer once every peer's call-c data was seen (see above).
-  if (t->host) {
-    if (!__syncthreads_or(gathered)) {
-      const u32 s = threadIdx.x;
-      if (s < world && s != me) {
-        const char* p = t->lp_pull[c.buf][s] + ag_off;  // item 0 of s's part: every part is non-empty
-        if (!fc_lp_arrived<D>(fc_lp_load(p))) {
-          FcDeadline dl(t->timeout_ns);
-          while (!fc_lp_arrived<D>(fc_lp_load(p)))
-            if (dl.expired()) fc_fail(t, s, FC_STEP_FUSED_AG, c.epoch);
-        }
-      }
-    }
-    __syncthreads();
-    fc_lp_clear(t->lp_push[c.prev][0], c.prev_bytes);
-  }
+  // Host: clear my own slot of the previous buffer once every peer's call-c data was seen (see above); a
+  // block with no row waits for item 0 of every peer's part (ag_off: every part is non-empty).
+  fc_lp_clear_own_after_gather<D>(t, c, gathered, FC_STEP_FUSED_AG, ag_off);
   fc_lp_end(t, c, (u32)(ag_off + tp * FC_VEC_BYTES));
 }

@@ -8,6 +8,7 @@
 #include "fused_rmsnorm.cuh"
 #include "pull.cuh"
 #include "fused_two_shot.cuh"
+#include "fused_cluster.cuh"
 #include "p2p_check.cuh"
 
 // The fused kernel comes in K = 1, 2, 4, 8 (fc_fused_rmsnorm<K>_<dtype>), and for islands in one launch
@@ -62,6 +63,11 @@
                                char* out, char* residual_out, u32 tokens, u32 hidden, u32 cols, u32 splits,  \
                                float eps) {                                                                    \
     fc_fused_two_shot<D>(t, in, residual, weight, out, residual_out, tokens, hidden, cols, splits, eps);       \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(1024)                                                           \
+      fc_fused_cluster_##NAME(const FcTable* t, const char* in, const char* residual, const char* weight,      \
+                              char* out, char* residual_out, u32 tokens, u32 hidden, u32 splits, float eps) {  \
+    fc_fused_cluster<D>(t, in, residual, weight, out, residual_out, tokens, hidden, splits, eps);             \
   }                                                                                                            \
   FC_DEFINE_FUSED(NAME, D, 1)                                                                                  \
   FC_DEFINE_FUSED(NAME, D, 2)                                                                                  \

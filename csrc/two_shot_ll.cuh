@@ -138,21 +138,7 @@ __device__ __forceinline__ void fc_two_shot_ll_w(const FcTable* __restrict__ t, 
 
   // Host: clear my own slot of the previous buffer once this block has seen this call's data from every
   // peer (rule (2) above); a block that gathered nothing waits for each peer's first reduced vector.
-  if (host) {
-    if (!__syncthreads_or(gathered)) {
-      const u32 s = threadIdx.x;
-      if (s < W && s != me) {
-        const char* p = t->lp_pull[c.buf][s] + ag_off;  // a table load: from[] is indexed by constants only
-        if (!fc_lp_arrived<D>(fc_lp_load(p))) {
-          FcDeadline dl(t->timeout_ns);
-          while (!fc_lp_arrived<D>(fc_lp_load(p)))
-            if (dl.expired()) fc_fail(t, s, FC_STEP_AG, c.epoch);
-        }
-      }
-    }
-    __syncthreads();
-    fc_lp_clear(t->lp_push[c.prev][0], c.prev_bytes);
-  }
+  fc_lp_clear_own_after_gather<D>(t, c, gathered, FC_STEP_AG, ag_off);
   fc_lp_end(t, c, (u32)(host ? (u64)(W + 1) * sb : 2 * sb));
 }
 

@@ -163,6 +163,12 @@ FUSED_RMSNORM_ISLANDS = Kernel("fused_rmsnorm_islands", (("ti", "ptr"), ("tp", "
 FUSED_TWO_SHOT = Kernel("fused_two_shot", (("t", "ptr"), ("in", "ptr"), ("residual", "ptr"), ("weight", "ptr"),
                                            ("out", "ptr"), ("residual_out", "ptr"), ("tokens", "u32"),
                                            ("hidden", "u32"), ("cols", "u32"), ("splits", "u32"), ("eps", "f32")))
+# One thread-block cluster per row (fused_cluster.cuh, sm_90+): launched with the cluster dimension
+# (splits, 1, 1); at most FUSED_MAX_CLUSTER blocks per cluster (the portable cluster size).
+FUSED_CLUSTER = Kernel("fused_cluster", (("t", "ptr"), ("in", "ptr"), ("residual", "ptr"), ("weight", "ptr"),
+                                         ("out", "ptr"), ("residual_out", "ptr"), ("tokens", "u32"),
+                                         ("hidden", "u32"), ("splits", "u32"), ("eps", "f32")))
+FUSED_MAX_CLUSTER = 8
 P2P_CHECK = Kernel("p2p_check", (("dst", "ptr"), ("pattern", "u64"), ("count", "u32")), typed=False)
 KERNELS = (ONE_SHOT, ONE_SHOT_ISLANDS, TWO_SHOT, TWO_SHOT_LL, PULL, PULL2, FUSED_RMSNORM, FUSED_RMSNORM_ISLANDS,
-           FUSED_TWO_SHOT, P2P_CHECK, TWO_SHOT_ISLANDS)
+           FUSED_TWO_SHOT, FUSED_CLUSTER, P2P_CHECK, TWO_SHOT_ISLANDS)

@@ -147,6 +147,11 @@ VARIABLES: tuple[Var, ...] = (
         "buffers; pull reads peers' GPU memory: P2P only, an error at workspace build on the host transport; "
         "two_shot_islands: the hierarchical two-shot, an error at build without islands of 2+ ranks).",
         _choice("auto", "one_shot", "two_shot", "two_shot_ll", "pull", "two_shot_islands")),
+    Var("FASTCOMM_FUSED_CLUSTER", "fused_cluster", "off", "auto | on | off: the flat one-shot fused all-reduce + "
+        "RMSNorm as one thread-block cluster per row (sm_90+, where the device launches clusters); on: an error "
+        "where it cannot; off (the default until the cluster kernel has run on a GPU): one block per split, "
+        "every block reading the whole row.",
+        _choice("auto", "on", "off")),
     Var("FASTCOMM_ISLANDS", "islands", "", "Force a hierarchical island layout, e.g. '0,1;2,3' (equal-sized groups "
         "of ranks 0..N-1).", _islands),
     Var("FASTCOMM_MAX_BLOCKS", "max_blocks", "0", "Cap on thread blocks per kernel; 0 picks from the device.", _count),
@@ -204,6 +209,7 @@ class Config:
     one_shot_max_bytes: int | None = None   # None: 1 MiB, or max_bytes if smaller
     transport: str = "auto"
     algo: str = "auto"
+    fused_cluster: str = "off"  # FASTCOMM_FUSED_CLUSTER (policy.fused.fused_cluster_form)
     islands: tuple[tuple[int, ...], ...] | None = None
     max_blocks: int = 0
     cache_dir: Path = Path("~/.cache/fastcomm").expanduser()
@@ -225,6 +231,8 @@ class Config:
             bad("transport", f"must be one of {', '.join(TRANSPORTS)}")
         if self.algo not in ALGOS:
             bad("algo", f"must be one of {', '.join(ALGOS)}")
+        if self.fused_cluster not in ("auto", "on", "off"):
+            bad("fused_cluster", "must be one of auto, on, off")
         if self.log_level not in LOG_LEVELS:
             bad("log_level", f"must be one of {', '.join(LOG_LEVELS)}")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
@@ -263,7 +271,8 @@ class Config:
     def agreed(self) -> tuple:
         """The settings every rank of a workspace must share (compared at build)."""
         return (self.max_bytes, self.one_shot_max_bytes, self.transport, self.algo, self.islands, self.timeout_s,
-                self.p2p_check, self.test_mode, self.test_shared_gpu, self.test_break_p2p)
+                self.p2p_check, self.test_mode, self.test_shared_gpu, self.test_break_p2p,
+                self.fused_cluster)  # the fused op's form decides its sum-of-squares order
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> "Config":

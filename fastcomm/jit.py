@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 SOURCES = ("common.cuh", "one_shot.cuh", "two_shot.cuh", "two_shot_ll.cuh", "fused_rmsnorm.cuh", "pull.cuh",
-           "fused_two_shot.cuh", "p2p_check.cuh", "two_shot_islands.cuh",
+           "fused_two_shot.cuh", "fused_cluster.cuh", "p2p_check.cuh", "two_shot_islands.cuh",
            "kernels.cu")
 ENTRY = "kernels.cu"
 OPTIONS = ("-std=c++17", "-default-device")

@@ -7,13 +7,16 @@ pure functions in ``policy``, kernel parameters are packed from ``abi``'s kernel
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
-from . import abi, policy
+from . import abi, cluster, policy
 from .abi import FLAT, ISLAND, PARTNER
 from .errors import FastcommError
 from .policy import Algo, Transport
+from .policy.fused import fused_cluster_form
+from .policy.launch import fused_cluster_launch
 from .workspace import Workspace, dtype_name, get
 
 
@@ -100,6 +103,40 @@ def _fused(ws: Workspace, table: int, x: torch.Tensor, residual, weight, out, re
             residual.data_ptr() if residual is not None else 0, weight.data_ptr(), out.data_ptr(),
             residual_out.data_ptr() if residual_out is not None else 0, tokens, hidden, lc.splits, eps,
             variant=str(lc.k))
+
+
+def _cluster_form(ws: Workspace) -> bool:
+    """policy.fused.fused_cluster_form for this workspace (FASTCOMM_FUSED_CLUSTER and the device)."""
+    major, can = cluster.device_supports_clusters(ws.device_index)
+    use, why = fused_cluster_form(setting=ws.config.fused_cluster, cc_major=major, cluster_launch=can,
+                                  islands=ws.plan.islands is not None)
+    if why is not None:
+        raise FastcommError(f"FASTCOMM_FUSED_CLUSTER=on: {why}")
+    return use
+
+
+def _fused_cluster(ws: Workspace, x: torch.Tensor, residual, weight, out, residual_out, eps: float) -> bool:
+    """fused_cluster.cuh on the flat group; False (nothing launched) where not one cluster of the shape can
+    be resident. Rows split whatever aliases what (each block reads only its chunk's residual)."""
+    hidden = x.shape[-1]
+    tokens = x.numel() // hidden
+    fn = ws.function(abi.FUSED_CLUSTER, dtype_name(x.dtype))
+    shape = fused_cluster_launch(tokens, hidden, x.element_size(), ws.plan.max_blocks)
+    resident = _resident_clusters(fn, shape.block, shape.splits)
+    if resident < 1:
+        return False
+    lc = fused_cluster_launch(tokens, hidden, x.element_size(), ws.plan.max_blocks, resident)
+    packed = abi.FUSED_CLUSTER.pack(ws.tables[FLAT], x.data_ptr(), residual.data_ptr() if residual is not None else 0,
+                                    weight.data_ptr(), out.data_ptr(),
+                                    residual_out.data_ptr() if residual_out is not None else 0, tokens, hidden,
+                                    lc.splits, eps)
+    cluster.launch(fn, lc.grid, lc.block, lc.splits, ws.stream(), packed.address)
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _resident_clusters(fn: int, block: int, splits: int) -> int:
+    return cluster.max_active_clusters(fn, block, splits)
 
 
 def _fused_two_shot(ws: Workspace, x: torch.Tensor, residual, weight, out, residual_out, eps: float) -> None:
@@ -224,7 +261,7 @@ def fused_all_reduce_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, 
             # One launch: the island sum (rounded to the dtype) crosses to the partners, then the norm.
             _fused(ws, ws.tables[PARTNER], x, residual, weight, out, residual_out, float(eps),
                    island_table=ws.tables[ISLAND])
-        else:
+        elif not (_cluster_form(ws) and _fused_cluster(ws, x, residual, weight, out, residual_out, float(eps))):
             _fused(ws, ws.tables[FLAT], x, residual, weight, out, residual_out, float(eps))
     return out, residual_out
 

@@ -10,6 +10,7 @@ from fastcomm import policy as P
 from fastcomm.jit import source_dir
 from fastcomm.policy import LinkType, wire_bytes
 from fastcomm.policy.fused import FUSED_TWO_SHOT_MAX_TOKENS, FusedAlgo, choose_fused
+from fastcomm.policy.checks import FusedRefusal, FusedWhy
 from fastcomm.policy.launch import fused_two_shot_slot_bytes, two_shot_cut
 
 KB, MB = 1024, 1 << 20
@@ -100,6 +101,34 @@ def test_policy_without_the_range_runs_what_fits_and_forcing_picks_the_kernel():
     assert _choose(1, hidden=16, forced="two_shot")[0] is None
     with pytest.raises(ValueError):
         _choose(1, forced="nccl")
+
+
+def test_policy_refusals_keep_their_messages():
+    # A shape the one-shot kernel cannot take (too long a row, nothing to do) is reported as check_fused
+    # words it; an input merely outside the modelled range gets the range sentence instead.
+    row = _choose(1, hidden=40000, elem_size=4, world=2)
+    assert row == (None, P.check_fused(tokens=1, hidden=40000, elem_size=4, one_shot_max_bytes=MB).message)
+    assert row[1].startswith("a row of 40000 elements")
+    assert _choose(0) == (None, "empty input") and _choose(1, hidden=0, world=2) == (None, "empty input")
+    algo, why = _choose(8, world=2)
+    assert algo is None and why.startswith("8 tokens x 6144 is outside the fused op's range here")
+    assert _choose(128, forced="one_shot") == (None, P.check_fused(tokens=128, hidden=6144, elem_size=2,
+                                                                    one_shot_max_bytes=MB).message)
+    algo, why = _choose(1024, within_policy=False)
+    assert why.startswith("1024 tokens x 6144 (") and "; fused two-shot: " in why
+
+
+@pytest.mark.parametrize("code,range_sentence", [(FusedWhy.ROW_TOO_LONG, False), (FusedWhy.EMPTY, False),
+                                                 (FusedWhy.ABOVE_LIMIT, True)])
+def test_policy_branches_on_the_refusal_code_not_its_text(monkeypatch, code, range_sentence):
+    # The same words under every code: only the code can steer the choice.
+    from fastcomm.policy import fused
+
+    monkeypatch.setattr(fused, "check_fused", lambda **kw: FusedRefusal(code, "some words"))
+    algo, why = _choose(8, world=2)
+    assert algo is None
+    assert (why == "some words") is not range_sentence
+    assert ("outside the fused op's range" in why) is range_sentence
 
 
 def test_plan_describes_the_two_shot_range():

@@ -1,6 +1,9 @@
 """Can this input run on fastcomm at all? A reason string when not (the same on every rank), else None."""
 from __future__ import annotations
 
+import dataclasses
+import enum
+
 from ..abi import ALIGN, FTS_K, FUSED_THREADS, FUSED_VARIANTS, PACKET_PAYLOAD
 from .launch import fused_two_shot_slot_bytes, packets_for, two_shot_cut
 
@@ -27,17 +30,35 @@ def check_tensor(*, is_cuda: bool, device_index: int | None, ws_device_index: in
     return None
 
 
-def check_fused(*, tokens: int, hidden: int, elem_size: int, one_shot_max_bytes: int) -> str | None:
+class FusedWhy(enum.Enum):
+    """Why the one-shot fused op refuses an input. Callers branch on this, never on the message's text."""
+    EMPTY = "empty"              # no token or no column
+    ROW_TOO_LONG = "row"         # one row is longer than the kernel covers, at any token count
+    ABOVE_LIMIT = "limit"        # the whole input is above the byte limit it was checked against
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedRefusal:
+    code: FusedWhy
+    message: str  # one line for the user
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def check_fused(*, tokens: int, hidden: int, elem_size: int, one_shot_max_bytes: int) -> FusedRefusal | None:
     """Why the fused all-reduce + RMSNorm cannot run, or None. It rides on the one-shot buffers."""
     if hidden <= 0 or tokens <= 0:
-        return "empty input"
+        return FusedRefusal(FusedWhy.EMPTY, "empty input")
     row_bytes = packets_for(hidden * elem_size) * PACKET_PAYLOAD
     if row_bytes > FUSED_MAX_ROW_BYTES:
-        return f"a row of {hidden} elements ({row_bytes} bytes) exceeds the fused kernel's {FUSED_MAX_ROW_BYTES} bytes"
+        return FusedRefusal(FusedWhy.ROW_TOO_LONG, f"a row of {hidden} elements ({row_bytes} bytes) exceeds the "
+                                                   f"fused kernel's {FUSED_MAX_ROW_BYTES} bytes")
     if tokens * row_bytes > one_shot_max_bytes:
-        return (f"{tokens} tokens x {hidden} ({tokens * row_bytes} bytes) is above the fused op's limit of "
-                f"{one_shot_max_bytes} bytes here (routing: the one-shot's range at this world size and transport; "
-                "otherwise the one-shot buffers)")
+        return FusedRefusal(FusedWhy.ABOVE_LIMIT,
+                            f"{tokens} tokens x {hidden} ({tokens * row_bytes} bytes) is above the fused op's limit "
+                            f"of {one_shot_max_bytes} bytes here (routing: the one-shot's range at this world size "
+                            "and transport; otherwise the one-shot buffers)")
     return None
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 
 from ..units import format_size
-from .checks import check_fused, check_fused_two_shot
+from .checks import FusedRefusal, FusedWhy, check_fused, check_fused_two_shot
 
 FUSED_TWO_SHOT_MIN_WORLD = 4
 FUSED_TWO_SHOT_MAX_TOKENS = 64
@@ -35,7 +35,7 @@ def choose_fused(*, tokens: int, hidden: int, elem_size: int, world: int, host: 
     at all (the one-shot's buffers, then the two-shot's). ``forced`` ("one_shot" / "two_shot"): that kernel
     wherever it can run (tests, benchmarks). ``islands``: the plan has islands; the two-shot form is flat only.
     """
-    def one_shot(limit: int) -> str | None:
+    def one_shot(limit: int) -> FusedRefusal | None:
         return check_fused(tokens=tokens, hidden=hidden, elem_size=elem_size, one_shot_max_bytes=limit)
 
     def two_shot() -> str | None:
@@ -48,7 +48,7 @@ def choose_fused(*, tokens: int, hidden: int, elem_size: int, world: int, host: 
         raise ValueError(f"fused algo must be auto, one_shot or two_shot, not {forced!r}")
     if forced == "one_shot":
         why = one_shot(one_shot_max_bytes)
-        return (None, why) if why else (FusedAlgo.ONE_SHOT, None)
+        return (None, why.message) if why else (FusedAlgo.ONE_SHOT, None)
     if forced == "two_shot":
         why = two_shot()
         return (None, why) if why else (FusedAlgo.TWO_SHOT, None)
@@ -60,8 +60,8 @@ def choose_fused(*, tokens: int, hidden: int, elem_size: int, world: int, host: 
     if why_two is None and world >= FUSED_TWO_SHOT_MIN_WORLD and tokens <= FUSED_TWO_SHOT_MAX_TOKENS:
         return FusedAlgo.TWO_SHOT, None
     if within_policy:
-        if why_one.startswith("a row") or why_one == "empty input":
-            return None, why_one
+        if why_one.code in (FusedWhy.ROW_TOO_LONG, FusedWhy.EMPTY):  # the shape, not the range: say so as is
+            return None, why_one.message
         span = f"the one-shot fused op to {format_size(fused_max_bytes)}"
         if world >= FUSED_TWO_SHOT_MIN_WORLD and not islands:
             span += f", the two-shot one to {FUSED_TWO_SHOT_MAX_TOKENS} tokens within its buffers"
@@ -72,4 +72,32 @@ def choose_fused(*, tokens: int, hidden: int, elem_size: int, world: int, host: 
         return FusedAlgo.ONE_SHOT, None
     if why_two is None:
         return FusedAlgo.TWO_SHOT, None
-    return None, f"{one_shot(one_shot_max_bytes)}; fused two-shot: {why_two}"
+    return None, f"{one_shot(one_shot_max_bytes).message}; fused two-shot: {why_two}"
+
+
+FUSED_CLUSTER_SETTINGS = ("auto", "on", "off")  # config.Config.fused_cluster (FASTCOMM_FUSED_CLUSTER)
+
+
+def fused_cluster_form(*, setting: str, cc_major: int, cluster_launch: bool,
+                       islands: bool) -> tuple[bool, str | None]:
+    """Whether the flat one-shot fused op runs as one thread-block cluster per row (fused_cluster.cuh), and
+    why not where ``setting`` is "on" and it cannot.
+
+    Modelled, not measured: the cluster form reads each row once per rank (its chunk per block) where the
+    block-per-split form reads it once per block, and swaps partial sums in shared memory, so it is taken
+    wherever the device launches clusters (``cluster_launch``: cudaDevAttrClusterLaunch) and is sm_90 or
+    newer. It has no island form. Ranks must all choose the same form (the two add a row's sum of squares
+    in different orders): every input here is the same on every rank of one GPU model and one setting.
+    """
+    if setting not in FUSED_CLUSTER_SETTINGS:
+        raise ValueError(f"fused cluster setting must be auto, on or off, not {setting!r}")
+    if setting == "off":
+        return False, None
+    why = None
+    if islands:
+        why = "the cluster form of the fused op has no island form"
+    elif cc_major < 9 or not cluster_launch:
+        why = f"the device cannot launch thread-block clusters (compute capability {cc_major}.x)"
+    if why is None:
+        return True, None
+    return False, (why if setting == "on" else None)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..abi import (ALIGN, FTS_K, FUSED_MAX_SPLITS, FUSED_THREADS, FUSED_VARIANTS, MAX_BLOCKS, ONE_SHOT_THREADS,
+from ..abi import (ALIGN, FTS_K, FUSED_MAX_CLUSTER, FUSED_MAX_SPLITS, FUSED_THREADS, FUSED_VARIANTS, MAX_BLOCKS, ONE_SHOT_THREADS,
                    PACKET_BYTES, PACKET_PAYLOAD, PULL_THREADS, TWO_SHOT_THREADS, VEC_BYTES)
 
 
@@ -132,6 +132,24 @@ def fused_launch(tokens: int, hidden: int, elem_size: int, max_blocks: int, *, s
     block = min(FUSED_THREADS, max(32, round_up(cdiv(span, k), 32)))
     rows_per_round = max(1, min(tokens, max_blocks // splits))
     return Launch(rows_per_round * splits, block, splits=splits, k=k)
+
+
+def fused_cluster_launch(tokens: int, hidden: int, elem_size: int, max_blocks: int,
+                         resident_clusters: int | None = None) -> Launch:
+    """fused_cluster.cuh: a cluster of ``splits`` blocks per row, each block reading only its chunk, so a
+    block needs only a chunk's vectors (about one per thread) and rows may be split whatever aliases what.
+
+    ``splits`` (the cluster size) is at most FUSED_MAX_CLUSTER; the grid is whole rounds of rows, at most
+    max_blocks and ``resident_clusters`` clusters (cuOccupancyMaxActiveClusters for this block and cluster
+    size: every block must be resident, a block waits on the previous row's block for a straddling vector).
+    Call it without ``resident_clusters`` for the block and cluster size to ask about.
+    """
+    span = fused_row_vectors(hidden, elem_size)
+    splits = max(1, min(cdiv(span, FUSED_SPLIT_VECTORS), FUSED_MAX_CLUSTER, max(1, max_blocks // max(tokens, 1))))
+    block = min(FUSED_THREADS, max(32, round_up(cdiv(span, splits), 32)))
+    rows_per_round = max(1, min(tokens, max(1, max_blocks // splits),
+                                resident_clusters if resident_clusters is not None else tokens))
+    return Launch(rows_per_round * splits, block, splits=splits)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -116,6 +116,9 @@ def lookup_rules(table: dict[PolicyKey, tuple[Rule, ...]], transport: Transport,
 # one more flag round (three, against two). The one-shot keeps its range (its island form also crosses
 # once). Islands of one rank have nothing to reduce inside: the flat two-shot stays.
 _ISLAND_FORM = {Algo.TWO_SHOT: Algo.TWO_SHOT_ISLANDS, Algo.TWO_SHOT_LL: Algo.TWO_SHOT_ISLANDS}
+# Off until the kernel has run on a GPU (tests/gpu/test_allreduce_gpu.py::test_two_shot_islands): "auto" keeps
+# the flat two-shots with islands; FASTCOMM_ALGO=two_shot_islands runs it.
+ISLAND_TWO_SHOT_BY_DEFAULT = False
 
 
 def choose_algo(nbytes: int, rules: Sequence[Rule], *, one_shot_max_bytes: int, max_bytes: int,
@@ -135,7 +138,7 @@ def choose_algo(nbytes: int, rules: Sequence[Rule], *, one_shot_max_bytes: int, 
         algo = Algo(forced)
         return Algo.NCCL if nbytes > limit.get(algo, max_bytes) else algo
     algo = _table_algo(nbytes, rules, limit, max_bytes)
-    return _ISLAND_FORM.get(algo, algo) if island_size >= 2 else algo
+    return _ISLAND_FORM.get(algo, algo) if island_size >= 2 and ISLAND_TWO_SHOT_BY_DEFAULT else algo
 
 
 def _table_algo(nbytes: int, rules: Sequence[Rule], limit: dict, max_bytes: int) -> Algo:

@@ -327,7 +327,7 @@ def _check_fused_result(what, out, rout, ref_out, ref_z):
     return err
 
 
-def _fused_two_shot_specials(ws, dtype):
+def _fused_two_shot_specials(ws, dtype, algo="two_shot"):
     """-0.0, +-inf, NaN and the sentinel's bit pattern through fused_two_shot. Rows 0-2 give inv_rms values
     whose use is exact (z = -0, inv = 0, NaN), so their outputs must be the reference's bits; row 3 is
     ordinary (rsqrtf: the usual ulp allowance)."""
@@ -343,9 +343,9 @@ def _fused_two_shot_specials(ws, dtype):
     w = torch.ones(1000, dtype=dtype, device=dev)
     ar = _ordered_sum(x)
     for r in (None, torch.cat([torch.full((1, 1000), -0.0), torch.full((3, 1000), 0.5)]).to(dtype).to(dev)):
-        out, rout = fastcomm.fused_all_reduce_rmsnorm(x, w, 1e-5, ws, residual=r, algo="two_shot")
+        out, rout = fastcomm.fused_all_reduce_rmsnorm(x, w, 1e-5, ws, residual=r, algo=algo)
         ref_out, ref_z = rmsnorm_ref(ar, r, w, 1e-5)
-        what = f"fused two-shot {dtype} specials (residual {r is not None})"
+        what = f"fused {algo} {dtype} specials (residual {r is not None})"
         assert _bits_match(rout, ref_z) and _bits_match(out[:3], ref_out[:3]), \
             f"{what}: {out[:3, :8].tolist()} against {ref_out[:3, :8].tolist()}"
         assert ulp_stats(out[3], ref_out[3])[0] <= _FUSED_BOUNDS[dtype][0], what
@@ -447,6 +447,102 @@ def fused_two_shot(rank, world, gloo, transport, replays):
                                                       1e-5, ws)
         assert torch.equal(rout, torch.full_like(auto_x, world)) and torch.equal(out, torch.ones_like(auto_x))
         found["graph_replays"] = _fused_two_shot_graph(ws, replays)
+        torch.cuda.synchronize()
+    return found
+
+
+def _fused_cluster_graph(ws, replays):
+    """One graph holding a one-shot all-reduce and the cluster fused op at 8 x 6144 and 3 x 1001 (a row not
+    16-byte aligned: vectors straddle rows), replayed with new small-integer inputs, every result checked."""
+    dev = ws.device
+    rank, world = dist.get_rank(), dist.get_world_size()
+    a = torch.zeros(6144, dtype=torch.bfloat16, device=dev)
+    shapes = ((8, 6144), (3, 1001))
+    xs = [torch.zeros(t, h, dtype=torch.bfloat16, device=dev) for t, h in shapes]
+    rs = [torch.zeros_like(x) for x in xs]
+    ws_ = [(torch.arange(h, device=dev) % 3 + 1).to(torch.bfloat16) for _, h in shapes]
+    s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fastcomm.all_reduce(a, ws, algo="one_shot")
+        for x, r, w in zip(xs, rs, ws_):
+            fastcomm.fused_all_reduce_rmsnorm(x, w, 1e-5, ws, residual=r, algo="one_shot")
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            oa = fastcomm.all_reduce(a, ws, algo="one_shot")
+            outs = [fastcomm.fused_all_reduce_rmsnorm(x, w, 1e-5, ws, residual=r, algo="one_shot")
+                    for x, r, w in zip(xs, rs, ws_)]
+    torch.cuda.current_stream().wait_stream(s)
+    ar = torch.arange(6144, device=dev)
+    checked = 0
+    for i in range(replays):
+        a.copy_(((ar + i) % 5 - 2).to(torch.bfloat16) * (rank + 1))
+        for x, r in zip(xs, rs):
+            grid = torch.arange(x.numel(), device=dev).view_as(x)
+            x.copy_(((grid * (i + 1)) % 7 - 3).to(torch.bfloat16))  # small integers: every sum exact
+            r.copy_(((grid + i) % 5 - 2).to(torch.bfloat16))
+        g.replay()
+        torch.cuda.current_stream().synchronize()
+        assert torch.equal(oa, (((ar + i) % 5 - 2) * (world * (world + 1) // 2)).to(torch.bfloat16)), f"replay {i}"
+        for (o, ro), x, r, w in zip(outs, xs, rs, ws_):
+            ref_out, ref_z = rmsnorm_ref((x.float() * world).to(torch.bfloat16), r, w, 1e-5)
+            _check_fused_result(f"graph replay {i} (cluster {tuple(x.shape)})", o, ro, ref_out, ref_z)
+        checked += 1
+    return checked
+
+
+def fused_cluster(rank, world, gloo, transport, replays):
+    """fused_cluster.cuh (FASTCOMM_FUSED_CLUSTER=on: one thread-block cluster per row) against the fused
+    op's rounding contract (rmsnorm_ref over the rank-ordered sum) and bit for bit across ranks: tokens 1-8
+    x 6144 and odd rows, every dtype, with and without a residual, in place, specials, graph replays."""
+    global _CPU_GROUP, _ISLANDS
+    _CPU_GROUP, _ISLANDS = gloo, None
+    from fastcomm import abi, ops
+    from fastcomm.policy.launch import fused_cluster_launch
+    from fastcomm.workspace import dtype_name
+
+    with fastcomm.Workspace(gloo, transport=transport, max_bytes=1 << 20, one_shot_max_bytes=1 << 20,
+                            fused_cluster="on") as ws:
+        dev = ws.device
+        assert ops._cluster_form(ws), "FASTCOMM_FUSED_CLUSTER=on did not choose the cluster form"
+        found = {"describe": ws.describe(), "checked": 0, "cluster_launches": 0, "skipped": [], "worst_ulps": 0.0}
+        shapes = [(t, 6144) for t in range(1, 9)] + [(3, 4099), (5, 7), (2, 1001), (1, 1), (2, 16384)]
+        for dtype in DTYPES:
+            for tokens, hidden in shapes:
+                x = torch.empty(tokens, hidden, dtype=dtype, device=dev)
+                kernel, why = ws.fused_route(x, within_policy=False, algo="one_shot")
+                if kernel is None:
+                    found["skipped"].append(f"{dtype} {tokens}x{hidden}: {why}")
+                    continue
+                # The launch ops makes: one cluster of the shape must fit, else ops falls back (counted here).
+                lc = fused_cluster_launch(tokens, hidden, x.element_size(), ws.plan.max_blocks)
+                fn = ws.function(abi.FUSED_CLUSTER, dtype_name(dtype))
+                found["cluster_launches"] += ops._resident_clusters(fn, lc.block, lc.splits) >= 1
+                g = torch.Generator(device="cpu").manual_seed(tokens * hidden + 5)
+                x = torch.randn(tokens, hidden, generator=g).to(dtype).to(dev) * (rank + 1)
+                resid = torch.randn(tokens, hidden, generator=g).to(dtype).to(dev)
+                w = (torch.rand(hidden, generator=g) + 0.5).to(dtype).to(dev)
+                x_before = x.clone()
+                ar = _ordered_sum(x)
+                for mode in ("residual", "no residual", "in place"):
+                    what = f"fused cluster {dtype} {tokens}x{hidden} {mode}"
+                    r = None if mode == "no residual" else resid.clone()
+                    if mode == "in place":
+                        xi = x.clone()
+                        out, rout = fastcomm.fused_all_reduce_rmsnorm(xi, w, 1e-5, ws, residual=r, out=xi,
+                                                                      residual_out=r, algo="one_shot")
+                        assert out.data_ptr() == xi.data_ptr() and rout.data_ptr() == r.data_ptr()
+                    else:
+                        out, rout = _poisoned(x), _poisoned(x)
+                        fastcomm.fused_all_reduce_rmsnorm(x, w, 1e-5, ws, residual=r, out=out, residual_out=rout,
+                                                          algo="one_shot")
+                        assert torch.equal(x, x_before) and (r is None or torch.equal(r, resid)), f"{what}: input changed"
+                    ref_out, ref_z = rmsnorm_ref(ar, None if mode == "no residual" else resid, w, 1e-5)
+                    found["worst_ulps"] = max(found["worst_ulps"], _check_fused_result(what, out, rout, ref_out, ref_z))
+                    found["checked"] += 1
+            _fused_two_shot_specials(ws, dtype, algo="one_shot")
+            found["checked"] += 2
+        found["graph_replays"] = _fused_cluster_graph(ws, replays)
         torch.cuda.synchronize()
     return found
 
