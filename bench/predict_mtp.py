@@ -16,8 +16,10 @@ It is a model, labelled as one; every input is named in its output:
 - the per-token increment on 8 GPUs: either scaled from the H200's by the bytes each GPU reads (1/8 of the
   weights) and the bandwidth ratio (1.79 / 4.8 TB/s) -- if that increment is bandwidth-bound -- or kept as
   measured on the H200 -- if it is bound by per-token launches, which TP does not shrink. Both are shown.
-- the draft: one MTP block (one decoder layer's share of the step) plus the LM head it reads, and its three
-  all-reduces; the acceptance length L of published GLM-5 MTP runs (2.2-2.8 at 3 draft tokens), turned into
+- the draft: its cost as a share of a plain step, measured on the H200 (the MTP record: a 3-draft run whose
+  random weights accept nothing, so each step is 3 drafts plus a 4-token verify; the 4-request step of the
+  sweep stands for the verify, the rest is the drafts), else estimated as one decoder layer's share plus the
+  LM head it reads; plus its three all-reduces; the acceptance length L of published GLM-5 MTP runs (2.2-2.8 at 3 draft tokens), turned into
   a per-draft acceptance rate a with L = (1 - a^(k+1)) / (1 - a), so other k follow from the same a.
 """
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 from fastcomm.policy import wire_bytes
 
 RECORD = Path(__file__).resolve().parent / "results" / "2026-12-01-h200x1-gguf-78L-tp1-decode.json"
+MTP_RECORD = Path(__file__).resolve().parent / "results" / "2026-12-01-h200x1-gguf-78L-mtp3-tp1-decode.json"
 
 HIDDEN = 6144
 LAYERS = 78
@@ -85,20 +88,47 @@ def expected_length(a: float, k: int) -> float:
     return float(k + 1) if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
 
 
-def predict(fit: Fit, k: int, length: float, *, scaled: bool) -> dict:
-    """Single-request tok/s on 8 x RTX PRO 6000 with fastcomm for k draft tokens (k = 0: no MTP)."""
+ESTIMATED_DRAFT_SHARE = 1 / LAYERS + HEAD_SHARE   # one decoder layer and the LM head, of a plain step
+
+
+@dataclasses.dataclass(frozen=True)
+class MtpRun:
+    k: int                 # draft tokens per step
+    step_ms: float         # one whole step (drafts + verify): TPOT x tokens per step
+    tokens_per_step: float
+
+
+def mtp_run_from(record: dict) -> MtpRun:
+    """The measured MTP step of a bench-decode record (its single-request row)."""
+    row = next(iter(record["results"].values()))["single"]
+    spec = row["spec_decode"]
+    return MtpRun(record["meta"]["mtp"], row["tpot_ms"] * spec["tokens_per_step"], spec["tokens_per_step"])
+
+
+def draft_share(points: dict[int, float], run: MtpRun) -> float:
+    """One draft's cost as a share of a plain step: the measured MTP step less the (k + 1)-token verify (the
+    sweep's step at k + 1 requests), over k drafts, over the 1-request step."""
+    if run.k + 1 not in points or 1 not in points:
+        raise ValueError(f"the sweep has no step at 1 and {run.k + 1} requests to set the MTP run against")
+    return (run.step_ms - points[run.k + 1]) / run.k / points[1]
+
+
+def predict(fit: Fit, k: int, length: float, *, scaled: bool, share: float = ESTIMATED_DRAFT_SHARE) -> dict:
+    """Single-request tok/s on 8 x RTX PRO 6000 with fastcomm for k draft tokens (k = 0: no MTP); ``share``:
+    one draft's cost as a share of a plain step."""
     compute_1 = BRIEF_STEP_MS - ALLREDUCES_PER_STEP * BRIEF_AR_US / 1e3     # ~17 ms, not all-reduce
     per_token = fit.per_token_ms * ((1 / 8) * (H200_TBPS / RTX_PRO_6000_TBPS) if scaled else 1.0)
     verify = compute_1 + k * per_token + ALLREDUCES_PER_STEP * allreduce_us(k + 1) / 1e3
-    draft = compute_1 * (1 / LAYERS + HEAD_SHARE) + ALLREDUCES_PER_DRAFT * allreduce_us(1) / 1e3
+    draft = compute_1 * share + ALLREDUCES_PER_DRAFT * allreduce_us(1) / 1e3
     step = verify + k * draft
     tokens = length if k else 1.0
     return {"k": k, "acceptance_length": round(tokens, 2), "verify_ms": round(verify, 2),
             "draft_ms": round(k * draft, 2), "step_ms": round(step, 2), "tok_s": round(tokens / step * 1e3, 1)}
 
 
-def table(points: dict[int, float]) -> list[str]:
+def table(points: dict[int, float], run: MtpRun | None = None) -> list[str]:
     fit = fit_step(points)
+    share = ESTIMATED_DRAFT_SHARE if run is None else draft_share(points, run)
     lines = [f"# MODEL, not a measurement. H200 step times (ms) by tokens per step: "
              + ", ".join(f"{c}: {points[c]:.1f}" for c in sorted(points))
              + f"; fit over 1-4: {fit.base_ms:.1f} + (c - 1) x {fit.per_token_ms:.1f}",
@@ -108,12 +138,17 @@ def table(points: dict[int, float]) -> list[str]:
              f"{allreduce_us(4):.1f} us at 4",
              "| per-token increment on 8 GPUs | k | L | verify ms | drafts ms | step ms | tok/s |",
              "|---|---|---|---|---|---|---|"]
+    if run is not None:
+        lines.insert(2, f"# measured H200 MTP step, k={run.k}: {run.step_ms:.1f} ms = {run.step_ms / points[1]:.2f}x a "
+                        f"plain step ({run.tokens_per_step:.2f} tokens per step); less the {run.k + 1}-token verify "
+                        f"({points[run.k + 1]:.1f} ms): {share:.3f} of a plain step per draft (estimate without "
+                        f"it: {ESTIMATED_DRAFT_SHARE:.3f})")
     for scaled in (True, False):
         label = "bandwidth-scaled (/8, x 4.8/1.79)" if scaled else "as on the H200 (launch-bound)"
         for k in range(PUBLISHED_K + 1):
             for L in ((1.0,) if k == 0 else PUBLISHED_L):
                 length = expected_length(acceptance_rate(L, PUBLISHED_K), k) if k else 1.0
-                r = predict(fit, k, length, scaled=scaled)
+                r = predict(fit, k, length, scaled=scaled, share=share)
                 lines.append(f"| {label} | {k} | {r['acceptance_length']} | {r['verify_ms']} | {r['draft_ms']} | "
                              f"{r['step_ms']} | {r['tok_s']} |")
     return lines
@@ -127,8 +162,11 @@ def points_from(record: dict) -> dict[int, float]:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m fastcomm_bench.predict_mtp", description=__doc__.split("\n\n")[0])
     p.add_argument("record", nargs="?", default=str(RECORD), help="bench-decode record of the GGUF at TP 1")
+    p.add_argument("--mtp-record", default=str(MTP_RECORD),
+                   help="bench-decode record of the same GGUF with MTP (one request); 'none': estimate the drafts")
     a = p.parse_args(argv)
-    print("\n".join(table(points_from(json.loads(Path(a.record).read_text())))))
+    run = None if a.mtp_record == "none" else mtp_run_from(json.loads(Path(a.mtp_record).read_text()))
+    print("\n".join(table(points_from(json.loads(Path(a.record).read_text())), run)))
 
 
 if __name__ == "__main__":

@@ -40,3 +40,22 @@ def test_prediction_grows_with_drafts_and_the_table_labels_itself_a_model():
 def test_committed_record_feeds_the_model():
     points = M.points_from(__import__("json").loads(M.RECORD.read_text()))
     assert sorted(points) == [1, 2, 3, 4, 8] and all(v > 0 for v in points.values())
+
+
+def test_measured_mtp_step_sets_the_draft_cost():
+    points = {1: 24.8, 2: 36.2, 3: 55.0, 4: 58.5}
+    run = M.MtpRun(k=3, step_ms=64.5, tokens_per_step=1.0)
+    assert M.draft_share(points, run) == pytest.approx(2.0 / 24.8)   # (64.5 - 58.5) / 3 drafts / 24.8
+    fit = M.fit_step(points)
+    cheap = M.predict(fit, 3, 2.5, scaled=True)
+    dear = M.predict(fit, 3, 2.5, scaled=True, share=M.draft_share(points, run))
+    assert dear["verify_ms"] == cheap["verify_ms"] and dear["draft_ms"] > cheap["draft_ms"]
+    lines = M.table(points, run)
+    assert any(line.startswith("# measured H200 MTP step, k=3: 64.5 ms") for line in lines)
+    with pytest.raises(ValueError, match="no step at 1 and 4"):
+        M.draft_share({1: 24.8, 2: 36.2}, run)
+
+
+def test_committed_mtp_record_is_a_three_draft_step():
+    run = M.mtp_run_from(__import__("json").loads(M.MTP_RECORD.read_text()))
+    assert run.k == 3 and run.step_ms > 0 and run.tokens_per_step >= 1.0
