@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import abi, jit
+from . import abi, cluster, jit
 from .config import Config
 from .errors import FastcommError
 from .policy import Facts, LinkType, islands, worst_link
@@ -80,7 +80,7 @@ def gather_facts(hs: Handshake, device_index: int, config: Config) -> Facts:
     props = torch.cuda.get_device_properties(device_index)
     visible = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
     me = dict(host=socket.gethostname(), pid=os.getpid(), uuid=str(props.uuid), settings=config.agreed(),
-              visible=visible, sms=props.multi_processor_count)
+              visible=visible, sms=props.multi_processor_count, clusters=_cluster_support(device_index))
     infos = hs.gather(me)
     if len({i["host"] for i in infos}) != 1:
         raise FastcommError("fastcomm workspaces span one node only; ranks are on "
@@ -121,7 +121,17 @@ def gather_facts(hs: Handshake, device_index: int, config: Config) -> Facts:
     tuned, source = _read_tune_cache(hs, config, choose_transport(all_p2p, config.transport).value, link,
                                      device_index)
     return Facts(world_size=hs.world_size, all_p2p=all_p2p, link=link, probed_islands=probed,
-                 num_sms=min(i["sms"] for i in infos), tuned_rules=tuned, rules_source=source, p2p_note=check_note)
+                 num_sms=min(i["sms"] for i in infos), tuned_rules=tuned, rules_source=source, p2p_note=check_note,
+                 cc_major=min(i["clusters"][0] for i in infos), cluster_launch=all(i["clusters"][1] for i in infos))
+
+
+def _cluster_support(device_index: int) -> tuple[int, bool]:
+    """(compute capability major, launches thread-block clusters) of this rank's device; (0, False) where the
+    driver cannot say (then no rank uses the cluster form)."""
+    try:
+        return cluster.device_supports_clusters(device_index)
+    except Exception:  # a driver without the attribute or entry point: the block-per-split form serves
+        return 0, False
 
 
 CHECK_STORES = 64  # 16-byte stores per (source, destination): 1 KiB, enough to see a path that drops writes

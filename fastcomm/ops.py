@@ -15,7 +15,6 @@ from . import abi, cluster, policy
 from .abi import FLAT, ISLAND, PARTNER
 from .errors import FastcommError
 from .policy import Algo, Transport
-from .policy.fused import fused_cluster_form
 from .policy.launch import fused_cluster_launch
 from .workspace import Workspace, dtype_name, get
 
@@ -106,13 +105,8 @@ def _fused(ws: Workspace, table: int, x: torch.Tensor, residual, weight, out, re
 
 
 def _cluster_form(ws: Workspace) -> bool:
-    """policy.fused.fused_cluster_form for this workspace (FASTCOMM_FUSED_CLUSTER and the device)."""
-    major, can = cluster.device_supports_clusters(ws.device_index)
-    use, why = fused_cluster_form(setting=ws.config.fused_cluster, cc_major=major, cluster_launch=can,
-                                  islands=ws.plan.islands is not None)
-    if why is not None:
-        raise FastcommError(f"FASTCOMM_FUSED_CLUSTER=on: {why}")
-    return use
+    """Whether the fused op runs in its cluster form: the plan's choice, agreed by every rank at build."""
+    return ws.plan.fused_cluster
 
 
 def _fused_cluster(ws: Workspace, x: torch.Tensor, residual, weight, out, residual_out, eps: float) -> bool:

@@ -85,19 +85,27 @@ def test_kernel_is_mirrored_and_guarded_for_older_gpus():
     assert "barrier.cluster.arrive" in SOURCE and "mapa.shared::cluster" in SOURCE
 
 
-def test_ops_takes_the_form_the_policy_gives_and_refuses_on_where_it_cannot(monkeypatch):
-    from types import SimpleNamespace
-
-    from fastcomm import ops
+def test_the_plan_decides_the_form_from_every_ranks_devices_and_refuses_on_where_it_cannot():
+    from fastcomm import ops, policy as P
     from fastcomm.errors import FastcommError
+    from fastcomm.policy import LinkType
 
-    def ws(setting, islands=None):
-        return SimpleNamespace(device_index=0, config=Config(fused_cluster=setting), plan=SimpleNamespace(islands=islands))
+    def plan(setting, cc=9, can=True, **cfg):
+        facts = P.Facts(world_size=4, all_p2p=True, link=LinkType.PCIE_SWITCH, cc_major=cc, cluster_launch=can)
+        return P.make_plan(facts, Config(fused_cluster=setting, **cfg))
 
-    monkeypatch.setattr(cluster, "device_supports_clusters", lambda i: (9, True))
-    assert ops._cluster_form(ws("auto")) and ops._cluster_form(ws("on")) and not ops._cluster_form(ws("off"))
-    assert not ops._cluster_form(ws("auto", islands=((0,), (1,))))
-    monkeypatch.setattr(cluster, "device_supports_clusters", lambda i: (8, False))
-    assert not ops._cluster_form(ws("auto"))
+    assert plan("auto").fused_cluster and plan("on").fused_cluster and not plan("off").fused_cluster
+    assert "cluster per row" in plan("auto").describe() and "cluster" not in plan("off").describe()
+    assert not plan("auto", islands=((0, 1), (2, 3))).fused_cluster
+    # The facts are the ranks' lowest capability and "all ranks launch clusters": one older or unable rank
+    # keeps every rank on the block-per-split form (the two forms sum a row's squares in different orders).
+    assert not plan("auto", cc=8).fused_cluster and not plan("auto", can=False).fused_cluster
     with pytest.raises(FastcommError, match="FASTCOMM_FUSED_CLUSTER=on: the device cannot launch"):
-        ops._cluster_form(ws("on"))
+        plan("on", cc=8, can=False)
+    with pytest.raises(FastcommError, match="FASTCOMM_FUSED_CLUSTER=on: the cluster form of the fused op has no"):
+        plan("on", islands=((0, 1), (2, 3)))
+    # Facts gathered without the probe (older callers, CPU) never pick it.
+    assert not P.make_plan(P.Facts(world_size=4, all_p2p=True, link=LinkType.PCIE_SWITCH),
+                           Config(fused_cluster="auto")).fused_cluster
+    from types import SimpleNamespace
+    assert ops._cluster_form(SimpleNamespace(plan=plan("auto"))) and not ops._cluster_form(SimpleNamespace(plan=plan("off")))

@@ -12,7 +12,7 @@ from ..abi import MAX_BLOCKS, MAX_WORLD, VEC_BYTES
 from ..config import Config
 from ..errors import FastcommError
 from ..units import format_size
-from .fused import FUSED_TWO_SHOT_MAX_TOKENS, FUSED_TWO_SHOT_MIN_WORLD
+from .fused import FUSED_TWO_SHOT_MAX_TOKENS, FUSED_TWO_SHOT_MIN_WORLD, fused_cluster_form
 from .launch import round_up, two_shot_ll_max_bytes
 from .links import LinkType, validate_islands
 from .rules import DEFAULT_TABLE, Algo, PolicyKey, Rule, SizeRange, Transport, choose_algo, render_ranges, \
@@ -33,6 +33,11 @@ class Facts:
     tuned_rules: tuple[Rule, ...] | None = None  # from a matching tune cache, else None
     rules_source: str = "defaults"
     p2p_note: str = ""             # what the build-time P2P check found (for describe())
+    # Thread-block clusters (the fused op's cluster form): the lowest compute capability major over the ranks,
+    # and whether every rank's device launches clusters. Agreed, so every rank picks the same fused form (the
+    # forms add a row's sum of squares in different orders).
+    cc_major: int = 0
+    cluster_launch: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +55,7 @@ class Plan:
     fused_max_bytes: int = 0   # the one-shot fused all-reduce + RMSNorm serves inputs up to this (the one-shot's
                                # range); the two-shot form above it: policy.fused.choose_fused
     two_shot_ll_max_bytes: int = 0  # the Lamport two-shot serves inputs up to this (what the one-shot's slots hold)
+    fused_cluster: bool = False  # the flat one-shot fused op runs as one cluster per row (policy.fused_cluster_form)
 
     def algo_for(self, nbytes: int, forced: str | None = None) -> Algo:
         """The algorithm for one message (NCCL: not served by fastcomm). The pull is P2P only: forced per
@@ -73,6 +79,8 @@ class Plan:
         isl = f", islands {self.islands}" if self.islands else ""
         fused = f"fused all-reduce + RMSNorm <= {format_size(self.fused_max_bytes)}" if self.fused_max_bytes \
             else "no fused all-reduce + RMSNorm"
+        if self.fused_max_bytes and self.fused_cluster:
+            fused += " (one thread-block cluster per row)"
         if self.world_size >= FUSED_TWO_SHOT_MIN_WORLD and not self.islands:  # policy.fused.choose_fused
             fused += f", two-shot form above that to {FUSED_TWO_SHOT_MAX_TOKENS} tokens"
         return (f"fastcomm: {self.world_size} ranks, transport {self.transport.value}, link {self.link.value}{isl}; "
@@ -149,6 +157,10 @@ def make_plan(facts: Facts, config: Config) -> Plan:
     if config.algo == Algo.TWO_SHOT_ISLANDS.value and not (islands and len(islands[0]) >= 2):
         raise FastcommError("FASTCOMM_ALGO=two_shot_islands needs islands of at least 2 ranks (FASTCOMM_ISLANDS, "
                             "or a probe that finds them); this workspace is flat: unset it or pick two_shot")
+    use_cluster, why_not = fused_cluster_form(setting=config.fused_cluster, cc_major=facts.cc_major,
+                                              cluster_launch=facts.cluster_launch, islands=bool(islands))
+    if why_not is not None:
+        raise FastcommError(f"FASTCOMM_FUSED_CLUSTER=on: {why_not}")
     if facts.tuned_rules is not None:
         rules, source = facts.tuned_rules, facts.rules_source
     else:
@@ -166,4 +178,4 @@ def make_plan(facts: Facts, config: Config) -> Plan:
                 rules_source=source, max_bytes=config.max_bytes, one_shot_max_bytes=one_shot_max,
                 max_blocks=min(MAX_BLOCKS, config.max_blocks or facts.num_sms or MAX_BLOCKS),
                 forced_algo=config.algo, fused_max_bytes=min(one_shot_max, one_shot_rule),
-                two_shot_ll_max_bytes=ll_max)
+                two_shot_ll_max_bytes=ll_max, fused_cluster=use_cluster)
