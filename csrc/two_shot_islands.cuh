@@ -45,6 +45,60 @@
 #define FC_STEP_ISL_X 10   // the exchange across islands
 #define FC_STEP_ISL_AG 11  // the island all-gather
 
+// Phases 2 and 3 share this step: sum N sources in source order (src[mine] is this rank's own, read as plain
+// memory; the others fresh from the system), round to D, write the result to dout and to the first ndst of
+// K push destinations, then publish them: one fence for the block, then relaxed flag stores.
+template <class D, u32 N, u32 K>
+__device__ __forceinline__ void fc_isl_reduce_push(const char* const (&src)[N], u32 mine, u64 count, char* dout,
+                                                   char* const (&dst)[K], u32* const (&flag)[K], u32 ndst,
+                                                   u32 epoch) {
+  typedef typename D::raw R;
+  constexpr u32 PV = 16 / sizeof(R);
+  const u32 tid = threadIdx.x, nthr = blockDim.x;
+  const u64 nv = count / PV;
+  for (u64 v = tid; v < nv; v += nthr) {
+    uint4 x[N];
+#pragma unroll
+    for (u32 p = 0; p < N; ++p)  // every load first, then the sums
+      x[p] = (p == mine) ? *reinterpret_cast<const uint4*>(src[p] + v * 16) : fc_load_cv16(src[p] + v * 16);
+    float acc[PV];
+#pragma unroll
+    for (u32 p = 0; p < N; ++p) {
+      float f[PV];
+      FcVec<D>::unpack(x[p], f);
+#pragma unroll
+      for (u32 e = 0; e < PV; ++e) acc[e] = (p == 0) ? f[e] : acc[e] + f[e];
+    }
+    const uint4 r = FcVec<D>::pack(acc);
+    *reinterpret_cast<uint4*>(dout + v * 16) = r;
+#pragma unroll
+    for (u32 j = 0; j < K; ++j)
+      if (j < ndst) *reinterpret_cast<uint4*>(dst[j] + v * 16) = r;
+  }
+  for (u64 e = nv * PV + tid; e < count; e += nthr) {  // the message tail, element by element
+    R x[N];
+#pragma unroll
+    for (u32 p = 0; p < N; ++p)
+      x[p] = (p == mine) ? *reinterpret_cast<const R*>(src[p] + e * sizeof(R))
+                         : *reinterpret_cast<const volatile R*>(src[p] + e * sizeof(R));
+    float acc = 0.f;
+#pragma unroll
+    for (u32 p = 0; p < N; ++p) acc = (p == 0) ? D::to_f(x[p]) : acc + D::to_f(x[p]);
+    const R r = D::from_f(acc);
+    *reinterpret_cast<R*>(dout + e * sizeof(R)) = r;
+#pragma unroll
+    for (u32 j = 0; j < K; ++j)
+      if (j < ndst) *reinterpret_cast<R*>(dst[j] + e * sizeof(R)) = r;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    fc_fence_sys();
+#pragma unroll
+    for (u32 j = 0; j < K; ++j)
+      if (j < ndst) fc_st_relaxed_sys(flag[j], epoch);
+  }
+}
+
 template <class D, u32 L, u32 I>
 __device__ __forceinline__ void fc_two_shot_islands_w(const FcTable* __restrict__ ti, const FcTable* __restrict__ tp,
                                                       const char* in, char* out, u64 n, u64 seg, u64 chunk) {
@@ -60,7 +114,6 @@ __device__ __forceinline__ void fc_two_shot_islands_w(const FcTable* __restrict_
 #pragma unroll
   for (u32 s = 0; s < L; ++s) cnt[s] = fc_chunk_count(n, seg, chunk, s);
   const u64 count = fc_chunk_count(n, seg, chunk, me);  // my segment's (cnt[me] would spill cnt[])
-  const u64 nvm = count / PV;
   char* dout = out + ((u64)me * seg + base) * sizeof(R);
 
   // 1. Island reduce-scatter, send.
@@ -114,47 +167,7 @@ __device__ __forceinline__ void fc_two_shot_islands_w(const FcTable* __restrict_
       xd[j] = j < nx ? tp->ag_push[hp][j] + base * sizeof(R) : nullptr;
       xf[j] = j < nx ? tp->ag_flag_push[hp][j] + blockIdx.x : nullptr;
     }
-    for (u64 v = tid; v < nvm; v += nthr) {
-      uint4 x[L];
-#pragma unroll
-      for (u32 p = 0; p < L; ++p)  // every load first, then the sums
-        x[p] = (p == me) ? *reinterpret_cast<const uint4*>(src[p] + v * 16) : fc_load_cv16(src[p] + v * 16);
-      float acc[PV];
-#pragma unroll
-      for (u32 p = 0; p < L; ++p) {
-        float f[PV];
-        FcVec<D>::unpack(x[p], f);
-#pragma unroll
-        for (u32 e = 0; e < PV; ++e) acc[e] = (p == 0) ? f[e] : acc[e] + f[e];
-      }
-      const uint4 r = FcVec<D>::pack(acc);
-      *reinterpret_cast<uint4*>(dout + v * 16) = r;
-#pragma unroll
-      for (u32 j = 0; j < I - 1; ++j)
-        if (j < nx) *reinterpret_cast<uint4*>(xd[j] + v * 16) = r;
-    }
-    for (u64 e = nvm * PV + tid; e < count; e += nthr) {  // the message tail, element by element
-      R x[L];
-#pragma unroll
-      for (u32 p = 0; p < L; ++p)
-        x[p] = (p == me) ? *reinterpret_cast<const R*>(src[p] + e * sizeof(R))
-                         : *reinterpret_cast<const volatile R*>(src[p] + e * sizeof(R));
-      float acc = 0.f;
-#pragma unroll
-      for (u32 p = 0; p < L; ++p) acc = (p == 0) ? D::to_f(x[p]) : acc + D::to_f(x[p]);
-      const R r = D::from_f(acc);
-      *reinterpret_cast<R*>(dout + e * sizeof(R)) = r;
-#pragma unroll
-      for (u32 j = 0; j < I - 1; ++j)
-        if (j < nx) *reinterpret_cast<R*>(xd[j] + e * sizeof(R)) = r;
-    }
-    __syncthreads();
-    if (tid == 0) {
-      fc_fence_sys();
-#pragma unroll
-      for (u32 j = 0; j < I - 1; ++j)
-        if (j < nx) fc_st_relaxed_sys(xf[j], ep);
-    }
+    fc_isl_reduce_push<D, L, I - 1>(src, me, count, dout, xd, xf, nx, ep);
   }
 
   // 3. Across: the partials in island order (mine from out, where this block put it), rounded to D: the
@@ -172,47 +185,7 @@ __device__ __forceinline__ void fc_two_shot_islands_w(const FcTable* __restrict_
       agd[j] = j < nag ? ti->ag_push[hi][j] + base * sizeof(R) : nullptr;
       agf[j] = j < nag ? ti->ag_flag_push[hi][j] + blockIdx.x : nullptr;
     }
-    for (u64 v = tid; v < nvm; v += nthr) {
-      uint4 x[I];
-#pragma unroll
-      for (u32 q = 0; q < I; ++q)
-        x[q] = (q == isl) ? *reinterpret_cast<const uint4*>(src[q] + v * 16) : fc_load_cv16(src[q] + v * 16);
-      float acc[PV];
-#pragma unroll
-      for (u32 q = 0; q < I; ++q) {
-        float f[PV];
-        FcVec<D>::unpack(x[q], f);
-#pragma unroll
-        for (u32 e = 0; e < PV; ++e) acc[e] = (q == 0) ? f[e] : acc[e] + f[e];
-      }
-      const uint4 r = FcVec<D>::pack(acc);
-      *reinterpret_cast<uint4*>(dout + v * 16) = r;
-#pragma unroll
-      for (u32 j = 0; j < L - 1; ++j)
-        if (j < nag) *reinterpret_cast<uint4*>(agd[j] + v * 16) = r;
-    }
-    for (u64 e = nvm * PV + tid; e < count; e += nthr) {
-      R x[I];
-#pragma unroll
-      for (u32 q = 0; q < I; ++q)
-        x[q] = (q == isl) ? *reinterpret_cast<const R*>(src[q] + e * sizeof(R))
-                          : *reinterpret_cast<const volatile R*>(src[q] + e * sizeof(R));
-      float acc = 0.f;
-#pragma unroll
-      for (u32 q = 0; q < I; ++q) acc = (q == 0) ? D::to_f(x[q]) : acc + D::to_f(x[q]);
-      const R r = D::from_f(acc);
-      *reinterpret_cast<R*>(dout + e * sizeof(R)) = r;
-#pragma unroll
-      for (u32 j = 0; j < L - 1; ++j)
-        if (j < nag) *reinterpret_cast<R*>(agd[j] + e * sizeof(R)) = r;
-    }
-    __syncthreads();
-    if (tid == 0) {
-      fc_fence_sys();
-#pragma unroll
-      for (u32 j = 0; j < L - 1; ++j)
-        if (j < nag) fc_st_relaxed_sys(agf[j], ei);
-    }
+    fc_isl_reduce_push<D, I, (L > 1 ? L - 1 : 1)>(src, isl, count, dout, agd, agf, nag, ei);
   }
 
   // 4. Island all-gather, receive: every other segment's result, all owners' loads in flight together.
