@@ -10,9 +10,8 @@ It is a model, labelled as one; every input is named in its output:
   stands for the verify step at k = c - 1. Fitted as base + (c - 1) x per_token.
 - the brief's measurement on the user's 8 x RTX PRO 6000: 43 tok/s with CUDA graphs and NCCL at ~40 us per
   all-reduce, i.e. 23.3 ms per step of which ~17 ms is not all-reduce.
-- fastcomm's all-reduce per call at 8 ranks over PCIe Gen5: a floor per link crossing plus the bytes each GPU
-  writes (fastcomm.policy.wire_bytes) over ~45 GB/s, for the cheaper of the one-shot (one crossing) and the
-  Lamport two-shot (two).
+- fastcomm's all-reduce per call at 8 ranks over PCIe Gen5 (one switch): bench/pcie_model.py's prediction from
+  its measured per-call constants and the layout's bytes, the cheaper of the one-shot and the Lamport two-shot.
 - the per-token increment on 8 GPUs: either scaled from the H200's by the bytes each GPU reads (1/8 of the
   weights) and the bandwidth ratio (1.79 / 4.8 TB/s) -- if that increment is bandwidth-bound -- or kept as
   measured on the H200 -- if it is bound by per-token launches, which TP does not shrink. Both are shown.
@@ -29,16 +28,16 @@ import dataclasses
 import json
 from pathlib import Path
 
-from fastcomm.policy import wire_bytes
+import functools
+
+from . import pcie_model
+from .pcie_model import ALLREDUCES_PER_STEP, BRIEF_AR_US, BRIEF_STEP_MS, HIDDEN
 
 RECORD = Path(__file__).resolve().parent / "results" / "2026-12-01-h200x1-gguf-78L-tp1-decode.json"
 MTP_RECORD = Path(__file__).resolve().parent / "results" / "2026-12-01-h200x1-gguf-78L-mtp3-tp1-decode.json"
 
-HIDDEN = 6144
 LAYERS = 78
-ALLREDUCES_PER_STEP = 157          # 2 per layer + the embedding (the brief)
 ALLREDUCES_PER_DRAFT = 3           # the MTP block's two, and its eh_proj's
-BRIEF_STEP_MS, BRIEF_AR_US = 23.3, 40.0   # 43 tok/s with CUDA graphs through NCCL (the brief)
 HEAD_SHARE = 0.029                 # LM head bytes / bytes read per token (780 MB of ~27 GB in the GGUF)
 H200_TBPS, RTX_PRO_6000_TBPS = 4.8, 1.79
 PUBLISHED_L = (2.2, 2.8)           # acceptance length at 3 draft tokens (published 8-GPU GLM-5 MTP runs)
@@ -62,14 +61,19 @@ def fit_step(points: dict[int, float], max_tokens: int = 4) -> Fit:
     return Fit(my - slope * mx, slope)
 
 
-CROSSINGS = {"one_shot": 1, "two_shot_ll": 2}  # dependent link crossings per call
+ALLREDUCE_ALGOS = ("one_shot", "two_shot_ll")  # the policy's candidates at decode sizes over PCIe P2P
 
 
-def allreduce_us(tokens: int, world: int = 8, floor_us: float = 3.0, link_gbps: float = 45.0) -> float:
-    """Modelled fastcomm all-reduce over PCIe, the cheaper algorithm: a floor per link crossing (~3 us: the
-    one-shot's measured floor) + the bytes each GPU writes over ~45 GB/s."""
-    nbytes = tokens * HIDDEN * 2
-    return min(n * floor_us + wire_bytes(a, nbytes, world, "p2p") / (link_gbps * 1e3) for a, n in CROSSINGS.items())
+@functools.lru_cache(maxsize=None)
+def _measured() -> pcie_model.Measured:
+    return pcie_model.measure()
+
+
+def allreduce_us(tokens: int) -> float:
+    """fastcomm's all-reduce of ``tokens`` x HIDDEN bf16 on 8 x PCIe Gen5 (one switch), the cheaper of the
+    one-shot and the Lamport two-shot, as bench/pcie_model.py predicts it from the measured constants."""
+    return min(pcie_model.predict(a, tokens * HIDDEN * 2, pcie_model.ONE_SWITCH, _measured()).us
+               for a in ALLREDUCE_ALGOS)
 
 
 def acceptance_rate(length: float, k: int) -> float:
@@ -134,7 +138,7 @@ def table(points: dict[int, float], run: MtpRun | None = None) -> list[str]:
              + f"; fit over 1-4: {fit.base_ms:.1f} + (c - 1) x {fit.per_token_ms:.1f}",
              f"# H200 verify step cost against a plain decode step: "
              + ", ".join(f"k={c - 1}: {points[c] / points[1]:.2f}x" for c in sorted(points) if 2 <= c <= 4),
-             f"# fastcomm all-reduce (modelled, 8 x PCIe Gen5): {allreduce_us(1):.1f} us at 1 token, "
+             f"# fastcomm all-reduce (bench/pcie_model.py, 8 x PCIe Gen5, one switch): {allreduce_us(1):.1f} us at 1 token, "
              f"{allreduce_us(4):.1f} us at 4",
              "| per-token increment on 8 GPUs | k | L | verify ms | drafts ms | step ms | tok/s |",
              "|---|---|---|---|---|---|---|"]

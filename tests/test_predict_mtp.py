@@ -1,7 +1,6 @@
 """The MTP prediction model's pieces (bench/predict_mtp.py): each recovers what it was built from."""
 import pytest
 
-from fastcomm.policy import wire_bytes
 from fastcomm_bench import predict_mtp as M
 
 
@@ -19,11 +18,14 @@ def test_acceptance_rate_inverts_the_expected_length(a, k):
         M.acceptance_rate(k + 1.5, k)
 
 
-def test_allreduce_model_takes_the_cheaper_algorithm_from_the_layout_bytes():
-    one = 3.0 + wire_bytes("one_shot", 6144 * 2, 8, "p2p") / 45e3
-    assert M.allreduce_us(1) == pytest.approx(one)            # 1 token: one crossing wins
-    ll = 6.0 + wire_bytes("two_shot_ll", 4 * 6144 * 2, 8, "p2p") / 45e3
-    assert M.allreduce_us(4) == pytest.approx(ll)             # 4 tokens: fewer bytes win
+def test_allreduce_is_the_pcie_models_cheaper_algorithm():
+    from fastcomm_bench import pcie_model
+
+    m = pcie_model.measure()
+    for tokens in (1, 4):
+        each = [pcie_model.predict(a, tokens * 6144 * 2, pcie_model.ONE_SWITCH, m).us for a in M.ALLREDUCE_ALGOS]
+        assert M.allreduce_us(tokens) == pytest.approx(min(each))
+    assert M.allreduce_us(4) > M.allreduce_us(1)
 
 
 def test_prediction_grows_with_drafts_and_the_table_labels_itself_a_model():
