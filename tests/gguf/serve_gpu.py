@@ -94,11 +94,13 @@ def spec_decode_counters(samples: Sequence[tuple[str, dict, float]]) -> dict:
     per draft position. prometheus_client exposes a Counter `x` as `x_total` (and `x_created`, a time,
     which is not a count); both spellings of the count are accepted."""
     out: dict = {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0, "accepted_per_position": {},
-                 "found": False}
+                 "found": False, "names": []}   # names: every spec-decode sample name seen (if vLLM renames one)
     keys = {"num_drafts": "drafts", "num_draft_tokens": "draft_tokens", "num_accepted_tokens": "accepted_tokens"}
     for name, labels, value in samples:
         if not name.startswith(SPEC) or name.endswith("_created"):
             continue
+        if name not in out["names"]:
+            out["names"].append(name)
         base = name[len(SPEC):].removesuffix("_total")
         if base == "num_accepted_tokens_per_pos":
             pos = labels.get("position", "?")
@@ -368,27 +370,30 @@ def served(args: list[str], env: dict, log: Path, budget_end: float, health_time
         res["start_s"] = round(time.monotonic() - t0, 1)
         if not res["health"]["ok"]:
             return res
-        status, text = http(base + "/v1/models", timeout=10)
-        model = json.loads(text)["data"][0]["id"] if status == 200 else None
-        res["served_model"] = model
-        res["requests"] = [complete(base, model, ids, timeout=max(5.0, min(60.0, budget_end - 40 - time.monotonic())))
-                           for ids in prompts(vocab)]
-        # The stat loggers run in the API server as outputs arrive; a short poll covers any lag.
-        until = time.monotonic() + (15 if want_drafts else 2)
-        while True:
-            status, text = http(base + "/metrics", timeout=10)
-            counters = spec_decode_counters(parse_metrics(text)) if status == 200 else {"status": status}
-            if not want_drafts or counters.get("drafts", 0) > 0 or time.monotonic() > until:
-                break
-            time.sleep(1)
-        res["spec_decode"] = counters
+        try:
+            status, text = http(base + "/v1/models", timeout=10)
+            model = json.loads(text)["data"][0]["id"] if status == 200 else None
+            res["served_model"] = model
+            res["requests"] = [complete(base, model, ids, timeout=max(5.0, min(60.0, budget_end - 40 - time.monotonic())))
+                               for ids in prompts(vocab)]
+            # The stat loggers run in the API server as outputs arrive; a short poll covers any lag.
+            until = time.monotonic() + (15 if want_drafts else 2)
+            while True:
+                status, text = http(base + "/metrics", timeout=10)
+                counters = spec_decode_counters(parse_metrics(text)) if status == 200 else {"status": status}
+                if not want_drafts or counters.get("drafts", 0) > 0 or time.monotonic() > until:
+                    break
+                time.sleep(1)
+            res["spec_decode"] = counters
+        except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError) as e:  # recorded; checks fail
+            res["error"] = f"{type(e).__name__}: {e}"[-1000:]
     finally:
         res["stop"] = stop(proc)
         with open(log, "rb") as f:
             f.seek(mark)
             res["log_checks"] = log_checks(f.read().decode(errors="replace"))
         res["wall_s"] = round(time.monotonic() - t0, 1)
-        if not (res.get("health") or {}).get("ok") or not all(r["ok"] for r in res.get("requests", [])):
+        if not (res.get("health") or {}).get("ok") or "error" in res or not all(r["ok"] for r in res.get("requests", [])):
             res["log_tail"] = tail(log)
     return res
 
