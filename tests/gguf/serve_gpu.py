@@ -492,7 +492,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="serve_gpu.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:3]))
-    p.add_argument("out", type=Path, help="folder for serve.log, serve_gpu.json and the tiny model")
+    p.add_argument("out", type=Path, metavar="OUTDIR", help="folder for serve.log, serve_gpu.json and the tiny model")
     p.add_argument("--compare-no-mtp", action="store_true",
                    help="also start with --no-mtp and require the same greedy tokens (skipped if the budget is short)")
     p.add_argument("--budget", type=float, default=500.0, help="seconds for the whole check (default 500)")
