@@ -2,7 +2,8 @@
 # GLM-5 GGUF on the device (H200, torch 2.11.0+cu130, Python 3.12, nvcc, no network): install
 # vllm-gguf-plugin with its CUDA extension built for that torch, check the extension loads, time one K-quant
 # GEMV with the CUDA kernel and with the Triton fallback, and run the GGUF GPU test (tests/gguf/test_gguf_gpu.py:
-# prefill vs a bf16 reference with a swapped-shard control, greedy with and without MTP). Results under $OUT.
+# prefill vs a bf16 reference with a swapped-shard control, greedy with and without MTP), and (mode serve)
+# `fastcomm-serve` end to end over HTTP (tests/gguf/serve_gpu.py). Results under $OUT.
 #
 # Why a build: the PyPI wheel's extension (stable ABI, abi3) is built against torch 2.14's stable-ABI shim
 # and fails under torch 2.11 with `undefined symbol torch_exception_get_what_without_backtrace`; the plugin
@@ -28,8 +29,15 @@
 #        bash bench/device_gguf.sh figures .gguf_stage fp8  # the same shapes as FP8 (dummy weights)
 #    Why concurrency 2-4: a verify step of k draft tokens is a forward over k + 1 tokens of one request,
 #    which reads the weights as a decode step of k + 1 requests does (bench/predict_mtp.py uses that).
+# 4. `fastcomm-serve` itself, end to end (one call, same carry; ~2-4 min, bounded at 540 s):
+#        eval "$(bash .stage/install.sh)" && bash bench/device_gguf.sh serve .gguf_stage
+#    tests/gguf/serve_gpu.py: the tiny GLM-5 GGUF (3 shards + MTP block) through `fastcomm-serve --dry-run`
+#    (must choose MTP), then served over HTTP: /health, two greedy /v1/completions, /metrics' spec-decode
+#    drafts > 0, the CUDA K-quant kernels in the log (no Triton-fallback warning). Results in
+#    $OUT/serve/serve_gpu.json and serve.log. SERVE_GPU_ARGS adds options, e.g. "--compare-no-mtp" (a
+#    second start with --no-mtp, greedy tokens must match; only if the budget holds it).
 set -uo pipefail
-mode=${1:?usage: device_gguf.sh prepare|run|model|figures DIR}
+mode=${1:?usage: device_gguf.sh prepare|run|model|figures|serve DIR}
 dir=${2:?usage: device_gguf.sh prepare|run DIR}
 here=$(cd "$(dirname "$0")/.." && pwd)
 PLUGIN=vllm-gguf-plugin==0.0.5
@@ -159,10 +167,26 @@ PY
   return $rc
 }
 
+serve() {
+  local out=${OUT:-$here/out}
+  mkdir -p "$out/serve"
+  exec > >(tee "$out/serve/device_gguf.log") 2>&1
+  install || return 1
+  # The console script and the entry points (fastcomm, fastcomm_gguf) come from `pip install -e .` above.
+  echo "== fastcomm-serve: $(command -v fastcomm-serve || echo 'not on PATH (the check falls back to python -m)')"
+  # shellcheck disable=SC2086  # SERVE_GPU_ARGS is a list of options
+  timeout 540 python tests/gguf/serve_gpu.py "$out/serve" ${SERVE_GPU_ARGS:-}
+  local rc=$?
+  rm -rf "$out/serve/model" "$out/serve/cache"   # the tiny model and its derived folder: regenerated from the seed
+  echo "== serve check exit $rc; results: $out/serve/serve_gpu.json"
+  return $rc
+}
+
 case "$mode" in
   prepare) prepare ;;
   run) run ;;
+  serve) serve ;;
   model) model ;;
   figures) figures "${3:-}" ;;
-  *) echo "usage: device_gguf.sh prepare|run|model|figures DIR [gguf|mtp|fp8]" >&2; exit 2 ;;
+  *) echo "usage: device_gguf.sh prepare|run|model|figures|serve DIR [gguf|mtp|fp8]" >&2; exit 2 ;;
 esac
