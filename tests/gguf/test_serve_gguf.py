@@ -61,6 +61,28 @@ def test_glm5_mtp_off_and_tokens(capsys, tiny):
     assert "as your --speculative-config says" in err
 
 
+@pytest.mark.parametrize("user", [["-sc", '{"method": "mtp"}'], ["--speculative-config.method=mtp"],
+                                  ["--spec-method", "mtp"], ["--spec-tokens", "2"], ["--spec_model=x"]])
+def test_every_spelling_of_speculation_is_the_users(capsys, tiny, user):
+    # vLLM's other spellings of a speculative-decoding choice: fastcomm-serve adds no MTP config of its own
+    # (it would override or clash with the user's) and refuses --no-mtp beside them.
+    first, _, _ = tiny
+    _, args, err = dry(capsys, [str(first), "--gpus", "1"] + user)
+    assert "--speculative-config" not in args and all(u in args for u in user)
+    assert "speculative decoding as your " in err and "MTP on" not in err
+    assert "both choose speculative decoding" in error(capsys, [str(first), "--gpus", "1", "--no-mtp"] + user)
+
+
+def test_skip_tokenizer_init_needs_no_tokenizer(capsys, tiny, monkeypatch):
+    from fastcomm_vllm.gguf import derive
+
+    first, _, _ = tiny
+    monkeypatch.setattr(derive, "has_tokenizer", lambda d: False)   # a file whose vocabulary cannot be derived
+    assert "no tokenizer" in error(capsys, [str(first), "--gpus", "1"])
+    _, args, err = dry(capsys, [str(first), "--gpus", "1", "--skip-tokenizer-init"])
+    assert "--tokenizer" not in args and "--skip-tokenizer-init" in args
+
+
 def test_glm5_without_mtp_block(capsys, tiny_no_mtp):
     first, _, _ = tiny_no_mtp
     _, args, err = dry(capsys, [str(first), "--gpus", "1"])

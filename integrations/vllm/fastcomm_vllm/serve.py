@@ -163,6 +163,21 @@ def _has_flag(args: Sequence[str], flag: str) -> bool:
     return any(a.partition("=")[0].replace("_", "-") == flag for a in args)
 
 
+# vLLM's spellings of a speculative-decoding choice (0.25 and newer): the JSON option, its short form, its
+# dotted keys (--speculative-config.method=mtp) and the --spec-* shorthands.
+SPECULATION_FLAGS = ("--speculative-config", "-sc", "--spec-method", "--spec-model", "--spec-tokens")
+
+
+def _speculation_flag(args: Sequence[str]) -> str | None:
+    """The first option in ``args`` that chooses speculative decoding, as the user spelled it, else None."""
+    for a in args:
+        name = a.partition("=")[0]
+        name = name.replace("_", "-") if name.startswith("--") else name
+        if name in SPECULATION_FLAGS or name.startswith("--speculative-config."):
+            return name
+    return None
+
+
 def _model(args: Sequence[str]) -> str:
     if args and not args[0].startswith("-"):
         return args[0]
@@ -333,19 +348,21 @@ def _gguf_args(opts: Options, model: str, args: list[str]) -> tuple[list[str], l
     from . import gguf
     from .gguf import kernels
 
-    user_spec = _option_value(args, ("--speculative-config",))
+    user_spec = _speculation_flag(args)
     if user_spec is not None and opts.mtp is not None:
-        raise ServeError("--speculative-config and --no-mtp / --mtp-tokens both choose speculative decoding: pick one")
+        raise ServeError(f"{user_spec} and --no-mtp / --mtp-tokens both choose speculative decoding: pick one")
     try:
+        # With --skip-tokenizer-init vLLM loads no tokenizer, so none is derived (or missed).
         plan = gguf.plan(model, mtp=False if user_spec is not None else opts.mtp,
                          num_speculative_tokens=opts.mtp_tokens or 1,
                          tokenizer=_option_value(args, ("--tokenizer",)),
-                         hf_config_path=_option_value(args, ("--hf-config-path",)))
+                         hf_config_path=_option_value(args, ("--hf-config-path",)),
+                         derive_tokenizer=not _has_flag(args, "--skip-tokenizer-init"))
     except gguf.GgufError as e:
         raise ServeError(str(e)) from None
     notes = list(plan.notes)
     if user_spec is not None:
-        notes = [n for n in notes if not n.startswith("MTP")] + ["speculative decoding as your --speculative-config says"]
+        notes = [n for n in notes if not n.startswith("MTP")] + [f"speculative decoding as your {user_spec} says"]
     args = _replace_model(args, model, plan.kwargs["model"])
     if plan.glm:
         if not _has_flag(args, "--hf-config-path"):
