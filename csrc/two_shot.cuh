@@ -41,15 +41,144 @@ __device__ __forceinline__ void fc_wait_all(const FcTable* t, u32* const* flags,
   __syncthreads();
 }
 
+// The two-shot's data steps, one template each, shared with the island two-shot (two_shot_islands.cuh), which
+// runs them on its island's and its partners' tables. cnt[s]: elements of this block's chunk in segment s of
+// S; base: the block's element offset inside every segment; h: the buffer half of this call.
+
+// Scatter: my copy of this block's chunk of every other segment goes to that segment's owner, then one fence
+// for the block and relaxed flag stores.
+template <class D, u32 S>
+__device__ __forceinline__ void fc_ts_scatter(const FcTable* __restrict__ t, u32 h, u32 me, const char* in, u64 seg,
+                                              u64 base, const u64 (&cnt)[S], u32 epoch) {
+  typedef typename D::raw R;
+  constexpr u32 PV = 16 / sizeof(R);
+  const u32 tid = threadIdx.x, nthr = blockDim.x;
+  char* dst[S];
+  u32* flag[S];
+#pragma unroll
+  for (u32 s = 0; s < S; ++s) {
+    dst[s] = t->rs_push[h][s] + base * sizeof(R);
+    flag[s] = t->rs_flag_push[h][s] + blockIdx.x;
+  }
+  const u64 nv = cnt[0] / PV;  // the most whole vectors any segment's chunk has
+  for (u64 v = tid; v < nv; v += nthr) {
+    uint4 x[S];
+#pragma unroll
+    for (u32 s = 0; s < S; ++s)
+      if (s != me && v < cnt[s] / PV)
+        x[s] = *reinterpret_cast<const uint4*>(in + ((u64)s * seg + base + v * PV) * sizeof(R));
+#pragma unroll
+    for (u32 s = 0; s < S; ++s)
+      if (s != me && v < cnt[s] / PV) *reinterpret_cast<uint4*>(dst[s] + v * 16) = x[s];
+  }
+#pragma unroll
+  for (u32 s = 0; s < S; ++s) {  // the message tail: at most PV-1 elements, in one segment
+    if (s == me) continue;
+    for (u64 e = cnt[s] / PV * PV + tid; e < cnt[s]; e += nthr)
+      *reinterpret_cast<R*>(dst[s] + e * sizeof(R)) =
+          *reinterpret_cast<const R*>(in + ((u64)s * seg + base + e) * sizeof(R));
+  }
+  __syncthreads();
+  if (tid == 0) {
+    fc_fence_sys();
+#pragma unroll
+    for (u32 s = 0; s < S; ++s)
+      if (s != me) fc_st_relaxed_sys(flag[s], epoch);
+  }
+}
+
+// Reduce and push: sum N sources in source order (src[mine] is this rank's own, read as plain
+// memory; the others fresh from the system), round to D, write the result to dout and to the first ndst of
+// K push destinations, then publish them: one fence for the block, then relaxed flag stores.
+template <class D, u32 N, u32 K>
+__device__ __forceinline__ void fc_ts_reduce_push(const char* const (&src)[N], u32 mine, u64 count, char* dout,
+                                                   char* const (&dst)[K], u32* const (&flag)[K], u32 ndst,
+                                                   u32 epoch) {
+  typedef typename D::raw R;
+  constexpr u32 PV = 16 / sizeof(R);
+  const u32 tid = threadIdx.x, nthr = blockDim.x;
+  const u64 nv = count / PV;
+  for (u64 v = tid; v < nv; v += nthr) {
+    uint4 x[N];
+#pragma unroll
+    for (u32 p = 0; p < N; ++p)  // every load first, then the sums
+      x[p] = (p == mine) ? *reinterpret_cast<const uint4*>(src[p] + v * 16) : fc_load_cv16(src[p] + v * 16);
+    float acc[PV];
+#pragma unroll
+    for (u32 p = 0; p < N; ++p) {
+      float f[PV];
+      FcVec<D>::unpack(x[p], f);
+#pragma unroll
+      for (u32 e = 0; e < PV; ++e) acc[e] = (p == 0) ? f[e] : acc[e] + f[e];
+    }
+    const uint4 r = FcVec<D>::pack(acc);
+    *reinterpret_cast<uint4*>(dout + v * 16) = r;
+#pragma unroll
+    for (u32 j = 0; j < K; ++j)
+      if (j < ndst) *reinterpret_cast<uint4*>(dst[j] + v * 16) = r;
+  }
+  for (u64 e = nv * PV + tid; e < count; e += nthr) {  // the message tail, element by element
+    R x[N];
+#pragma unroll
+    for (u32 p = 0; p < N; ++p)
+      x[p] = (p == mine) ? *reinterpret_cast<const R*>(src[p] + e * sizeof(R))
+                         : *reinterpret_cast<const volatile R*>(src[p] + e * sizeof(R));
+    float acc = 0.f;
+#pragma unroll
+    for (u32 p = 0; p < N; ++p) acc = (p == 0) ? D::to_f(x[p]) : acc + D::to_f(x[p]);
+    const R r = D::from_f(acc);
+    *reinterpret_cast<R*>(dout + e * sizeof(R)) = r;
+#pragma unroll
+    for (u32 j = 0; j < K; ++j)
+      if (j < ndst) *reinterpret_cast<R*>(dst[j] + e * sizeof(R)) = r;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    fc_fence_sys();
+#pragma unroll
+    for (u32 j = 0; j < K; ++j)
+      if (j < ndst) fc_st_relaxed_sys(flag[j], epoch);
+  }
+}
+
+// Gather: every other segment's finished chunk from the owners' pushes into out, all sources' loads in
+// flight together (the caller has waited for their flags).
+template <class D, u32 S>
+__device__ __forceinline__ void fc_ts_gather(const FcTable* __restrict__ t, u32 h, u32 me, char* out, u64 seg,
+                                             u64 base, const u64 (&cnt)[S]) {
+  typedef typename D::raw R;
+  constexpr u32 PV = 16 / sizeof(R);
+  const u32 tid = threadIdx.x, nthr = blockDim.x;
+  const char* src[S];
+#pragma unroll
+  for (u32 p = 0; p < S; ++p) src[p] = t->ag_pull[h][p] + base * sizeof(R);
+  const u64 nv = cnt[0] / PV;
+  for (u64 v = tid; v < nv; v += nthr) {
+    uint4 x[S];
+#pragma unroll
+    for (u32 p = 0; p < S; ++p)
+      if (p != me && v < cnt[p] / PV) x[p] = fc_load_cv16(src[p] + v * 16);
+#pragma unroll
+    for (u32 p = 0; p < S; ++p)
+      if (p != me && v < cnt[p] / PV)
+        *reinterpret_cast<uint4*>(out + ((u64)p * seg + base + v * PV) * sizeof(R)) = x[p];
+  }
+#pragma unroll
+  for (u32 p = 0; p < S; ++p) {
+    if (p == me) continue;
+    for (u64 e = cnt[p] / PV * PV + tid; e < cnt[p]; e += nthr)
+      *reinterpret_cast<R*>(out + ((u64)p * seg + base + e) * sizeof(R)) =
+          *reinterpret_cast<const volatile R*>(src[p] + e * sizeof(R));
+  }
+}
+
 template <class D, u32 W>
 __device__ __forceinline__ void fc_two_shot_w(const FcTable* __restrict__ t, const char* in, char* out, u64 n,
                                               u64 seg, u64 chunk) {
   typedef typename D::raw R;
-  constexpr u32 PV = 16 / sizeof(R);  // elements per vector
   const u32 epoch = fc_begin(t);
   const u32 h = epoch & 1u;
   const u32 me = t->rank;
-  const u32 tid = threadIdx.x, nthr = blockDim.x;
   const u64 base = (u64)blockIdx.x * chunk;  // this block's element offset inside every segment
 
   u64 cnt[W];  // elements of my chunk in segment s; non-increasing in s
@@ -57,40 +186,7 @@ __device__ __forceinline__ void fc_two_shot_w(const FcTable* __restrict__ t, con
   for (u32 s = 0; s < W; ++s) cnt[s] = fc_chunk_count(n, seg, chunk, s);
 
   // 1. Reduce-scatter, send: my copy of chunk b of every other segment goes to that segment's owner.
-  {
-    char* dst[W];
-    u32* flag[W];
-#pragma unroll
-    for (u32 s = 0; s < W; ++s) {
-      dst[s] = t->rs_push[h][s] + base * sizeof(R);
-      flag[s] = t->rs_flag_push[h][s] + blockIdx.x;
-    }
-    const u64 nv = cnt[0] / PV;  // the most whole vectors any segment's chunk has
-    for (u64 v = tid; v < nv; v += nthr) {
-      uint4 x[W];
-#pragma unroll
-      for (u32 s = 0; s < W; ++s)
-        if (s != me && v < cnt[s] / PV)
-          x[s] = *reinterpret_cast<const uint4*>(in + ((u64)s * seg + base + v * PV) * sizeof(R));
-#pragma unroll
-      for (u32 s = 0; s < W; ++s)
-        if (s != me && v < cnt[s] / PV) *reinterpret_cast<uint4*>(dst[s] + v * 16) = x[s];
-    }
-#pragma unroll
-    for (u32 s = 0; s < W; ++s) {  // the message tail: at most PV-1 elements, in one segment
-      if (s == me) continue;
-      for (u64 e = cnt[s] / PV * PV + tid; e < cnt[s]; e += nthr)
-        *reinterpret_cast<R*>(dst[s] + e * sizeof(R)) =
-            *reinterpret_cast<const R*>(in + ((u64)s * seg + base + e) * sizeof(R));
-    }
-    __syncthreads();
-    if (tid == 0) {
-      fc_fence_sys();
-#pragma unroll
-      for (u32 s = 0; s < W; ++s)
-        if (s != me) fc_st_relaxed_sys(flag[s], epoch);
-    }
-  }
+  fc_ts_scatter<D, W>(t, h, me, in, seg, base, cnt, epoch);
 
   // 2. Reduce my segment's chunk in rank order (identical on every rank), then push the result out.
   fc_wait_all(t, t->rs_flag_pull[h], epoch, FC_STEP_RS);
@@ -109,75 +205,12 @@ __device__ __forceinline__ void fc_two_shot_w(const FcTable* __restrict__ t, con
     }
     char* dout = out + ((u64)me * seg + base) * sizeof(R);
     const u64 count = fc_chunk_count(n, seg, chunk, me);  // not cnt[me]: a runtime index spills cnt[]
-    const u64 nv = count / PV;
-    for (u64 v = tid; v < nv; v += nthr) {
-      uint4 x[W];
-#pragma unroll
-      for (u32 p = 0; p < W; ++p)  // every load first, then the sums
-        x[p] = (p == me) ? *reinterpret_cast<const uint4*>(src[p] + v * 16) : fc_load_cv16(src[p] + v * 16);
-      float acc[PV];
-#pragma unroll
-      for (u32 p = 0; p < W; ++p) {
-        float f[PV];
-        FcVec<D>::unpack(x[p], f);
-#pragma unroll
-        for (u32 e = 0; e < PV; ++e) acc[e] = (p == 0) ? f[e] : acc[e] + f[e];
-      }
-      const uint4 r = FcVec<D>::pack(acc);
-      *reinterpret_cast<uint4*>(dout + v * 16) = r;
-#pragma unroll
-      for (u32 j = 0; j < W - 1; ++j)
-        if (j < nag) *reinterpret_cast<uint4*>(agd[j] + v * 16) = r;
-    }
-    for (u64 e = nv * PV + tid; e < count; e += nthr) {  // the message tail, element by element
-      R x[W];
-#pragma unroll
-      for (u32 p = 0; p < W; ++p)
-        x[p] = (p == me) ? *reinterpret_cast<const R*>(src[p] + e * sizeof(R))
-                         : *reinterpret_cast<const volatile R*>(src[p] + e * sizeof(R));
-      float acc = 0.f;
-#pragma unroll
-      for (u32 p = 0; p < W; ++p) acc = (p == 0) ? D::to_f(x[p]) : acc + D::to_f(x[p]);
-      const R r = D::from_f(acc);
-      *reinterpret_cast<R*>(dout + e * sizeof(R)) = r;
-#pragma unroll
-      for (u32 j = 0; j < W - 1; ++j)
-        if (j < nag) *reinterpret_cast<R*>(agd[j] + e * sizeof(R)) = r;
-    }
-    __syncthreads();
-    if (tid == 0) {
-      fc_fence_sys();
-#pragma unroll
-      for (u32 j = 0; j < W - 1; ++j)
-        if (j < nag) fc_st_relaxed_sys(agf[j], epoch);
-    }
+    fc_ts_reduce_push<D, W, W - 1>(src, me, count, dout, agd, agf, nag, epoch);
   }
 
   // 3. All-gather, receive: every other segment's reduced chunk b, all sources' loads in flight together.
   fc_wait_all(t, t->ag_flag_pull[h], epoch, FC_STEP_AG);
-  {
-    const char* src[W];
-#pragma unroll
-    for (u32 p = 0; p < W; ++p) src[p] = t->ag_pull[h][p] + base * sizeof(R);
-    const u64 nv = cnt[0] / PV;
-    for (u64 v = tid; v < nv; v += nthr) {
-      uint4 x[W];
-#pragma unroll
-      for (u32 p = 0; p < W; ++p)
-        if (p != me && v < cnt[p] / PV) x[p] = fc_load_cv16(src[p] + v * 16);
-#pragma unroll
-      for (u32 p = 0; p < W; ++p)
-        if (p != me && v < cnt[p] / PV)
-          *reinterpret_cast<uint4*>(out + ((u64)p * seg + base + v * PV) * sizeof(R)) = x[p];
-    }
-#pragma unroll
-    for (u32 p = 0; p < W; ++p) {
-      if (p == me) continue;
-      for (u64 e = cnt[p] / PV * PV + tid; e < cnt[p]; e += nthr)
-        *reinterpret_cast<R*>(out + ((u64)p * seg + base + e) * sizeof(R)) =
-            *reinterpret_cast<const volatile R*>(src[p] + e * sizeof(R));
-    }
-  }
+  fc_ts_gather<D, W>(t, h, me, out, seg, base, cnt);
   fc_end(t, epoch);
 }
 

@@ -45,69 +45,13 @@
 #define FC_STEP_ISL_X 10   // the exchange across islands
 #define FC_STEP_ISL_AG 11  // the island all-gather
 
-// Phases 2 and 3 share this step: sum N sources in source order (src[mine] is this rank's own, read as plain
-// memory; the others fresh from the system), round to D, write the result to dout and to the first ndst of
-// K push destinations, then publish them: one fence for the block, then relaxed flag stores.
-template <class D, u32 N, u32 K>
-__device__ __forceinline__ void fc_isl_reduce_push(const char* const (&src)[N], u32 mine, u64 count, char* dout,
-                                                   char* const (&dst)[K], u32* const (&flag)[K], u32 ndst,
-                                                   u32 epoch) {
-  typedef typename D::raw R;
-  constexpr u32 PV = 16 / sizeof(R);
-  const u32 tid = threadIdx.x, nthr = blockDim.x;
-  const u64 nv = count / PV;
-  for (u64 v = tid; v < nv; v += nthr) {
-    uint4 x[N];
-#pragma unroll
-    for (u32 p = 0; p < N; ++p)  // every load first, then the sums
-      x[p] = (p == mine) ? *reinterpret_cast<const uint4*>(src[p] + v * 16) : fc_load_cv16(src[p] + v * 16);
-    float acc[PV];
-#pragma unroll
-    for (u32 p = 0; p < N; ++p) {
-      float f[PV];
-      FcVec<D>::unpack(x[p], f);
-#pragma unroll
-      for (u32 e = 0; e < PV; ++e) acc[e] = (p == 0) ? f[e] : acc[e] + f[e];
-    }
-    const uint4 r = FcVec<D>::pack(acc);
-    *reinterpret_cast<uint4*>(dout + v * 16) = r;
-#pragma unroll
-    for (u32 j = 0; j < K; ++j)
-      if (j < ndst) *reinterpret_cast<uint4*>(dst[j] + v * 16) = r;
-  }
-  for (u64 e = nv * PV + tid; e < count; e += nthr) {  // the message tail, element by element
-    R x[N];
-#pragma unroll
-    for (u32 p = 0; p < N; ++p)
-      x[p] = (p == mine) ? *reinterpret_cast<const R*>(src[p] + e * sizeof(R))
-                         : *reinterpret_cast<const volatile R*>(src[p] + e * sizeof(R));
-    float acc = 0.f;
-#pragma unroll
-    for (u32 p = 0; p < N; ++p) acc = (p == 0) ? D::to_f(x[p]) : acc + D::to_f(x[p]);
-    const R r = D::from_f(acc);
-    *reinterpret_cast<R*>(dout + e * sizeof(R)) = r;
-#pragma unroll
-    for (u32 j = 0; j < K; ++j)
-      if (j < ndst) *reinterpret_cast<R*>(dst[j] + e * sizeof(R)) = r;
-  }
-  __syncthreads();
-  if (tid == 0) {
-    fc_fence_sys();
-#pragma unroll
-    for (u32 j = 0; j < K; ++j)
-      if (j < ndst) fc_st_relaxed_sys(flag[j], epoch);
-  }
-}
-
 template <class D, u32 L, u32 I>
 __device__ __forceinline__ void fc_two_shot_islands_w(const FcTable* __restrict__ ti, const FcTable* __restrict__ tp,
                                                       const char* in, char* out, u64 n, u64 seg, u64 chunk) {
   typedef typename D::raw R;
-  constexpr u32 PV = 16 / sizeof(R);  // elements per vector
   const u32 ei = fc_begin(ti), ep = fc_begin(tp);
   const u32 hi = ei & 1u, hp = ep & 1u;
   const u32 me = ti->rank, isl = tp->rank;
-  const u32 tid = threadIdx.x, nthr = blockDim.x;
   const u64 base = (u64)blockIdx.x * chunk;  // this block's element offset inside every segment
 
   u64 cnt[L];  // elements of my chunk in segment s; non-increasing in s
@@ -116,41 +60,8 @@ __device__ __forceinline__ void fc_two_shot_islands_w(const FcTable* __restrict_
   const u64 count = fc_chunk_count(n, seg, chunk, me);  // my segment's (cnt[me] would spill cnt[])
   char* dout = out + ((u64)me * seg + base) * sizeof(R);
 
-  // 1. Island reduce-scatter, send.
-  {
-    char* dst[L];
-    u32* flag[L];
-#pragma unroll
-    for (u32 s = 0; s < L; ++s) {
-      dst[s] = ti->rs_push[hi][s] + base * sizeof(R);
-      flag[s] = ti->rs_flag_push[hi][s] + blockIdx.x;
-    }
-    const u64 nv = cnt[0] / PV;
-    for (u64 v = tid; v < nv; v += nthr) {
-      uint4 x[L];
-#pragma unroll
-      for (u32 s = 0; s < L; ++s)
-        if (s != me && v < cnt[s] / PV)
-          x[s] = *reinterpret_cast<const uint4*>(in + ((u64)s * seg + base + v * PV) * sizeof(R));
-#pragma unroll
-      for (u32 s = 0; s < L; ++s)
-        if (s != me && v < cnt[s] / PV) *reinterpret_cast<uint4*>(dst[s] + v * 16) = x[s];
-    }
-#pragma unroll
-    for (u32 s = 0; s < L; ++s) {  // the message tail: at most PV-1 elements, in one segment
-      if (s == me) continue;
-      for (u64 e = cnt[s] / PV * PV + tid; e < cnt[s]; e += nthr)
-        *reinterpret_cast<R*>(dst[s] + e * sizeof(R)) =
-            *reinterpret_cast<const R*>(in + ((u64)s * seg + base + e) * sizeof(R));
-    }
-    __syncthreads();
-    if (tid == 0) {
-      fc_fence_sys();
-#pragma unroll
-      for (u32 s = 0; s < L; ++s)
-        if (s != me) fc_st_relaxed_sys(flag[s], ei);
-    }
-  }
+  // 1. Island reduce-scatter, send (two_shot.cuh's scatter on the island's table).
+  fc_ts_scatter<D, L>(ti, hi, me, in, seg, base, cnt, ei);
 
   // 2. The island partial of my chunk (member order, rounded to D): into out, and to every partner.
   fc_wait_all(ti, ti->rs_flag_pull[hi], ei, FC_STEP_ISL_RS);
@@ -167,7 +78,7 @@ __device__ __forceinline__ void fc_two_shot_islands_w(const FcTable* __restrict_
       xd[j] = j < nx ? tp->ag_push[hp][j] + base * sizeof(R) : nullptr;
       xf[j] = j < nx ? tp->ag_flag_push[hp][j] + blockIdx.x : nullptr;
     }
-    fc_isl_reduce_push<D, L, I - 1>(src, me, count, dout, xd, xf, nx, ep);
+    fc_ts_reduce_push<D, L, I - 1>(src, me, count, dout, xd, xf, nx, ep);
   }
 
   // 3. Across: the partials in island order (mine from out, where this block put it), rounded to D: the
@@ -185,34 +96,12 @@ __device__ __forceinline__ void fc_two_shot_islands_w(const FcTable* __restrict_
       agd[j] = j < nag ? ti->ag_push[hi][j] + base * sizeof(R) : nullptr;
       agf[j] = j < nag ? ti->ag_flag_push[hi][j] + blockIdx.x : nullptr;
     }
-    fc_isl_reduce_push<D, I, (L > 1 ? L - 1 : 1)>(src, isl, count, dout, agd, agf, nag, ei);
+    fc_ts_reduce_push<D, I, (L > 1 ? L - 1 : 1)>(src, isl, count, dout, agd, agf, nag, ei);
   }
 
   // 4. Island all-gather, receive: every other segment's result, all owners' loads in flight together.
   fc_wait_all(ti, ti->ag_flag_pull[hi], ei, FC_STEP_ISL_AG);
-  {
-    const char* src[L];
-#pragma unroll
-    for (u32 p = 0; p < L; ++p) src[p] = ti->ag_pull[hi][p] + base * sizeof(R);
-    const u64 nv = cnt[0] / PV;
-    for (u64 v = tid; v < nv; v += nthr) {
-      uint4 x[L];
-#pragma unroll
-      for (u32 p = 0; p < L; ++p)
-        if (p != me && v < cnt[p] / PV) x[p] = fc_load_cv16(src[p] + v * 16);
-#pragma unroll
-      for (u32 p = 0; p < L; ++p)
-        if (p != me && v < cnt[p] / PV)
-          *reinterpret_cast<uint4*>(out + ((u64)p * seg + base + v * PV) * sizeof(R)) = x[p];
-    }
-#pragma unroll
-    for (u32 p = 0; p < L; ++p) {
-      if (p == me) continue;
-      for (u64 e = cnt[p] / PV * PV + tid; e < cnt[p]; e += nthr)
-        *reinterpret_cast<R*>(out + ((u64)p * seg + base + e) * sizeof(R)) =
-            *reinterpret_cast<const volatile R*>(src[p] + e * sizeof(R));
-    }
-  }
+  fc_ts_gather<D, L>(ti, hi, me, out, seg, base, cnt);
   fc_end(ti, ei);
   fc_end(tp, ep);
 }
