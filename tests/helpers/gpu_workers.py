@@ -393,6 +393,33 @@ def _fused_two_shot_graph(ws, replays):
     return checked
 
 
+def _fused_modes(ws, found, rank, dtype, tokens, hidden, seed, label, algo):
+    """One shape of the fused op forced to ``algo``, with a residual, without, and in place, each against the
+    CPU reference of the rounding contract (rmsnorm_ref over the rank-ordered sum); counts into ``found``."""
+    dev = ws.device
+    g = torch.Generator(device="cpu").manual_seed(tokens * hidden + seed)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype).to(dev) * (rank + 1)
+    resid = torch.randn(tokens, hidden, generator=g).to(dtype).to(dev)
+    w = (torch.rand(hidden, generator=g) + 0.5).to(dtype).to(dev)
+    x_before = x.clone()
+    ar = _ordered_sum(x)
+    for mode in ("residual", "no residual", "in place"):
+        what = f"{label} {dtype} {tokens}x{hidden} {mode}"
+        r = None if mode == "no residual" else resid.clone()
+        if mode == "in place":
+            xi = x.clone()
+            out, rout = fastcomm.fused_all_reduce_rmsnorm(xi, w, 1e-5, ws, residual=r, out=xi, residual_out=r,
+                                                          algo=algo)
+            assert out.data_ptr() == xi.data_ptr() and rout.data_ptr() == r.data_ptr()
+        else:
+            out, rout = _poisoned(x), _poisoned(x)
+            fastcomm.fused_all_reduce_rmsnorm(x, w, 1e-5, ws, residual=r, out=out, residual_out=rout, algo=algo)
+            assert torch.equal(x, x_before) and (r is None or torch.equal(r, resid)), f"{what}: input changed"
+        ref_out, ref_z = rmsnorm_ref(ar, None if mode == "no residual" else resid, w, 1e-5)
+        found["worst_ulps"] = max(found["worst_ulps"], _check_fused_result(what, out, rout, ref_out, ref_z))
+        found["checked"] += 1
+
+
 def fused_two_shot(rank, world, gloo, transport, replays):
     """fused_two_shot.cuh against the CPU reference of the fused op's rounding contract (rmsnorm_ref over
     the rank-ordered sum, as _fused), and bit for bit across ranks: tokens 1-64 x hidden 6144, 7168, 1000
@@ -413,28 +440,7 @@ def fused_two_shot(rank, world, gloo, transport, replays):
                 if kernel is None:
                     found["skipped"].append(f"{dtype} {tokens}x{hidden}: {why}")
                     continue
-                g = torch.Generator(device="cpu").manual_seed(tokens * hidden + 11)
-                x = torch.randn(tokens, hidden, generator=g).to(dtype).to(dev) * (rank + 1)
-                resid = torch.randn(tokens, hidden, generator=g).to(dtype).to(dev)
-                w = (torch.rand(hidden, generator=g) + 0.5).to(dtype).to(dev)
-                x_before = x.clone()
-                ar = _ordered_sum(x)
-                for mode in ("residual", "no residual", "in place"):
-                    what = f"fused two-shot {dtype} {tokens}x{hidden} {mode}"
-                    r = None if mode == "no residual" else resid.clone()
-                    if mode == "in place":
-                        xi = x.clone()
-                        out, rout = fastcomm.fused_all_reduce_rmsnorm(xi, w, 1e-5, ws, residual=r, out=xi,
-                                                                      residual_out=r, algo="two_shot")
-                        assert out.data_ptr() == xi.data_ptr() and rout.data_ptr() == r.data_ptr()
-                    else:
-                        out, rout = _poisoned(x), _poisoned(x)
-                        fastcomm.fused_all_reduce_rmsnorm(x, w, 1e-5, ws, residual=r, out=out, residual_out=rout,
-                                                          algo="two_shot")
-                        assert torch.equal(x, x_before) and (r is None or torch.equal(r, resid)), f"{what}: input changed"
-                    ref_out, ref_z = rmsnorm_ref(ar, None if mode == "no residual" else resid, w, 1e-5)
-                    found["worst_ulps"] = max(found["worst_ulps"], _check_fused_result(what, out, rout, ref_out, ref_z))
-                    found["checked"] += 1
+                _fused_modes(ws, found, rank, dtype, tokens, hidden, 11, "fused two-shot", "two_shot")
             _fused_two_shot_specials(ws, dtype)
             found["checked"] += 2
         # The policy's choice, as the vLLM plugin sees it (ws.why_not_fused / can_fuse, within the policy).
@@ -518,28 +524,7 @@ def fused_cluster(rank, world, gloo, transport, replays):
                 lc = fused_cluster_launch(tokens, hidden, x.element_size(), ws.plan.max_blocks)
                 fn = ws.function(abi.FUSED_CLUSTER, dtype_name(dtype))
                 found["cluster_launches"] += ops._resident_clusters(fn, lc.block, lc.splits) >= 1
-                g = torch.Generator(device="cpu").manual_seed(tokens * hidden + 5)
-                x = torch.randn(tokens, hidden, generator=g).to(dtype).to(dev) * (rank + 1)
-                resid = torch.randn(tokens, hidden, generator=g).to(dtype).to(dev)
-                w = (torch.rand(hidden, generator=g) + 0.5).to(dtype).to(dev)
-                x_before = x.clone()
-                ar = _ordered_sum(x)
-                for mode in ("residual", "no residual", "in place"):
-                    what = f"fused cluster {dtype} {tokens}x{hidden} {mode}"
-                    r = None if mode == "no residual" else resid.clone()
-                    if mode == "in place":
-                        xi = x.clone()
-                        out, rout = fastcomm.fused_all_reduce_rmsnorm(xi, w, 1e-5, ws, residual=r, out=xi,
-                                                                      residual_out=r, algo="one_shot")
-                        assert out.data_ptr() == xi.data_ptr() and rout.data_ptr() == r.data_ptr()
-                    else:
-                        out, rout = _poisoned(x), _poisoned(x)
-                        fastcomm.fused_all_reduce_rmsnorm(x, w, 1e-5, ws, residual=r, out=out, residual_out=rout,
-                                                          algo="one_shot")
-                        assert torch.equal(x, x_before) and (r is None or torch.equal(r, resid)), f"{what}: input changed"
-                    ref_out, ref_z = rmsnorm_ref(ar, None if mode == "no residual" else resid, w, 1e-5)
-                    found["worst_ulps"] = max(found["worst_ulps"], _check_fused_result(what, out, rout, ref_out, ref_z))
-                    found["checked"] += 1
+                _fused_modes(ws, found, rank, dtype, tokens, hidden, 5, "fused cluster", "one_shot")
             _fused_two_shot_specials(ws, dtype, algo="one_shot")
             found["checked"] += 2
         found["graph_replays"] = _fused_cluster_graph(ws, replays)
