@@ -133,10 +133,10 @@ def predict(fit: Fit, k: int, length: float, *, scaled: bool, share: float = EST
 def table(points: dict[int, float], run: MtpRun | None = None) -> list[str]:
     fit = fit_step(points)
     share = ESTIMATED_DRAFT_SHARE if run is None else draft_share(points, run)
-    lines = [f"# MODEL, not a measurement. H200 step times (ms) by tokens per step: "
+    lines = ["# MODEL, not a measurement. H200 step times (ms) by tokens per step: "
              + ", ".join(f"{c}: {points[c]:.1f}" for c in sorted(points))
              + f"; fit over 1-4: {fit.base_ms:.1f} + (c - 1) x {fit.per_token_ms:.1f}",
-             f"# H200 verify step cost against a plain decode step: "
+             "# H200 verify step cost against a plain decode step: "
              + ", ".join(f"k={c - 1}: {points[c] / points[1]:.2f}x" for c in sorted(points) if 2 <= c <= 4),
              f"# fastcomm all-reduce (bench/pcie_model.py, 8 x PCIe Gen5, one switch): {allreduce_us(1):.1f} us at 1 token, "
              f"{allreduce_us(4):.1f} us at 4",

@@ -93,10 +93,7 @@ def wire_cross(algo: str, nbytes: int, world: int, islands: int, *, elem_size: i
     if algo == "two_shot_islands":
         return _two_shot_islands(nbytes, world, islands, elem_size, max_blocks)[1]
     if algo == "two_shot":
-        numel = cdiv(nbytes, elem_size)
-        lc = two_shot_launch(numel, elem_size, world, max_blocks)
-        seg_bytes = [max(0, min(lc.seg, numel - s * lc.seg)) * elem_size for s in range(world)]
-        flags = lc.grid * FLAG_BYTES
+        seg_bytes, flags = _segments(nbytes, world, elem_size, max_blocks)
 
         def outside(me: int) -> int:
             away = [s for s in range(world) if s // size != me // size]
@@ -116,10 +113,7 @@ def _two_shot_islands(nbytes: int, world: int, islands: int, elem_size: int, max
     size = world // islands
     if islands < 2 or size < 2:
         raise ValueError(f"the island two-shot needs 2+ islands of 2+ ranks, not {islands} of {size}")
-    numel = cdiv(nbytes, elem_size)
-    lc = two_shot_launch(numel, elem_size, size, max_blocks)
-    seg_bytes = [max(0, min(lc.seg, numel - s * lc.seg)) * elem_size for s in range(size)]
-    flags = lc.grid * FLAG_BYTES
+    seg_bytes, flags = _segments(nbytes, size, elem_size, max_blocks)
 
     def sends(me: int) -> tuple[int, int]:
         rs = sum(b for s, b in enumerate(seg_bytes) if s != me) + (size - 1) * flags
@@ -152,11 +146,16 @@ def _pull(nbytes: int, world: int, max_blocks: int) -> tuple[int, int]:
     return flags, max(reads(me) for me in range(world))
 
 
-def _two_shot(nbytes: int, world: int, host: bool, elem_size: int, max_blocks: int) -> int:
+def _segments(nbytes: int, world: int, elem_size: int, max_blocks: int) -> tuple[list[int], int]:
+    """The two-shot's cut of a message over ``world`` ranks, as ops launches it: each segment's bytes, and
+    the flag bytes one phase writes to one destination (a word per block)."""
     numel = cdiv(nbytes, elem_size)
     lc = two_shot_launch(numel, elem_size, world, max_blocks)
-    seg_bytes = [max(0, min(lc.seg, numel - s * lc.seg)) * elem_size for s in range(world)]
-    flags = lc.grid * FLAG_BYTES
+    return [max(0, min(lc.seg, numel - s * lc.seg)) * elem_size for s in range(world)], lc.grid * FLAG_BYTES
+
+
+def _two_shot(nbytes: int, world: int, host: bool, elem_size: int, max_blocks: int) -> int:
+    seg_bytes, flags = _segments(nbytes, world, elem_size, max_blocks)
 
     def sends(me: int) -> int:
         rs = sum(b for s, b in enumerate(seg_bytes) if s != me) + (world - 1) * flags  # my copy of each segment
