@@ -42,6 +42,10 @@ dir=${2:?usage: device_gguf.sh prepare|run DIR}
 here=$(cd "$(dirname "$0")/.." && pwd)
 PLUGIN=vllm-gguf-plugin==0.0.5
 GGUF=gguf==0.19.0
+# `vllm serve` needs what the offline engine does not (the device's staged vLLM set is for vllm.LLM):
+# import name=pinned wheel; installed only where the import fails.
+SERVE_DEPS=(uvicorn=uvicorn==0.54.0 h11=h11==0.16.0 click=click==8.5.1 anyio=anyio==4.16.0
+  watchfiles=watchfiles==1.3.0 httptools=httptools==0.9.0)
 
 cuda_home() {   # the toolkit holding nvcc and libcudart.so (an nvcc on PATH may be a wrapper script)
   if [ -n "${CUDA_HOME:-}" ]; then echo "$CUDA_HOME"; return; fi
@@ -54,6 +58,8 @@ prepare() {
   mkdir -p "$dir"
   local py=${PYTHON:-python3} venv="$dir/.build-venv"
   "$py" -m pip download -q --no-deps --only-binary=:all: -d "$dir" "$GGUF"
+  "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d "$dir/serve-wheels" "${SERVE_DEPS[@]#*=}"
   # The sdist's metadata step imports torch: fetch it with a pip that has torch, without building.
   "$py" -m venv "$venv"
   "$venv/bin/pip" install -q "setuptools>=77,<81" wheel
@@ -172,6 +178,14 @@ serve() {
   mkdir -p "$out/serve"
   exec > >(tee "$out/serve/device_gguf.log") 2>&1
   install || return 1
+  local dep missing=()
+  for dep in "${SERVE_DEPS[@]}"; do
+    python -c "import ${dep%%=*}" 2>/dev/null || missing+=("${dep#*=}")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "== for vllm serve: ${missing[*]}"
+    python -m pip install -q --no-index --no-deps --find-links "$dir/serve-wheels" "${missing[@]}" || return 1
+  fi
   # The console script and the entry points (fastcomm, fastcomm_gguf) come from `pip install -e .` above.
   echo "== fastcomm-serve: $(command -v fastcomm-serve || echo 'not on PATH (the check falls back to python -m)')"
   # shellcheck disable=SC2086  # SERVE_GPU_ARGS is a list of options

@@ -147,10 +147,9 @@ VARIABLES: tuple[Var, ...] = (
         "buffers; pull reads peers' GPU memory: P2P only, an error at workspace build on the host transport; "
         "two_shot_islands: the hierarchical two-shot, an error at build without islands of 2+ ranks).",
         _choice("auto", "one_shot", "two_shot", "two_shot_ll", "pull", "two_shot_islands")),
-    Var("FASTCOMM_FUSED_CLUSTER", "fused_cluster", "off", "auto | on | off: the flat one-shot fused all-reduce + "
-        "RMSNorm as one thread-block cluster per row (sm_90+, where the device launches clusters); on: an error "
-        "where it cannot; off (the default until the cluster kernel has run on a GPU): one block per split, "
-        "every block reading the whole row.",
+    Var("FASTCOMM_FUSED_CLUSTER", "fused_cluster", "auto", "auto | on | off: the flat one-shot fused all-reduce + "
+        "RMSNorm as one thread-block cluster per row (auto: sm_90+, where every rank's device launches clusters); "
+        "on: an error where it cannot; off: one block per split, every block reading the whole row.",
         _choice("auto", "on", "off")),
     Var("FASTCOMM_ISLANDS", "islands", "", "Force a hierarchical island layout, e.g. '0,1;2,3' (equal-sized groups "
         "of ranks 0..N-1).", _islands),
@@ -209,7 +208,7 @@ class Config:
     one_shot_max_bytes: int | None = None   # None: 1 MiB, or max_bytes if smaller
     transport: str = "auto"
     algo: str = "auto"
-    fused_cluster: str = "off"  # FASTCOMM_FUSED_CLUSTER (policy.fused.fused_cluster_form)
+    fused_cluster: str = "auto"  # FASTCOMM_FUSED_CLUSTER (policy.fused.fused_cluster_form)
     islands: tuple[tuple[int, ...], ...] | None = None
     max_blocks: int = 0
     cache_dir: Path = Path("~/.cache/fastcomm").expanduser()

@@ -33,7 +33,7 @@ def test_policy_takes_clusters_where_the_device_launches_them():
 
 
 def test_setting_is_read_validated_and_agreed():
-    assert Config().fused_cluster == "off"  # until the cluster kernel has run on a GPU
+    assert Config().fused_cluster == "auto" and Config.from_env({}).fused_cluster == "auto"
     assert Config.from_env({"FASTCOMM_FUSED_CLUSTER": "off"}).fused_cluster == "off"
     assert Config.from_env({}, fused_cluster="on").fused_cluster == "on"
     with pytest.raises(ConfigError, match="FASTCOMM_FUSED_CLUSTER"):

@@ -179,7 +179,7 @@ def test_two_shot_islands(case):
     assert all(r["exact"] == 3 * sizes and r["random_bitwise"] == 15 and r["against_one_shot"] >= 9
                and r["interleaved"] == 128 and r["graph_replays"] == replays for r in res), res
     assert "islands" in res[0]["describe"], res[0]["describe"]
-    if rules.ISLAND_TWO_SHOT_BY_DEFAULT:  # off until this test has passed on a GPU
+    if rules.ISLAND_TWO_SHOT_BY_DEFAULT:
         # Above the one-shot the policy takes the island two-shot (the pull keeps NVLink rows, as flat).
         assert "two_shot_islands" in res[0]["describe"], res[0]["describe"]
         assert res[0]["auto_1MiB"] == ("pull" if res[0]["link"] == "nvlink" else "two_shot_islands"), res[0]
