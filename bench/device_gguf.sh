@@ -45,7 +45,11 @@ GGUF=gguf==0.19.0
 # `vllm serve` needs what the offline engine does not (the device's staged vLLM set is for vllm.LLM):
 # import name=pinned wheel; installed only where the import fails.
 SERVE_DEPS=(uvicorn=uvicorn==0.54.0 h11=h11==0.16.0 click=click==8.5.1 anyio=anyio==4.16.0
-  watchfiles=watchfiles==1.3.0 httptools=httptools==0.9.0)
+  watchfiles=watchfiles==1.3.0 httptools=httptools==0.9.0 httpx=httpx==0.28.1 httpcore=httpcore==1.0.9
+  certifi=certifi==2026.10.19.post1 idna=idna==3.20 annotated_doc=annotated-doc==0.0.7
+  prometheus_fastapi_instrumentator=prometheus-fastapi-instrumentator==8.1.0
+  model_hosting_container_standards=model-hosting-container-standards==0.1.16 jmespath=jmespath==1.1.0
+  supervisor=supervisor==4.3.0)
 
 cuda_home() {   # the toolkit holding nvcc and libcudart.so (an nvcc on PATH may be a wrapper script)
   if [ -n "${CUDA_HOME:-}" ]; then echo "$CUDA_HOME"; return; fi
@@ -186,6 +190,9 @@ serve() {
     echo "== for vllm serve: ${missing[*]}"
     python -m pip install -q --no-index --no-deps --find-links "$dir/serve-wheels" "${missing[@]}" || return 1
   fi
+  # What the server imports when it starts and builds its routes: a module still missing is named here.
+  python -c "import vllm.entrypoints.openai.api_server, vllm.entrypoints.serve.instrumentator.metrics" \
+    || echo "== vllm serve cannot import all it needs (above); the check will fail at server start"
   # The console script and the entry points (fastcomm, fastcomm_gguf) come from `pip install -e .` above.
   echo "== fastcomm-serve: $(command -v fastcomm-serve || echo 'not on PATH (the check falls back to python -m)')"
   # shellcheck disable=SC2086  # SERVE_GPU_ARGS is a list of options
