@@ -156,8 +156,11 @@ def writable_out(path: Path) -> Path:
     return path
 
 
-def _commit() -> str | None:
-    """The fastcomm commit these results come from, where the package sits in a git checkout."""
+def source_commit() -> str | None:
+    """The fastcomm commit these results come from: FASTCOMM_COMMIT where the caller says it (a device
+    machine's copy of the tree can carry stale git metadata), else the checkout's HEAD."""
+    if os.environ.get("FASTCOMM_COMMIT"):
+        return os.environ["FASTCOMM_COMMIT"]
     try:
         r = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short=12", "HEAD"],
                            capture_output=True, text=True, timeout=10)
@@ -223,7 +226,7 @@ def _main(argv) -> int:
     # The record names the model as given (no absolute path of this machine) and the commit it ran.
     meta = {**{k: v for k, v in spec.items() if k not in ("engine", "gguf")}, "model": model.record_name, "model_source": model.source,
             "weights": model.weights, "configs": names, "rounds": args.rounds, "started": stamp,
-            "fastcomm_commit": _commit()}
+            "fastcomm_commit": source_commit()}
     log_dir = Path(tempfile.mkdtemp(prefix=f"{out.stem}-logs-", dir=out.parent))
     print(f"bench-decode: model {model.describe()}", flush=True)
     runs: dict[str, list[dict]] = {name: [] for name in names}

@@ -17,6 +17,8 @@
 #    torch 2.11.0+cu130 (PyPI's torch 2.11.0 is that build) in a scratch venv it removes afterwards
 #    (~3 GB of downloads, ~1 min of nvcc per arch). The folder holds ~1.3 MB. For other GPUs set
 #    TORCH_CUDA_ARCH_LIST (e.g. "9.0;10.0;12.0" for H100/H200, B200 and RTX PRO 6000).
+# Every mode: prefix FASTCOMM_COMMIT=<sha> so logs and JSON name the tree that ran (the device's copy of
+# the checkout can carry stale git metadata: once it stamped an older commit).
 # 2. On the device, after vLLM 0.25.0 is staged (notes/VLLM_ON_DEVICE.md, calls 1-5), one call with
 #    carry [".gguf_stage", ".stage/install.sh"]:
 #        eval "$(bash .stage/install.sh)" && bash bench/device_gguf.sh run .gguf_stage
@@ -82,7 +84,7 @@ install() {   # gguf and the plugin (idempotent: a second call on the same machi
   cd "$here"
   export PYTHONPATH="$here:$here/integrations/vllm${PYTHONPATH:+:$PYTHONPATH}"
   export VLLM_USE_FLASHINFER_SAMPLER=0
-  echo "== $(date -u) $(git rev-parse --short HEAD 2>/dev/null || echo no-git) on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+  echo "== $(date -u) ${FASTCOMM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo no-git)} on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
   python -c 'import torch, sys; print("torch", torch.__version__, "python", sys.version.split()[0])'
   python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "== pip install -e . failed"
   # Already installed on this machine, with the CUDA kernels loading: nothing to do.

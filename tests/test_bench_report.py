@@ -84,3 +84,14 @@ def test_wire_column_comes_from_the_layout():
     assert B.wire_for(("symm", "one_shot"), 12288, 8) is None
     line = B.table_row(dict(_row("fastcomm-auto", 4.0), wire_bytes=86016), 8)
     assert line.split()[-1] == "86016" and B.table_row(_row("symm-one_shot", 5.0), 8).split()[-1] == "-"
+
+
+def test_results_name_the_commit_the_caller_gives(monkeypatch):
+    # A device machine's copy of the checkout can carry stale git metadata: FASTCOMM_COMMIT wins over HEAD.
+    from fastcomm_bench import bench_decode
+
+    monkeypatch.setenv("FASTCOMM_COMMIT", "abc1234")
+    assert bench_decode.source_commit() == "abc1234"
+    monkeypatch.delenv("FASTCOMM_COMMIT")
+    head = bench_decode.source_commit()
+    assert head is None or (head != "abc1234" and len(head) == 12)

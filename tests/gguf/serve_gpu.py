@@ -18,8 +18,8 @@
    Skipped (and said so in the JSON) when what is left of --budget cannot hold a second start.
 
 Tokenizer: the tiny GGUF carries a byte-level BPE vocabulary (tokenizer.ggml.*: tokens, merges, types),
-from which fastcomm-serve derives tokenizer.json when the installed transformers has its GGUF tokenizer
-converter. Prompts are token ids either way, so the tokens compared never depend on a tokenizer. Where it
+from which fastcomm-serve derives tokenizer.json (transformers' GGUF converter where the installed release has
+one for it, else fastcomm's build with `tokenizers`: fastcomm_vllm.gguf.derive). Prompts are token ids either way, so the tokens compared never depend on a tokenizer. Where it
 cannot derive one, fastcomm-serve refuses to start ("no tokenizer"); this check then records that as a
 failed check and, so the rest still runs, serves with `--tokenizer <derived config folder>
 --skip-tokenizer-init`.
@@ -516,11 +516,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_term)
     results: dict = {"what": "fastcomm-serve end to end on the tiny GLM-5 GGUF (tests/gguf/serve_gpu.py)",
                      "argv": sys.argv[1:], "checks": {}, "versions": versions()}
-    try:
-        results["commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                                           capture_output=True, text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        results["commit"] = None
+    from fastcomm_bench.bench_decode import source_commit
+
+    results["commit"] = source_commit()
     try:
         run_check(out, a, t_start, results)
     except (Exception, Stopped) as e:  # still write what was observed, and fail
