@@ -115,13 +115,15 @@ def _python(code: str) -> list[str]:
 
 
 def test_stop_kills_the_whole_group(tmp_path):
-    # A leader whose child ignores SIGTERM: the child must still be gone when stop() returns.
+    # A leader whose child ignores SIGTERM: the child must still be gone when stop() returns. The child
+    # writes its pid only once it ignores SIGTERM, so the test never stops a child that has not yet.
     pid_file = tmp_path / "child.pid"
+    child_code = ("import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                  f"open({str(pid_file)!r} + '.tmp', 'w').write(str(os.getpid())); "
+                  f"os.rename({str(pid_file)!r} + '.tmp', {str(pid_file)!r}); time.sleep(600)")
     proc = serve_gpu.start(_python(f"""
         import subprocess, sys, time
-        child = subprocess.Popen([sys.executable, "-c",
-            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
-        open({str(pid_file)!r}, "w").write(str(child.pid))
+        child = subprocess.Popen([sys.executable, "-c", {child_code!r}])
         time.sleep(600)
         """), os.environ, tmp_path / "log")
     deadline = time.monotonic() + 30
