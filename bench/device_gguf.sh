@@ -29,6 +29,8 @@
 #        bash bench/device_gguf.sh figures .gguf_stage gguf # its decode at TP 1, concurrency 1,2,3,4,8
 #        bash bench/device_gguf.sh figures .gguf_stage mtp  # the same with MTP, 3 draft tokens, concurrency 1
 #        bash bench/device_gguf.sh figures .gguf_stage fp8  # the same shapes as FP8 (dummy weights)
+#        bash bench/device_gguf.sh figures .gguf_stage gguf-profile   # then fp8-profile: kernels per step
+#    (PROFILE_CONCURRENCY=8 for the 8-request step), each ~6 min with the engine's start-up.
 #    Why concurrency 2-4: a verify step of k draft tokens is a forward over k + 1 tokens of one request,
 #    which reads the weights as a decode step of k + 1 requests does (bench/predict_mtp.py uses that).
 # 4. `fastcomm-serve` itself, end to end (one call, same carry; ~2-4 min, bounded at 540 s):
@@ -116,7 +118,7 @@ model() {
   echo "== written in $((SECONDS - t0)) s"
 }
 
-figures() {   # one row set per call: gguf | mtp | fp8
+figures() {   # one row set per call: gguf | mtp | fp8 | gguf-profile | fp8-profile
   local what=${1:?figures needs gguf, mtp or fp8} out=${OUT:-$here/out}
   install || return 1
   local common=(--tp 1 --max-tokens 128 --capture-sizes 1,2,3,4,8 --repeats 3 --max-model-len 2048)
@@ -124,7 +126,18 @@ figures() {   # one row set per call: gguf | mtp | fp8
     gguf) bash bench/device_decode.sh gguf-tp1 "$MODEL_FIRST" vllm "${common[@]}" --no-mtp --concurrency 1,2,3,4,8 ;;
     mtp) bash bench/device_decode.sh gguf-mtp3-tp1 "$MODEL_FIRST" vllm "${common[@]}" --mtp 3 --concurrency 1 --max-num-seqs 8 ;;
     fp8) bash bench/device_decode.sh fp8-tp1 glm5-78L-16E vllm "${common[@]}" --quantization fp8 --concurrency 1,2,3,4,8 ;;
-    *) echo "figures: gguf, mtp or fp8" >&2; return 2 ;;
+    # Where each step's GPU time goes (profile_summary: busiest kernels per step), GGUF against FP8 on the
+    # same shapes, at PROFILE_CONCURRENCY requests (default 1, the single-request goal): one call each.
+    gguf-profile|fp8-profile)
+      local c=${PROFILE_CONCURRENCY:-1} kind=${what%-profile}
+      local prof=(--concurrency "$c" --profile-dir "/tmp/prof-$kind" --profile-concurrency "$c" --profile-tokens 16
+        --max-tokens 64 --tp 1 --capture-sizes 1,2,4,8 --repeats 1 --max-model-len 2048)
+      if [ "$kind" = gguf ]; then
+        bash bench/device_decode.sh "gguf-prof-c$c" "$MODEL_FIRST" vllm "${prof[@]}" --no-mtp
+      else
+        bash bench/device_decode.sh "fp8-prof-c$c" glm5-78L-16E vllm "${prof[@]}" --quantization fp8
+      fi ;;
+    *) echo "figures: gguf, mtp, fp8, gguf-profile or fp8-profile" >&2; return 2 ;;
   esac
 }
 
@@ -211,5 +224,5 @@ case "$mode" in
   serve) serve ;;
   model) model ;;
   figures) figures "${3:-}" ;;
-  *) echo "usage: device_gguf.sh prepare|run|model|figures|serve DIR [gguf|mtp|fp8]" >&2; exit 2 ;;
+  *) echo "usage: device_gguf.sh prepare|run|model|figures|serve DIR [gguf|mtp|fp8|gguf-profile|fp8-profile]" >&2; exit 2 ;;
 esac
