@@ -145,3 +145,44 @@ def test_slow_fallback_warns(capsys, tiny, monkeypatch):
     monkeypatch.setenv("VLLM_GGUF_USE_CUDA", "0")
     _, _, err = dry(capsys, [str(tiny[0]), "--gpus", "1"])
     assert "warning: vllm-gguf-plugin will run its slow Triton fallback" in err
+
+
+def test_served_under_the_files_own_name(capsys, tiny, monkeypatch):
+    # vLLM would name a GGUF model by its path; fastcomm-serve puts the file's name first and keeps the path.
+    first, _, _ = tiny
+    _, args, err = dry(capsys, [str(first), "--gpus", "1"])
+    i = args.index("--served-model-name")
+    assert args[i + 1:i + 3] == ["GLM-5-tiny-UD-Q4_K_XL", str(first)]
+    assert "served as 'GLM-5-tiny-UD-Q4_K_XL'" in err
+    # ...and the engine arguments vLLM parses say so (its own parser, this vLLM's spelling).
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    if not current_platform.device_type:  # a CPU-only vLLM build reports none; its parser needs one
+        monkeypatch.setattr(type(current_platform), "device_type", "cpu")
+
+    parsed = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(["--model", args[0], *args[1:]])
+    assert parsed.served_model_name == ["GLM-5-tiny-UD-Q4_K_XL", str(first)] and parsed.model == str(first)
+    _, args, err = dry(capsys, [str(first), "--gpus", "1", "--served-model-name", "glm5"])
+    assert args.count("--served-model-name") == 1 and opt(args, "--served-model-name") == "glm5"
+    assert "served as" not in err
+
+
+def test_hf_config_path_brings_its_tokenizer_or_the_derived_one(capsys, tiny, tmp_path):
+    first, _, _ = tiny
+    bare = tmp_path / "config-only"
+    bare.mkdir()
+    (bare / "config.json").write_text("{}")
+    _, args, err = dry(capsys, [str(first), "--gpus", "1", "--hf-config-path", str(bare)])
+    # A config folder without a tokenizer: the one derived from the GGUF vocabulary, said so.
+    assert opt(args, "--hf-config-path") == str(bare) and opt(args, "--tokenizer") not in (None, str(bare))
+    assert "tokenizer derived from the GGUF vocabulary" in err
+    derived = opt(args, "--tokenizer")
+    assert (__import__("pathlib").Path(derived) / "tokenizer.json").is_file()
+    # One holding a tokenizer (here the derived folder itself) is the tokenizer too.
+    _, args, err = dry(capsys, [str(first), "--gpus", "1", "--hf-config-path", derived])
+    assert opt(args, "--tokenizer") == derived and f"tokenizer from --hf-config-path {derived}" in err
+    # A Hub id: vLLM resolves it (and reports a missing tokenizer itself).
+    _, args, err = dry(capsys, [str(first), "--gpus", "1", "--hf-config-path", "zai-org/GLM-5"])
+    assert opt(args, "--tokenizer") == "zai-org/GLM-5" and "tokenizer from --hf-config-path zai-org/GLM-5" in err

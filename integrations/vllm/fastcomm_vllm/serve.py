@@ -44,8 +44,11 @@ GGUF models (install: pip install -e ".[gguf]" from a fastcomm checkout):
   MODEL                   a .gguf file, the first shard of a split (-00001-of-0000N.gguf), or their folder;
                           every shard must be there
   GLM-5 (glm-dsa)         config (--hf-config-path) and tokenizer (--tokenizer) derived from the file's
-                          metadata unless you pass them; MTP speculative decoding with the file's MTP block
-                          on by default (--no-mtp, --mtp-tokens N); --dry-run says what it chose and why
+                          metadata unless you pass them (a --hf-config-path folder holding a tokenizer is
+                          the tokenizer too); served as the file's name, e.g. GLM-5-UD-Q4_K_XL (the path
+                          works too; --served-model-name overrides); MTP speculative decoding with the
+                          file's MTP block on by default (--no-mtp, --mtp-tokens N); --dry-run says what it
+                          chose and why
   other architectures     passed to vllm-gguf-plugin unchanged
 """
 
@@ -365,6 +368,12 @@ def _gguf_args(opts: Options, model: str, args: list[str]) -> tuple[list[str], l
         notes = [n for n in notes if not n.startswith("MTP")] + [f"speculative decoding as your {user_spec} says"]
     args = _replace_model(args, model, plan.kwargs["model"])
     if plan.glm:
+        if not _has_flag(args, "--served-model-name"):
+            # vLLM would name the model by its path, which every client request must then repeat; the
+            # file's own name comes first (what /v1/models and responses show), the path stays accepted.
+            name = gguf.files.model_name(plan.files)
+            args += ["--served-model-name", name, plan.kwargs["model"]]
+            notes.append(f"served as {name!r} (the path is accepted too; --served-model-name overrides)")
         if not _has_flag(args, "--hf-config-path"):
             args += ["--hf-config-path", plan.kwargs["hf_config_path"]]
         if not _has_flag(args, "--tokenizer") and "tokenizer" in plan.kwargs:

@@ -41,6 +41,18 @@ class GgufPlan:
     notes: tuple[str, ...]         # what was chosen and why, one line each
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def _tokenizer_source(path: str) -> bool:
+    """Whether ``path`` (a --hf-config-path) can be the tokenizer too: a local folder holding tokenizer
+    files, or anything that is not a local path (a Hub id, which vLLM resolves and reports itself)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        return not path.startswith((".", "/", "~"))
+    return p.is_dir() and any((p / name).is_file() for name in _TOKENIZER_FILES)
+
+
 def require_packages() -> None:
     for module, what in (("gguf", "the `gguf` package"), ("vllm_gguf_plugin", "vllm-gguf-plugin")):
         if importlib.util.find_spec(module) is None:
@@ -93,12 +105,20 @@ def plan(model: str, *, mtp: bool | None = None, num_speculative_tokens: int = 1
         notes.append(f"config from --hf-config-path {hf_config_path}")
     if tokenizer is not None:
         kwargs["tokenizer"] = tokenizer
-    elif config_dir is not None and derive_tokenizer:
-        if derive.has_tokenizer(config_dir):
-            kwargs["tokenizer"] = str(config_dir)
-            notes.append(f"tokenizer {derive.tokenizer_note(config_dir)} (--tokenizer zai-org/GLM-5 for the original)")
+    elif hf_config_path is not None and derive_tokenizer and _tokenizer_source(hf_config_path):
+        # A config folder (or Hub id) that carries a tokenizer is where the user's model comes from.
+        kwargs["tokenizer"] = hf_config_path
+        notes.append(f"tokenizer from --hf-config-path {hf_config_path} (--tokenizer overrides)")
+    elif derive_tokenizer:
+        # The derived folder's tokenizer, also beside a --hf-config-path that has none.
+        if config_dir is None:
+            derive.check_writable(derive.cache_root())
+        folder = config_dir if config_dir is not None else derive.derive(meta)
+        if derive.has_tokenizer(folder):
+            kwargs["tokenizer"] = str(folder)
+            notes.append(f"tokenizer {derive.tokenizer_note(folder)} (--tokenizer zai-org/GLM-5 for the original)")
         else:
-            raise GgufError(f"no tokenizer: {derive.tokenizer_note(config_dir)} (e.g. --tokenizer zai-org/GLM-5)")
+            raise GgufError(f"no tokenizer: {derive.tokenizer_note(folder)} (e.g. --tokenizer zai-org/GLM-5)")
     return GgufPlan(found, meta.arch, True, blocks, use_mtp, num_speculative_tokens, config_dir, kwargs,
                     tuple(notes))
 

@@ -24,6 +24,13 @@ class GgufFiles:
         return self.shards[0]
 
 
+def model_name(files: GgufFiles) -> str:
+    """The model's name as its files spell it: the first shard's name less the split suffix and .gguf
+    (GLM-5-UD-Q4_K_XL-00001-of-00009.gguf -> GLM-5-UD-Q4_K_XL)."""
+    m = SPLIT_RE.match(files.first.name)
+    return m["stem"] if m else files.first.name.removesuffix(".gguf")
+
+
 def looks_like_gguf(model: str) -> bool:
     """A .gguf file, or a folder holding .gguf files (no I/O beyond a stat and a listing)."""
     p = Path(model).expanduser()
