@@ -30,7 +30,7 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
-from fastcomm.policy import ll_bytes, wire_bytes
+from fastcomm.policy import ll_bytes, wire_bytes, wire_cross
 from fastcomm.units import KiB, format_size, parse_size
 
 # The brief's decode workload (GLM-5 on 8 x RTX PRO 6000): the all-reduce model's inputs, and predict_mtp's.
@@ -205,7 +205,8 @@ BOXES = (ONE_SWITCH, TWO_SOCKETS, HOST)
 # What the model knows per box. "-old": the code before issue 15's changes, as the issue reads it.
 ALGOS = {"p2p": ("one_shot-old", "one_shot", "two_shot-old", "two_shot", "two_shot_ll"),
          "host": ("one_shot-old", "one_shot")}
-ISLAND_ALGOS = ("islands-old", "islands")  # two launches of the old one-shot; one launch of the current
+# Two launches of the old one-shot; one launch of the current; the island two-shot (two_shot_islands.cuh).
+ISLAND_ALGOS = ("islands-old", "islands", "two_shot_islands")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,9 +249,19 @@ def predict(algo: str, nbytes: int, box: Box, m: Measured) -> Prediction:
         return Prediction(algo, nbytes, written, 0, inbound,
                           {"floor": m.host_floor.value, "waits": waits,
                            "bytes": inbound * m.host_us_per_byte.value})
+    if algo in ISLAND_ALGOS and box.islands < 2:
+        raise ValueError("islands need a box of two or more islands")
+    if algo == "two_shot_islands":
+        # Three flagged phases (reduce-scatter inside, across to the partners, all-gather inside): the
+        # measured two-shot's two plus one more priced as one of them; the inside bytes at the link's rate,
+        # the partials across at the socket link's.
+        total = wire_bytes(algo, nbytes, w, "p2p", box.islands)
+        cross = wire_cross(algo, nbytes, w, box.islands)
+        parts = {"floor": m.two_shot_floor.value, "crossings": 3 * x,
+                 "third phase": (m.two_shot_floor.value - m.node.value) / 2,
+                 "bytes": (total - cross) * per_us + cross * socket_us}
+        return Prediction(algo, nbytes, total, cross, 0, parts)
     if algo in ISLAND_ALGOS:
-        if box.islands < 2:
-            raise ValueError("islands need a box of two or more islands")
         size = w // box.islands
         copy = _copy(nbytes, old)
         inside = copy * (size - 1) if old else wire_bytes("one_shot", nbytes, size, "p2p")

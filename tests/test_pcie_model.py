@@ -129,3 +129,23 @@ def test_results_md_shows_the_models_current_output():
     assert "python -m fastcomm_bench.pcie_model --markdown" in section
     missing = [ln for ln in M.markdown(M.report(M.measure())) if ln and ln not in section]
     assert not missing, f"bench/RESULTS.md is stale: rerun the command; first missing line: {missing[0]}"
+
+
+def test_island_two_shot_terms_and_the_default_it_supports():
+    from fastcomm.policy import rules, wire_cross
+
+    m = M.measure()
+    for n in (64 * 1024, 256 * 1024, 1 << 20):
+        isl = M.predict("two_shot_islands", n, M.TWO_SOCKETS, m)
+        flat = M.predict("two_shot_ll", n, M.TWO_SOCKETS, m)
+        # A quarter of the flat form's bytes cross the sockets, from the library's count...
+        assert isl.cross == wire_cross("two_shot_islands", n, 8, 2) and isl.cross * 3.5 < flat.cross
+        assert isl.wire == wire_bytes("two_shot_islands", n, 8, "p2p", 2)
+        # ...and one more flagged phase than the two-shot: three crossings, the measured floor plus a phase.
+        assert isl.parts["crossings"] == pytest.approx(3 * M.CROSSING_US.value)
+        assert isl.parts["third phase"] == pytest.approx((m.two_shot_floor.value - m.node.value) / 2)
+        # The model has it slower here, which is why the policy keeps it off by default.
+        assert isl.us > flat.us
+    assert not rules.ISLAND_TWO_SHOT_BY_DEFAULT
+    with pytest.raises(ValueError, match="islands"):
+        M.predict("two_shot_islands", 1 << 20, M.ONE_SWITCH, m)

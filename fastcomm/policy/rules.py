@@ -116,9 +116,12 @@ def lookup_rules(table: dict[PolicyKey, tuple[Rule, ...]], transport: Transport,
 # one more flag round (three, against two). The one-shot keeps its range (its island form also crosses
 # once). Islands of one rank have nothing to reduce inside: the flat two-shot stays.
 _ISLAND_FORM = {Algo.TWO_SHOT: Algo.TWO_SHOT_ISLANDS, Algo.TWO_SHOT_LL: Algo.TWO_SHOT_ISLANDS}
-# On since tests/gpu/test_allreduce_gpu.py::test_two_shot_islands passed on a GPU (shared-GPU mode, 4-8 ranks,
-# 2026-12-01); False gives the flat two-shots back with islands (FASTCOMM_ALGO=two_shot_islands still runs it).
-ISLAND_TWO_SHOT_BY_DEFAULT = True
+# Correct on a GPU (tests/gpu/test_allreduce_gpu.py::test_two_shot_islands, shared-GPU mode, 4-8 ranks), but off
+# by default: bench/pcie_model.py, on issue 15's two-socket box (24 GB/s per GPU across the sockets), has it
+# 3-6 us slower than the flat Lamport two-shot at 64 KB-1 MB and level only from ~4 MB: its third flagged
+# phase costs more than the socket bytes it saves. A run on real two-socket GPUs decides;
+# FASTCOMM_ALGO=two_shot_islands runs it meanwhile.
+ISLAND_TWO_SHOT_BY_DEFAULT = False
 
 
 def choose_algo(nbytes: int, rules: Sequence[Rule], *, one_shot_max_bytes: int, max_bytes: int,
