@@ -28,6 +28,26 @@ from pathlib import Path
 ALL_REDUCE = re.compile(r"allreduce|all_reduce|cross_device_reduce|one_shot|two_shot|multimem|"
                         r"^fc_|lamport|oneshot|twoshot", re.IGNORECASE)
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+# Kernel families by name (first match wins; the rest is "other"), so a GGUF step and an FP8 step of the same
+# shapes read side by side: vllm-gguf-plugin's kernels (mmvq.cuh's mul_mat_vec_q, mmq.cuh's mul_mat_q*,
+# moe_vec.cuh's moe_vec_q, moe.cuh's moe_q*, the activations' quantize_q8_1, dequantize_block*), then the
+# FP8 / bf16 path's GEMMs and fused MoE, attention, norms.
+FAMILIES = (
+    ("all-reduce", ALL_REDUCE),
+    ("K-quant GEMV", re.compile(r"mul_mat_vec_q")),
+    ("K-quant GEMM", re.compile(r"mul_mat_q\d|mul_mat_q_")),
+    ("K-quant MoE", re.compile(r"moe_vec_q|moe_q\d|moe_q_")),
+    ("activation quantize", re.compile(r"quantize_q8_1|quant.*fp8|fp8.*quant", re.IGNORECASE)),
+    ("dequantize", re.compile(r"dequantize_block")),
+    ("fused MoE", re.compile(r"fused_moe|moe_align|moe_sum|topk|grouped_topk", re.IGNORECASE)),
+    ("GEMM", re.compile(r"gemm|cutlass|xmma|nvjet|scaled_mm|cublas|gemv", re.IGNORECASE)),
+    ("attention", re.compile(r"flash|fmha|mla|attn|attention|indexer|rotary|rope", re.IGNORECASE)),
+    ("norm", re.compile(r"rms|norm", re.IGNORECASE)),
+)
+
+
+def family(name: str) -> str:
+    return next((fam for fam, pat in FAMILIES if pat.search(name)), "other")
 PROG = "python -m fastcomm_bench.profile_summary"
 LAUNCHES = {"graph": re.compile(r"^cu(da)?GraphLaunch"), "kernel": re.compile(r"^cu(da)?LaunchKernel")}
 
@@ -76,26 +96,33 @@ def graph_steps(events: list[dict], gpu: list[dict], top_kernels: int = 4) -> di
     # Other kernels per step too: a whole-trace total mixes the prefill's (large) calls with the decode
     # steps', so two backends' totals can differ where their steps do not.
     others: list[dict[str, float]] = []
+    fams: list[dict[str, float]] = []
     for kernels in full:
         spans.append(max(float(e["ts"]) + float(e["dur"]) for e in kernels) - min(float(e["ts"]) for e in kernels))
         ar = [float(e["dur"]) for e in kernels if ALL_REDUCE.search(str(e.get("name", "")))]
         ars.append(sum(ar))
         counts.append(len(ar))
         per_name: dict[str, float] = defaultdict(float)
+        per_family: dict[str, float] = defaultdict(float)
         for e in kernels:
             name = str(e.get("name", "?"))
+            per_family[family(name)] += float(e["dur"])
             if not ALL_REDUCE.search(name):
                 per_name[name[:90]] += float(e["dur"])
         others.append(per_name)
+        fams.append(per_family)
     span, ar = statistics.median(spans), statistics.median(ars)
     names = {n for per_name in others for n in per_name}
     medians = {n: statistics.median(per_name.get(n, 0.0) for per_name in others) for n in names}
     top = sorted(medians.items(), key=lambda nm: -nm[1])[:top_kernels]
+    fam_medians = {f: round(statistics.median(pf.get(f, 0.0) for pf in fams), 1)
+                   for f in {f for pf in fams for f in pf}}
     return {"steps": len(full), "piecewise_graphs_left_out": len(steps) - len(full),
             "median_span_us": round(span, 1), "median_all_reduce_us": round(ar, 1),
             "all_reduce_share": round(ar / span, 3) if span else None,
             "all_reduce_calls_per_step": statistics.median(counts),
-            "top_other_kernels_us": [{"name": n, "median_us": round(m, 1)} for n, m in top]}
+            "top_other_kernels_us": [{"name": n, "median_us": round(m, 1)} for n, m in top],
+            "families_us": dict(sorted(fam_medians.items(), key=lambda fm: -fm[1]))}
 
 
 def summarize_events(events: list[dict], top: int = 8) -> dict:
@@ -169,6 +196,10 @@ def print_summary(summary: dict, file=None) -> None:
                       f"calls = {st['all_reduce_share']:.3f} of the step"
                       + (f" ({st['piecewise_graphs_left_out']} piecewise graphs left out)"
                          if st.get("piecewise_graphs_left_out") else ""), file=file)
+                fams = st.get("families_us") or {}
+                if fams:
+                    print(f"{'':<16}   step by kernel family (ms): "
+                          + ", ".join(f"{f} {us / 1e3:.3f}" for f, us in fams.items()), file=file)
                 for k in st.get("top_other_kernels_us", []):
                     print(f"{'':<16}   step {k['median_us'] / 1e3:>7.3f} ms  {k['name']}", file=file)
             for n, k in ar["kernels"].items():

@@ -105,6 +105,30 @@ def test_graph_steps_other_kernels_per_step_median():
     assert st["top_other_kernels_us"] == [{"name": "moe", "median_us": 50.0}, {"name": "gemv", "median_us": 10.0}]
 
 
+def test_graph_steps_by_kernel_family_read_gguf_and_fp8_side_by_side(capsys):
+    # Kernel names as vllm-gguf-plugin's and vLLM's FP8 path launch them (templated names abbreviated).
+    gguf = ["void mul_mat_vec_q<c10::BFloat16, 256, 32, block_q4_K>(...)", "void quantize_q8_1<c10::BFloat16>(...)",
+            "void moe_vec_q<c10::BFloat16, 256, 32, block_q5_K>(...)", "void mul_mat_q4_K<c10::BFloat16, false>(...)",
+            "void vllm::rms_norm_kernel<c10::BFloat16>(...)", "flash_fwd_splitkv_mla_kernel", "fc_one_shot_bf16",
+            "triton_poi_fused_add_0"]
+    fp8 = ["fused_moe_kernel", "sm90_xmma_gemm_e4m3bf16_e4m3f32", "void vllm::scaled_fp8_quant_kernel<...>"]
+    events, t = [], 0
+    for step in (1, 2):
+        events.append(launch(t, step))
+        for i, name in enumerate(gguf + fp8):
+            events.append(k(name, t + 1 + 10 * i, i + 1, step))
+        t += 1000
+    st = P.summarize_events(events)["graph_steps"]
+    durs = {name: i + 1 for i, name in enumerate(gguf + fp8)}
+    fams = st["families_us"]
+    assert fams["activation quantize"] == durs[gguf[1]] + durs[fp8[2]] and fams["K-quant GEMV"] == 1.0
+    assert (fams["K-quant MoE"], fams["K-quant GEMM"], fams["fused MoE"], fams["GEMM"]) == (3.0, 4.0, 9.0, 10.0)
+    assert (fams["norm"], fams["attention"], fams["all-reduce"], fams["other"]) == (5.0, 6.0, 7.0, 8.0)
+    assert list(fams) == sorted(fams, key=lambda f: -fams[f])  # busiest first
+    P.print_summary({"gguf": {"t": P.summarize_events(events)}})
+    assert "step by kernel family (ms): activation quantize 0.013, GEMM 0.010" in capsys.readouterr().out
+
+
 def test_mistakes_are_one_line_errors(tmp_path, capsys):
     def one_line(argv, text):
         assert P.main(argv) == 2
