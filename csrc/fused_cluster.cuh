@@ -148,41 +148,7 @@ __device__ __forceinline__ void fc_fused_cluster(const FcTable* __restrict__ t, 
     const float inv = rsqrtf(row_ss / (float)hidden + eps);
 
     // 4. My chunk of the outputs (fused_rmsnorm.cuh, step 3). The data has arrived: these loads do not wait.
-    for (u64 j = c0 + threadIdx.x; j < c1; j += blockDim.x) {
-      float acc[V::N];
-      fc_lp_gather_sum<D, true>(t, c.buf, j * FC_VEC_BYTES, zero, FC_STEP_FUSED, c.epoch, acc);
-      const uint4 rv = residual ? fc_load_vec(residual, j, total) : zero;
-      const bool whole = j * V::N >= e0 && (j + 1) * V::N <= e1;
-      const bool wvec = whole && (row_bytes & 15u) == 0 && (reinterpret_cast<u64>(weight) & 15u) == 0;
-      uint4 wv = wvec ? *reinterpret_cast<const uint4*>(weight + (j - lo) * FC_VEC_BYTES) : zero;
-      const R* rr = reinterpret_cast<const R*>(&rv);
-      R* wr = reinterpret_cast<R*>(&wv);
-      uint4 zv, ov;
-      R* zr = reinterpret_cast<R*>(&zv);
-      R* orr = reinterpret_cast<R*>(&ov);
-#pragma unroll
-      for (int e = 0; e < V::N; ++e) {
-        const u64 g = j * V::N + e;
-        if (!wvec && g >= e0 && g < e1) wr[e] = reinterpret_cast<const R*>(weight)[g - e0];
-        const float a = D::to_f(D::from_f(acc[e]));
-        const float z = residual ? a + D::to_f(rr[e]) : a;
-        zr[e] = D::from_f(z);
-        orr[e] = D::from_f(z * inv * D::to_f(wr[e]));
-      }
-      if (whole) {
-        if (residual_out) *reinterpret_cast<uint4*>(residual_out + j * FC_VEC_BYTES) = zv;
-        *reinterpret_cast<uint4*>(out + j * FC_VEC_BYTES) = ov;
-      } else {
-#pragma unroll
-        for (int e = 0; e < V::N; ++e) {
-          const u64 g = j * V::N + e;
-          if (g >= e0 && g < e1) {
-            if (residual_out) reinterpret_cast<R*>(residual_out)[g] = zr[e];
-            reinterpret_cast<R*>(out)[g] = orr[e];
-          }
-        }
-      }
-    }
+    fc_fused_write_chunk<D>(t, c, c0, c1, lo, e0, e1, total, row_bytes, residual, weight, out, residual_out, inv);
   }
   fc_cluster_sync();  // my part[] stays readable until every sibling has read it
 

@@ -26,6 +26,56 @@ __device__ __forceinline__ float fc_block_sum(float v, float* smem32) {
   return s;
 }
 
+// The outputs of vectors [c0, c1) of the row holding elements [e0, e1) (lo: the row's first vector), once
+// the row's inv_rms is known and every rank's data has arrived (so the gathers do not wait): a = D(sum in
+// rank order), z = a + residual in fp32 (the same z as in the sum of squares), residual_out = D(z),
+// out = D(z * inv * weight). Vectors inside the row are stored whole, the row's edges element by element.
+// Shared by fc_fused_rmsnorm (step 3) and fc_fused_cluster (step 4).
+template <class D>
+__device__ __forceinline__ void fc_fused_write_chunk(const FcTable* __restrict__ t, const FcLpCall& c, u64 c0, u64 c1,
+                                                     u64 lo, u64 e0, u64 e1, u64 total, u64 row_bytes,
+                                                     const char* residual, const char* __restrict__ weight, char* out,
+                                                     char* residual_out, float inv) {
+  typedef FcVec<D> V;
+  typedef typename D::raw R;
+  for (u64 j = c0 + threadIdx.x; j < c1; j += blockDim.x) {
+    float acc[V::N];
+    fc_lp_gather_sum<D, true>(t, c.buf, j * FC_VEC_BYTES, make_uint4(0u, 0u, 0u, 0u), FC_STEP_FUSED, c.epoch, acc);
+    uint4 rv = residual ? fc_load_vec(residual, j, total) : make_uint4(0u, 0u, 0u, 0u);
+    const bool whole = j * V::N >= e0 && (j + 1) * V::N <= e1;  // vector inside the row (hence the message)
+    // The weight as one vector when it lines up (weight itself need not be 16-byte aligned), else per element.
+    const bool wvec = whole && (row_bytes & 15u) == 0 && (reinterpret_cast<u64>(weight) & 15u) == 0;
+    uint4 wv = wvec ? *reinterpret_cast<const uint4*>(weight + (j - lo) * FC_VEC_BYTES) : make_uint4(0u, 0u, 0u, 0u);
+    const R* rr = reinterpret_cast<const R*>(&rv);
+    R* wr = reinterpret_cast<R*>(&wv);
+    uint4 zv, ov;
+    R* zr = reinterpret_cast<R*>(&zv);
+    R* orr = reinterpret_cast<R*>(&ov);
+#pragma unroll
+    for (int e = 0; e < V::N; ++e) {
+      const u64 g = j * V::N + e;
+      if (!wvec && g >= e0 && g < e1) wr[e] = reinterpret_cast<const R*>(weight)[g - e0];
+      const float a = D::to_f(D::from_f(acc[e]));
+      const float z = residual ? a + D::to_f(rr[e]) : a;  // the same fp32 z as in the sum of squares
+      zr[e] = D::from_f(z);                               // residual_out = D(z)
+      orr[e] = D::from_f(z * inv * D::to_f(wr[e]));
+    }
+    if (whole) {
+      if (residual_out) *reinterpret_cast<uint4*>(residual_out + j * FC_VEC_BYTES) = zv;
+      *reinterpret_cast<uint4*>(out + j * FC_VEC_BYTES) = ov;
+    } else {
+#pragma unroll
+      for (int e = 0; e < V::N; ++e) {
+        const u64 g = j * V::N + e;
+        if (g >= e0 && g < e1) {
+          if (residual_out) reinterpret_cast<R*>(residual_out)[g] = zr[e];
+          reinterpret_cast<R*>(out)[g] = orr[e];
+        }
+      }
+    }
+  }
+}
+
 // A row is cut into `splits` chunks, one block each, so a single decode token still spreads its pushes
 // over several SMs. No block waits for another's partial sum: every block of a row reads the WHOLE row's
 // arrived data (all ranks' terms, its own rank's from its own slot) and computes the row's sum of squares
@@ -132,42 +182,7 @@ __device__ __forceinline__ void fc_fused_rmsnorm(const FcTable* __restrict__ ti,
     const float inv = rsqrtf(ss / (float)hidden + eps);
 
     // 3. My chunk of the outputs. The data has arrived (step 2 saw all of it), so these loads do not wait.
-    for (u64 j = c0 + threadIdx.x; j < c1; j += blockDim.x) {
-      float acc[V::N];
-      fc_lp_gather_sum<D, true>(t, c.buf, j * FC_VEC_BYTES, make_uint4(0u, 0u, 0u, 0u), FC_STEP_FUSED, c.epoch, acc);
-      uint4 rv = residual ? fc_load_vec(residual, j, total) : make_uint4(0u, 0u, 0u, 0u);
-      const bool whole = j * V::N >= e0 && (j + 1) * V::N <= e1;  // vector inside the row (hence the message)
-      // The weight as one vector when it lines up (weight itself need not be 16-byte aligned), else per element.
-      const bool wvec = whole && (row_bytes & 15u) == 0 && (reinterpret_cast<u64>(weight) & 15u) == 0;
-      uint4 wv = wvec ? *reinterpret_cast<const uint4*>(weight + (j - lo) * FC_VEC_BYTES) : make_uint4(0u, 0u, 0u, 0u);
-      const R* rr = reinterpret_cast<const R*>(&rv);
-      R* wr = reinterpret_cast<R*>(&wv);
-      uint4 zv, ov;
-      R* zr = reinterpret_cast<R*>(&zv);
-      R* orr = reinterpret_cast<R*>(&ov);
-#pragma unroll
-      for (int e = 0; e < V::N; ++e) {
-        const u64 g = j * V::N + e;
-        if (!wvec && g >= e0 && g < e1) wr[e] = reinterpret_cast<const R*>(weight)[g - e0];
-        const float a = D::to_f(D::from_f(acc[e]));
-        const float z = residual ? a + D::to_f(rr[e]) : a;  // the same fp32 z as in the sum of squares above
-        zr[e] = D::from_f(z);                               // residual_out = D(z)
-        orr[e] = D::from_f(z * inv * D::to_f(wr[e]));
-      }
-      if (whole) {
-        if (residual_out) *reinterpret_cast<uint4*>(residual_out + j * FC_VEC_BYTES) = zv;
-        *reinterpret_cast<uint4*>(out + j * FC_VEC_BYTES) = ov;
-      } else {
-#pragma unroll
-        for (int e = 0; e < V::N; ++e) {
-          const u64 g = j * V::N + e;
-          if (g >= e0 && g < e1) {
-            if (residual_out) reinterpret_cast<R*>(residual_out)[g] = zr[e];
-            reinterpret_cast<R*>(out)[g] = orr[e];
-          }
-        }
-      }
-    }
+    fc_fused_write_chunk<D>(t, c, c0, c1, lo, e0, e1, total, row_bytes, residual, weight, out, residual_out, inv);
     __syncthreads();  // smem32 is reused by the next item
   }
 
