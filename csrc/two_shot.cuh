@@ -87,6 +87,30 @@ __device__ __forceinline__ void fc_ts_scatter(const FcTable* __restrict__ t, u32
   }
 }
 
+// The all-gather destinations of table t's half h for the chunk at element `base`: its first n_ag_push
+// slots (peers over P2P, or my one host slot) and their flags for this block; the rest of the K null.
+// Returns n_ag_push.
+template <class R, u32 K>
+__device__ __forceinline__ u32 fc_ts_ag_dests(const FcTable* __restrict__ t, u32 h, u64 base, char* (&dst)[K],
+                                              u32* (&flag)[K]) {
+  const u32 n = t->n_ag_push;
+#pragma unroll
+  for (u32 j = 0; j < K; ++j) {
+    dst[j] = j < n ? t->ag_push[h][j] + base * sizeof(R) : nullptr;
+    flag[j] = j < n ? t->ag_flag_push[h][j] + blockIdx.x : nullptr;
+  }
+  return n;
+}
+
+// The reduce-scatter sources of my segment's chunk at element `base` in table t's half h: my own input
+// (`mine`, at `me`) and every other member's copy as it landed in my rs_pull slots.
+template <class R, u32 N>
+__device__ __forceinline__ void fc_ts_rs_sources(const FcTable* __restrict__ t, u32 h, u32 me, const char* mine,
+                                                 u64 base, const char* (&src)[N]) {
+#pragma unroll
+  for (u32 p = 0; p < N; ++p) src[p] = (p == me) ? mine : t->rs_pull[h][p] + base * sizeof(R);
+}
+
 // Reduce and push: sum N sources in source order (src[mine] is this rank's own, read as plain
 // memory; the others fresh from the system), round to D, write the result to dout and to the first ndst of
 // K push destinations, then publish them: one fence for the block, then relaxed flag stores.
@@ -192,17 +216,10 @@ __device__ __forceinline__ void fc_two_shot_w(const FcTable* __restrict__ t, con
   fc_wait_all(t, t->rs_flag_pull[h], epoch, FC_STEP_RS);
   {
     const char* src[W];
-#pragma unroll
-    for (u32 p = 0; p < W; ++p)
-      src[p] = (p == me) ? in + ((u64)me * seg + base) * sizeof(R) : t->rs_pull[h][p] + base * sizeof(R);
-    const u32 nag = t->n_ag_push;  // W-1 peers (P2P) or my one host slot
+    fc_ts_rs_sources<R>(t, h, me, in + ((u64)me * seg + base) * sizeof(R), base, src);
     char* agd[W - 1];
     u32* agf[W - 1];
-#pragma unroll
-    for (u32 j = 0; j < W - 1; ++j) {
-      agd[j] = j < nag ? t->ag_push[h][j] + base * sizeof(R) : nullptr;
-      agf[j] = j < nag ? t->ag_flag_push[h][j] + blockIdx.x : nullptr;
-    }
+    const u32 nag = fc_ts_ag_dests<R>(t, h, base, agd, agf);  // W-1 peers (P2P) or my one host slot
     char* dout = out + ((u64)me * seg + base) * sizeof(R);
     const u64 count = fc_chunk_count(n, seg, chunk, me);  // not cnt[me]: a runtime index spills cnt[]
     fc_ts_reduce_push<D, W, W - 1>(src, me, count, dout, agd, agf, nag, epoch);

@@ -67,17 +67,10 @@ __device__ __forceinline__ void fc_two_shot_islands_w(const FcTable* __restrict_
   fc_wait_all(ti, ti->rs_flag_pull[hi], ei, FC_STEP_ISL_RS);
   {
     const char* src[L];
-#pragma unroll
-    for (u32 p = 0; p < L; ++p)
-      src[p] = (p == me) ? in + ((u64)me * seg + base) * sizeof(R) : ti->rs_pull[hi][p] + base * sizeof(R);
-    const u32 nx = tp->n_ag_push;  // I-1 partners (P2P) or my one host slot
+    fc_ts_rs_sources<R>(ti, hi, me, in + ((u64)me * seg + base) * sizeof(R), base, src);
     char* xd[I - 1];
     u32* xf[I - 1];
-#pragma unroll
-    for (u32 j = 0; j < I - 1; ++j) {
-      xd[j] = j < nx ? tp->ag_push[hp][j] + base * sizeof(R) : nullptr;
-      xf[j] = j < nx ? tp->ag_flag_push[hp][j] + blockIdx.x : nullptr;
-    }
+    const u32 nx = fc_ts_ag_dests<R>(tp, hp, base, xd, xf);  // I-1 partners (P2P) or my one host slot
     fc_ts_reduce_push<D, L, I - 1>(src, me, count, dout, xd, xf, nx, ep);
   }
 
@@ -88,14 +81,9 @@ __device__ __forceinline__ void fc_two_shot_islands_w(const FcTable* __restrict_
     const char* src[I];
 #pragma unroll
     for (u32 q = 0; q < I; ++q) src[q] = (q == isl) ? dout : tp->ag_pull[hp][q] + base * sizeof(R);
-    const u32 nag = ti->n_ag_push;  // L-1 island peers (P2P) or my one host slot
     char* agd[L > 1 ? L - 1 : 1];
     u32* agf[L > 1 ? L - 1 : 1];
-#pragma unroll
-    for (u32 j = 0; j < L - 1; ++j) {
-      agd[j] = j < nag ? ti->ag_push[hi][j] + base * sizeof(R) : nullptr;
-      agf[j] = j < nag ? ti->ag_flag_push[hi][j] + blockIdx.x : nullptr;
-    }
+    const u32 nag = fc_ts_ag_dests<R>(ti, hi, base, agd, agf);  // L-1 island peers (P2P) or my one host slot
     fc_ts_reduce_push<D, I, (L > 1 ? L - 1 : 1)>(src, isl, count, dout, agd, agf, nag, ei);
   }
 
