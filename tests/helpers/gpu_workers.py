@@ -353,44 +353,52 @@ def _fused_two_shot_specials(ws, dtype, algo="two_shot"):
         assert _same_on_all_ranks(out) and _same_on_all_ranks(rout)
 
 
-def _fused_two_shot_graph(ws, replays):
-    """One graph holding a one-shot all-reduce, the one-shot fused op and the two-shot one (they share the
-    Lamport buffers' rotation and clears), replayed with new inputs each time, every result checked."""
+def _fused_graph(ws, replays, inputs, calls):
+    """One graph holding a one-shot all-reduce and the fused ``calls`` (x, residual, weight, algo, label; x
+    and residual may be views of the ``inputs`` pairs, which are refilled), replayed with new small-integer
+    inputs each time (every sum exact), every result checked; the kernels share the Lamport buffers'
+    rotation and clears. Returns the replays checked."""
     dev = ws.device
     rank, world = dist.get_rank(), dist.get_world_size()
-    hidden = 6144
     a = torch.zeros(6144, dtype=torch.bfloat16, device=dev)
-    x = torch.zeros(8, hidden, dtype=torch.bfloat16, device=dev)
-    res = torch.zeros_like(x)
-    w = (torch.arange(hidden, device=dev) % 3 + 1).to(torch.bfloat16)
     s = torch.cuda.Stream(dev)
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         fastcomm.all_reduce(a, ws, algo="one_shot")
-        fastcomm.fused_all_reduce_rmsnorm(x[:2], w, 1e-5, ws, residual=res[:2], algo="one_shot")
-        fastcomm.fused_all_reduce_rmsnorm(x, w, 1e-5, ws, residual=res, algo="two_shot")
+        for x, r, w, algo, _ in calls:
+            fastcomm.fused_all_reduce_rmsnorm(x, w, 1e-5, ws, residual=r, algo=algo)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, stream=s):
             oa = fastcomm.all_reduce(a, ws, algo="one_shot")
-            o1, r1 = fastcomm.fused_all_reduce_rmsnorm(x[:2], w, 1e-5, ws, residual=res[:2], algo="one_shot")
-            o2, r2 = fastcomm.fused_all_reduce_rmsnorm(x, w, 1e-5, ws, residual=res, algo="two_shot")
+            outs = [fastcomm.fused_all_reduce_rmsnorm(x, w, 1e-5, ws, residual=r, algo=algo)
+                    for x, r, w, algo, _ in calls]
     torch.cuda.current_stream().wait_stream(s)
     ar = torch.arange(6144, device=dev)
-    grid = torch.arange(8 * hidden, device=dev).view(8, hidden)
     checked = 0
     for i in range(replays):
         a.copy_(((ar + i) % 5 - 2).to(torch.bfloat16) * (rank + 1))
-        x.copy_(((grid * (i + 1)) % 7 - 3).to(torch.bfloat16))  # small integers: every sum exact
-        res.copy_(((grid + i) % 5 - 2).to(torch.bfloat16))
+        for x, r in inputs:
+            grid = torch.arange(x.numel(), device=dev).view_as(x)
+            x.copy_(((grid * (i + 1)) % 7 - 3).to(torch.bfloat16))
+            r.copy_(((grid + i) % 5 - 2).to(torch.bfloat16))
         g.replay()
         torch.cuda.current_stream().synchronize()
         assert torch.equal(oa, (((ar + i) % 5 - 2) * (world * (world + 1) // 2)).to(torch.bfloat16)), f"replay {i}"
-        ref_ar = (((grid * (i + 1)) % 7 - 3) * world).to(torch.bfloat16)
-        ref_out, ref_z = rmsnorm_ref(ref_ar, res, w, 1e-5)
-        _check_fused_result(f"graph replay {i} (two-shot)", o2, r2, ref_out, ref_z)
-        _check_fused_result(f"graph replay {i} (one-shot)", o1, r1, ref_out[:2], ref_z[:2])
+        for (o, ro), (x, r, w, _, label) in zip(outs, calls):
+            ref_out, ref_z = rmsnorm_ref((x.float() * world).to(torch.bfloat16), r, w, 1e-5)
+            _check_fused_result(f"graph replay {i} ({label})", o, ro, ref_out, ref_z)
         checked += 1
     return checked
+
+
+def _fused_two_shot_graph(ws, replays):
+    """The one-shot fused op and the two-shot one in one graph (8 x 6144, its first 2 rows one-shot)."""
+    hidden = 6144
+    x = torch.zeros(8, hidden, dtype=torch.bfloat16, device=ws.device)
+    res = torch.zeros_like(x)
+    w = (torch.arange(hidden, device=ws.device) % 3 + 1).to(torch.bfloat16)
+    return _fused_graph(ws, replays, [(x, res)], [(x[:2], res[:2], w, "one_shot", "one-shot"),
+                                                  (x, res, w, "two_shot", "two-shot")])
 
 
 def _fused_modes(ws, found, rank, dtype, tokens, hidden, seed, label, algo):
@@ -420,6 +428,24 @@ def _fused_modes(ws, found, rank, dtype, tokens, hidden, seed, label, algo):
         found["checked"] += 1
 
 
+def _fused_sweep(ws, found, rank, shapes, seed, label, algo, on_shape=None):
+    """Every dtype x (tokens, hidden) of ``shapes`` that the fused kernel of ``algo`` takes (outside the
+    policy's range too): _fused_modes against the CPU reference, then the specials; shapes it refuses are
+    listed in found["skipped"]. ``on_shape(x)`` runs first for each shape taken."""
+    for dtype in DTYPES:
+        for tokens, hidden in shapes:
+            x = torch.empty(tokens, hidden, dtype=dtype, device=ws.device)
+            kernel, why = ws.fused_route(x, within_policy=False, algo=algo)
+            if kernel is None:
+                found["skipped"].append(f"{dtype} {tokens}x{hidden}: {why}")
+                continue
+            if on_shape is not None:
+                on_shape(x)
+            _fused_modes(ws, found, rank, dtype, tokens, hidden, seed, label, algo)
+        _fused_two_shot_specials(ws, dtype, algo=algo)
+        found["checked"] += 2
+
+
 def fused_two_shot(rank, world, gloo, transport, replays):
     """fused_two_shot.cuh against the CPU reference of the fused op's rounding contract (rmsnorm_ref over
     the rank-ordered sum, as _fused), and bit for bit across ranks: tokens 1-64 x hidden 6144, 7168, 1000
@@ -433,16 +459,7 @@ def fused_two_shot(rank, world, gloo, transport, replays):
         dev = ws.device
         found = {"describe": ws.describe(), "checked": 0, "skipped": [], "worst_ulps": 0.0}
         shapes = [(t, h) for h in (6144, 1000) for t in (1, 2, 3, 8, 17, 64)] + [(3, 7168), (1, 1001), (17, 1001)]
-        for dtype in DTYPES:
-            for tokens, hidden in shapes:
-                x = torch.empty(tokens, hidden, dtype=dtype, device=dev)
-                kernel, why = ws.fused_route(x, within_policy=False, algo="two_shot")
-                if kernel is None:
-                    found["skipped"].append(f"{dtype} {tokens}x{hidden}: {why}")
-                    continue
-                _fused_modes(ws, found, rank, dtype, tokens, hidden, 11, "fused two-shot", "two_shot")
-            _fused_two_shot_specials(ws, dtype)
-            found["checked"] += 2
+        _fused_sweep(ws, found, rank, shapes, 11, "fused two-shot", "two_shot")
         # The policy's choice, as the vLLM plugin sees it (ws.why_not_fused / can_fuse, within the policy).
         found["route"] = {}
         for t in (1, 2, 8, 64, 65):
@@ -458,43 +475,14 @@ def fused_two_shot(rank, world, gloo, transport, replays):
 
 
 def _fused_cluster_graph(ws, replays):
-    """One graph holding a one-shot all-reduce and the cluster fused op at 8 x 6144 and 3 x 1001 (a row not
-    16-byte aligned: vectors straddle rows), replayed with new small-integer inputs, every result checked."""
+    """The cluster fused op in one graph at 8 x 6144 and 3 x 1001 (a row not 16-byte aligned: vectors
+    straddle rows)."""
     dev = ws.device
-    rank, world = dist.get_rank(), dist.get_world_size()
-    a = torch.zeros(6144, dtype=torch.bfloat16, device=dev)
-    shapes = ((8, 6144), (3, 1001))
-    xs = [torch.zeros(t, h, dtype=torch.bfloat16, device=dev) for t, h in shapes]
-    rs = [torch.zeros_like(x) for x in xs]
-    ws_ = [(torch.arange(h, device=dev) % 3 + 1).to(torch.bfloat16) for _, h in shapes]
-    s = torch.cuda.Stream(dev)
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fastcomm.all_reduce(a, ws, algo="one_shot")
-        for x, r, w in zip(xs, rs, ws_):
-            fastcomm.fused_all_reduce_rmsnorm(x, w, 1e-5, ws, residual=r, algo="one_shot")
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            oa = fastcomm.all_reduce(a, ws, algo="one_shot")
-            outs = [fastcomm.fused_all_reduce_rmsnorm(x, w, 1e-5, ws, residual=r, algo="one_shot")
-                    for x, r, w in zip(xs, rs, ws_)]
-    torch.cuda.current_stream().wait_stream(s)
-    ar = torch.arange(6144, device=dev)
-    checked = 0
-    for i in range(replays):
-        a.copy_(((ar + i) % 5 - 2).to(torch.bfloat16) * (rank + 1))
-        for x, r in zip(xs, rs):
-            grid = torch.arange(x.numel(), device=dev).view_as(x)
-            x.copy_(((grid * (i + 1)) % 7 - 3).to(torch.bfloat16))  # small integers: every sum exact
-            r.copy_(((grid + i) % 5 - 2).to(torch.bfloat16))
-        g.replay()
-        torch.cuda.current_stream().synchronize()
-        assert torch.equal(oa, (((ar + i) % 5 - 2) * (world * (world + 1) // 2)).to(torch.bfloat16)), f"replay {i}"
-        for (o, ro), x, r, w in zip(outs, xs, rs, ws_):
-            ref_out, ref_z = rmsnorm_ref((x.float() * world).to(torch.bfloat16), r, w, 1e-5)
-            _check_fused_result(f"graph replay {i} (cluster {tuple(x.shape)})", o, ro, ref_out, ref_z)
-        checked += 1
-    return checked
+    xs = [torch.zeros(t, h, dtype=torch.bfloat16, device=dev) for t, h in ((8, 6144), (3, 1001))]
+    inputs = [(x, torch.zeros_like(x)) for x in xs]
+    calls = [(x, r, (torch.arange(x.shape[1], device=dev) % 3 + 1).to(torch.bfloat16), "one_shot",
+              f"cluster {tuple(x.shape)}") for x, r in inputs]
+    return _fused_graph(ws, replays, inputs, calls)
 
 
 def fused_cluster(rank, world, gloo, transport, replays):
@@ -509,24 +497,17 @@ def fused_cluster(rank, world, gloo, transport, replays):
 
     with fastcomm.Workspace(gloo, transport=transport, max_bytes=1 << 20, one_shot_max_bytes=1 << 20,
                             fused_cluster="on") as ws:
-        dev = ws.device
         assert ops._cluster_form(ws), "FASTCOMM_FUSED_CLUSTER=on did not choose the cluster form"
         found = {"describe": ws.describe(), "checked": 0, "cluster_launches": 0, "skipped": [], "worst_ulps": 0.0}
         shapes = [(t, 6144) for t in range(1, 9)] + [(3, 4099), (5, 7), (2, 1001), (1, 1), (2, 16384)]
-        for dtype in DTYPES:
-            for tokens, hidden in shapes:
-                x = torch.empty(tokens, hidden, dtype=dtype, device=dev)
-                kernel, why = ws.fused_route(x, within_policy=False, algo="one_shot")
-                if kernel is None:
-                    found["skipped"].append(f"{dtype} {tokens}x{hidden}: {why}")
-                    continue
-                # The launch ops makes: one cluster of the shape must fit, else ops falls back (counted here).
-                lc = fused_cluster_launch(tokens, hidden, x.element_size(), ws.plan.max_blocks)
-                fn = ws.function(abi.FUSED_CLUSTER, dtype_name(dtype))
-                found["cluster_launches"] += ops._resident_clusters(fn, lc.block, lc.splits) >= 1
-                _fused_modes(ws, found, rank, dtype, tokens, hidden, 5, "fused cluster", "one_shot")
-            _fused_two_shot_specials(ws, dtype, algo="one_shot")
-            found["checked"] += 2
+
+        def count_cluster_launch(x):
+            # The launch ops makes: one cluster of the shape must fit, else ops falls back (counted here).
+            lc = fused_cluster_launch(x.shape[0], x.shape[1], x.element_size(), ws.plan.max_blocks)
+            fn = ws.function(abi.FUSED_CLUSTER, dtype_name(x.dtype))
+            found["cluster_launches"] += ops._resident_clusters(fn, lc.block, lc.splits) >= 1
+
+        _fused_sweep(ws, found, rank, shapes, 5, "fused cluster", "one_shot", count_cluster_launch)
         found["graph_replays"] = _fused_cluster_graph(ws, replays)
         torch.cuda.synchronize()
     return found
