@@ -40,14 +40,19 @@ def _bases(world):
     return [(r + 1) << 40 for r in range(world)]
 
 
+def _p2p_table(lay, g, r, bases):
+    """Rank r's table of group g over P2P, every rank's memory at ``bases`` (no state, error or host memory)."""
+    return L.build_table(lay, g, r, own_base=bases[r], peer_bases=bases, host_base=None, state_ptr=0, err_ptr=0,
+                         timeout_ns=1)
+
+
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_p2p_tables_agree_between_writer_and_reader(world):
     """Where rank a pushes for rank b must be where rank b pulls from rank a, for every pair and half."""
     lay = L.plan_layout("p2p", world, 8 * MB, 1 * MB)
     g = lay.groups[0]
     bases = _bases(world)
-    t = [L.build_table(lay, g, r, own_base=bases[r], peer_bases=bases, host_base=None, state_ptr=0, err_ptr=0,
-                       timeout_ns=1) for r in range(world)]
+    t = [_p2p_table(lay, g, r, bases) for r in range(world)]
     for a in range(world):
         peers = [p for p in range(world) if p != a]
         assert t[a].n_ll_push == world - 1
@@ -90,8 +95,7 @@ def test_islands_add_groups_with_their_own_tables():
     mine = L.groups_of(lay, 3)
     assert [g.group_id for g in mine] == [abi.FLAT, abi.ISLAND, abi.PARTNER]
     bases = _bases(4)
-    t = L.build_table(lay, mine[2], 3, own_base=bases[3], peer_bases=bases, host_base=None, state_ptr=0,
-                      err_ptr=0, timeout_ns=1)
+    t = _p2p_table(lay, mine[2], 3, bases)
     assert (t.rank, t.world, list(t.global_of)[:2]) == (1, 2, [1, 3])
     assert t.n_ll_push == 1 and t.ll_push[0][0] // (1 << 40) == 2  # rank 1's buffer (base index 2)
 
@@ -121,8 +125,7 @@ def test_one_shot_p2p_slots_agree_and_rotate(world):
     lay = L.plan_layout("p2p", world, 8 * MB, 1 * MB)
     g = lay.groups[0]
     bases = _bases(world)
-    t = [L.build_table(lay, g, r, own_base=bases[r], peer_bases=bases, host_base=None, state_ptr=0, err_ptr=0,
-                       timeout_ns=1) for r in range(world)]
+    t = [_p2p_table(lay, g, r, bases) for r in range(world)]
     slots = set()
     for a in range(world):
         assert t[a].host == 0 and t[a].n_lp_push == world - 1
@@ -209,8 +212,7 @@ def test_pull_tables_point_at_each_ranks_own_copy_and_flags(world):
     lay = L.plan_layout("p2p", world, 8 * MB, 1 * MB)
     g = lay.groups[0]
     bases = _bases(world)
-    t = [L.build_table(lay, g, r, own_base=bases[r], peer_bases=bases, host_base=None, state_ptr=0, err_ptr=0,
-                       timeout_ns=1) for r in range(world)]
+    t = [_p2p_table(lay, g, r, bases) for r in range(world)]
     for a in range(world):
         for h in range(2):
             for s in range(world):
@@ -273,8 +275,7 @@ def test_island_two_shot_tables_agree_between_writer_and_reader(world, islands):
     bases = _bases(world)
     for g in lay.groups[1:]:
         n = len(g.members)
-        t = {r: L.build_table(lay, g, r, own_base=bases[r], peer_bases=bases, host_base=None, state_ptr=0,
-                              err_ptr=0, timeout_ns=1) for r in g.members}
+        t = {r: _p2p_table(lay, g, r, bases) for r in g.members}
         tabs = [t[r] for r in g.members]
         written = set()
         for a in range(n):

@@ -60,6 +60,13 @@ def _emulate(lay, mem, islands, xs, call):
     rs = lambda g: (g.rs_off, g.ag_off)  # noqa: E731
     ag = lambda g: (g.ag_off, g.rs_flag_off)  # noqa: E731
     outs = [torch.full((n,), float("nan"), dtype=dtype) for _ in range(world)]
+
+    def reduce_push(r, terms, lo, c, b, tab, grp):  # fc_ts_reduce_push: into out and to tab's destinations
+        res = _sum(terms, dtype)
+        outs[r][lo:lo + c] = res
+        for j in range(tab.n_ag_push):
+            mem.view(tab.ag_push[h][j] + b * chunk * es, c, dtype, ag(grp))[:] = res
+
     for b in range(lc.grid):  # 1. island reduce-scatter, send
         for r in range(world):
             (gi, ti), _ = t[r]
@@ -75,10 +82,7 @@ def _emulate(lay, mem, islands, xs, call):
             lo = me * seg + b * chunk
             terms = [xs[r][lo:lo + c] if p == me else mem.view(ti.rs_pull[h][p] + b * chunk * es, c, dtype, rs(gi))
                      for p in range(size)]
-            part = _sum(terms, dtype)
-            outs[r][lo:lo + c] = part
-            for j in range(tp.n_ag_push):
-                mem.view(tp.ag_push[h][j] + b * chunk * es, c, dtype, ag(gp))[:] = part
+            reduce_push(r, terms, lo, c, b, tp, gp)
     for b in range(lc.grid):  # 3. across, in island order; to out and the island
         for r in range(world):
             (gi, ti), (gp, tp) = t[r]
@@ -86,10 +90,7 @@ def _emulate(lay, mem, islands, xs, call):
             lo = me * seg + b * chunk
             terms = [outs[r][lo:lo + c].clone() if q == tp.rank else
                      mem.view(tp.ag_pull[h][q] + b * chunk * es, c, dtype, ag(gp)) for q in range(tp.world)]
-            res = _sum(terms, dtype)
-            outs[r][lo:lo + c] = res
-            for j in range(ti.n_ag_push):
-                mem.view(ti.ag_push[h][j] + b * chunk * es, c, dtype, ag(gi))[:] = res
+            reduce_push(r, terms, lo, c, b, ti, gi)
     for b in range(lc.grid):  # 4. island all-gather, receive
         for r in range(world):
             (gi, ti), _ = t[r]
