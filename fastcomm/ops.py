@@ -7,7 +7,6 @@ pure functions in ``policy``, kernel parameters are packed from ``abi``'s kernel
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 
@@ -104,11 +103,6 @@ def _fused(ws: Workspace, table: int, x: torch.Tensor, residual, weight, out, re
             variant=str(lc.k))
 
 
-def _cluster_form(ws: Workspace) -> bool:
-    """Whether the fused op runs in its cluster form: the plan's choice, agreed by every rank at build."""
-    return ws.plan.fused_cluster
-
-
 def _fused_cluster(ws: Workspace, x: torch.Tensor, residual, weight, out, residual_out, eps: float) -> bool:
     """fused_cluster.cuh on the flat group; False (nothing launched) where not one cluster of the shape can
     be resident. Rows split whatever aliases what (each block reads only its chunk's residual)."""
@@ -116,7 +110,7 @@ def _fused_cluster(ws: Workspace, x: torch.Tensor, residual, weight, out, residu
     tokens = x.numel() // hidden
     fn = ws.function(abi.FUSED_CLUSTER, dtype_name(x.dtype))
     shape = fused_cluster_launch(tokens, hidden, x.element_size(), ws.plan.max_blocks)
-    resident = _resident_clusters(fn, shape.block, shape.splits)
+    resident = ws.resident_clusters(fn, shape.block, shape.splits)
     if resident < 1:
         return False
     lc = fused_cluster_launch(tokens, hidden, x.element_size(), ws.plan.max_blocks, resident)
@@ -126,11 +120,6 @@ def _fused_cluster(ws: Workspace, x: torch.Tensor, residual, weight, out, residu
                                     lc.splits, eps)
     cluster.launch(fn, lc.grid, lc.block, lc.splits, ws.stream(), packed.address)
     return True
-
-
-@functools.lru_cache(maxsize=None)
-def _resident_clusters(fn: int, block: int, splits: int) -> int:
-    return cluster.max_active_clusters(fn, block, splits)
 
 
 def _fused_two_shot(ws: Workspace, x: torch.Tensor, residual, weight, out, residual_out, eps: float) -> None:
@@ -255,7 +244,8 @@ def fused_all_reduce_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, 
             # One launch: the island sum (rounded to the dtype) crosses to the partners, then the norm.
             _fused(ws, ws.tables[PARTNER], x, residual, weight, out, residual_out, float(eps),
                    island_table=ws.tables[ISLAND])
-        elif not (_cluster_form(ws) and _fused_cluster(ws, x, residual, weight, out, residual_out, float(eps))):
+        # The cluster form where the plan chose it (agreed by every rank at build) and one cluster fits.
+        elif not (ws.plan.fused_cluster and _fused_cluster(ws, x, residual, weight, out, residual_out, float(eps))):
             _fused(ws, ws.tables[FLAT], x, residual, weight, out, residual_out, float(eps))
     return out, residual_out
 

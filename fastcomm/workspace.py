@@ -25,7 +25,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from . import abi, jit
+from . import abi, cluster, jit
 from . import layout as L
 from . import policy
 from .abi import ErrorRecord
@@ -177,6 +177,7 @@ class Workspace:
         self._finalizer = weakref.finalize(self, self._res.release)
         self.closed = False
         self._p2p_note = ""
+        self._resident: dict[tuple[int, int, int], int] = {}  # (CUfunction, block, cluster) -> clusters resident
         try:
             self._build()
         except BaseException:
@@ -335,6 +336,14 @@ class Workspace:
     def function(self, kernel: abi.Kernel, dtype: str, variant: str = "") -> int:
         """The loaded CUfunction of ``kernel`` for ``dtype`` (a name in abi.DTYPE_SUFFIX)."""
         return self._functions[kernel.symbol(dtype, variant)]
+
+    def resident_clusters(self, fn: int, block: int, cluster_blocks: int) -> int:
+        """Clusters of ``cluster_blocks`` blocks of ``block`` threads of ``fn`` (one of this workspace's
+        functions) that fit on its device at once: asked once per shape, kept as long as the module is."""
+        key = (fn, block, cluster_blocks)
+        if key not in self._resident:
+            self._resident[key] = cluster.max_active_clusters(fn, block, cluster_blocks)
+        return self._resident[key]
 
     def algo_for(self, nbytes: int, forced: str | None = None) -> Algo:
         return self.plan.algo_for(nbytes, forced)

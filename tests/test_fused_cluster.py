@@ -86,7 +86,7 @@ def test_kernel_is_mirrored_and_guarded_for_older_gpus():
 
 
 def test_the_plan_decides_the_form_from_every_ranks_devices_and_refuses_on_where_it_cannot():
-    from fastcomm import ops, policy as P
+    from fastcomm import policy as P
     from fastcomm.errors import FastcommError
     from fastcomm.policy import LinkType
 
@@ -107,5 +107,3 @@ def test_the_plan_decides_the_form_from_every_ranks_devices_and_refuses_on_where
     # Facts gathered without the probe (older callers, CPU) never pick it.
     assert not P.make_plan(P.Facts(world_size=4, all_p2p=True, link=LinkType.PCIE_SWITCH),
                            Config(fused_cluster="auto")).fused_cluster
-    from types import SimpleNamespace
-    assert ops._cluster_form(SimpleNamespace(plan=plan("auto"))) and not ops._cluster_form(SimpleNamespace(plan=plan("off")))

@@ -491,13 +491,13 @@ def fused_cluster(rank, world, gloo, transport, replays):
     x 6144 and odd rows, every dtype, with and without a residual, in place, specials, graph replays."""
     global _CPU_GROUP, _ISLANDS
     _CPU_GROUP, _ISLANDS = gloo, None
-    from fastcomm import abi, ops
+    from fastcomm import abi
     from fastcomm.policy.launch import fused_cluster_launch
     from fastcomm.workspace import dtype_name
 
     with fastcomm.Workspace(gloo, transport=transport, max_bytes=1 << 20, one_shot_max_bytes=1 << 20,
                             fused_cluster="on") as ws:
-        assert ops._cluster_form(ws), "FASTCOMM_FUSED_CLUSTER=on did not choose the cluster form"
+        assert ws.plan.fused_cluster, "FASTCOMM_FUSED_CLUSTER=on did not choose the cluster form"
         found = {"describe": ws.describe(), "checked": 0, "cluster_launches": 0, "skipped": [], "worst_ulps": 0.0}
         shapes = [(t, 6144) for t in range(1, 9)] + [(3, 4099), (5, 7), (2, 1001), (1, 1), (2, 16384)]
 
@@ -505,7 +505,7 @@ def fused_cluster(rank, world, gloo, transport, replays):
             # The launch ops makes: one cluster of the shape must fit, else ops falls back (counted here).
             lc = fused_cluster_launch(x.shape[0], x.shape[1], x.element_size(), ws.plan.max_blocks)
             fn = ws.function(abi.FUSED_CLUSTER, dtype_name(x.dtype))
-            found["cluster_launches"] += ops._resident_clusters(fn, lc.block, lc.splits) >= 1
+            found["cluster_launches"] += ws.resident_clusters(fn, lc.block, lc.splits) >= 1
 
         _fused_sweep(ws, found, rank, shapes, 5, "fused cluster", "one_shot", count_cluster_launch)
         found["graph_replays"] = _fused_cluster_graph(ws, replays)
