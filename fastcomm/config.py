@@ -132,6 +132,12 @@ class Var:
     parse: Callable[[str], Any] = dataclasses.field(repr=False, compare=False)
 
 
+# The choices of the variables that take one (parsed, validated and read by policy from here).
+TRANSPORTS = ("auto", "p2p", "host")
+ALGOS = ("auto", "one_shot", "two_shot", "two_shot_ll", "pull", "two_shot_islands")
+FUSED_CLUSTER_SETTINGS = ("auto", "on", "off")
+LOG_LEVELS = ("debug", "info", "warning", "error", "off")
+
 VARIABLES: tuple[Var, ...] = (
     Var("FASTCOMM_TIMEOUT_S", "timeout_s", "30", "Bound on every device-side wait, seconds; a peer that does not "
         "arrive in time aborts the kernel with an error naming rank, peer and step.", _seconds),
@@ -141,16 +147,16 @@ VARIABLES: tuple[Var, ...] = (
         "buffers hold; also caps the fused all-reduce + RMSNorm. Unset: 1M or FASTCOMM_MAX_BYTES if smaller; "
         "set above FASTCOMM_MAX_BYTES: an error.", _bytes),
     Var("FASTCOMM_TRANSPORT", "transport", "auto", "auto | p2p | host: peer GPU memory or shared pinned host memory.",
-        _choice("auto", "p2p", "host")),
+        _choice(*TRANSPORTS)),
     Var("FASTCOMM_ALGO", "algo", "auto", "auto | one_shot | two_shot | two_shot_ll | pull | two_shot_islands: force "
         "an algorithm for every call (two_shot_ll: the two-shot with readiness in the data, in the one-shot's "
         "buffers; pull reads peers' GPU memory: P2P only, an error at workspace build on the host transport; "
         "two_shot_islands: the hierarchical two-shot, an error at build without islands of 2+ ranks).",
-        _choice("auto", "one_shot", "two_shot", "two_shot_ll", "pull", "two_shot_islands")),
+        _choice(*ALGOS)),
     Var("FASTCOMM_FUSED_CLUSTER", "fused_cluster", "auto", "auto | on | off: the flat one-shot fused all-reduce + "
         "RMSNorm as one thread-block cluster per row (auto: sm_90+, where every rank's device launches clusters); "
         "on: an error where it cannot; off: one block per split, every block reading the whole row.",
-        _choice("auto", "on", "off")),
+        _choice(*FUSED_CLUSTER_SETTINGS)),
     Var("FASTCOMM_ISLANDS", "islands", "", "Force a hierarchical island layout, e.g. '0,1;2,3' (equal-sized groups "
         "of ranks 0..N-1).", _islands),
     Var("FASTCOMM_MAX_BLOCKS", "max_blocks", "0", "Cap on thread blocks per kernel; 0 picks from the device.", _count),
@@ -165,7 +171,7 @@ VARIABLES: tuple[Var, ...] = (
         "(bench/RESULTS.md).", _bool),
     Var("FASTCOMM_LOG", "log_level", "warning", "debug | info | warning | error | off: level of the 'fastcomm' "
         "logger; info prints the transport and policy each workspace chose (like NCCL_DEBUG=INFO).",
-        _choice("debug", "info", "warning", "error", "off")),
+        _choice(*LOG_LEVELS)),
     Var("FASTCOMM_TEST_MODE", "test_mode", "0", "1 marks a test run; required by the FASTCOMM_TEST_* switches.", _bool),
     Var("FASTCOMM_TEST_SHARED_GPU", "test_shared_gpu", "0", "Tests only (needs FASTCOMM_TEST_MODE=1): 1 lets ranks "
         "share a GPU.", _bool),
@@ -175,9 +181,6 @@ VARIABLES: tuple[Var, ...] = (
 _BY_NAME = {v.name: v for v in VARIABLES}
 _BY_FIELD = {v.field: v for v in VARIABLES}
 
-TRANSPORTS = ("auto", "p2p", "host")
-ALGOS = ("auto", "one_shot", "two_shot", "two_shot_ll", "pull", "two_shot_islands")
-LOG_LEVELS = ("debug", "info", "warning", "error", "off")
 
 
 def _raw(env: Mapping[str, str], name: str) -> str | None:
@@ -230,8 +233,8 @@ class Config:
             bad("transport", f"must be one of {', '.join(TRANSPORTS)}")
         if self.algo not in ALGOS:
             bad("algo", f"must be one of {', '.join(ALGOS)}")
-        if self.fused_cluster not in ("auto", "on", "off"):
-            bad("fused_cluster", "must be one of auto, on, off")
+        if self.fused_cluster not in FUSED_CLUSTER_SETTINGS:
+            bad("fused_cluster", f"must be one of {', '.join(FUSED_CLUSTER_SETTINGS)}")
         if self.log_level not in LOG_LEVELS:
             bad("log_level", f"must be one of {', '.join(LOG_LEVELS)}")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \

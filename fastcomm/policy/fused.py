@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 
+from ..config import FUSED_CLUSTER_SETTINGS
 from ..units import format_size
 from .checks import FusedRefusal, FusedWhy, check_fused, check_fused_two_shot
 
@@ -75,7 +76,6 @@ def choose_fused(*, tokens: int, hidden: int, elem_size: int, world: int, host: 
     return None, f"{one_shot(one_shot_max_bytes).message}; fused two-shot: {why_two}"
 
 
-FUSED_CLUSTER_SETTINGS = ("auto", "on", "off")  # config.Config.fused_cluster (FASTCOMM_FUSED_CLUSTER)
 
 
 def fused_cluster_form(*, setting: str, cc_major: int, cluster_launch: bool,
