@@ -30,6 +30,9 @@ static_assert(FC_PACKET_BYTES == 2 * FC_PACKET_PAYLOAD, "a packet is (4B data, 4
 #define FC_STEP_PULL_AG 6
 #define FC_STEP_FUSED_RS 7  // fused_two_shot.cuh
 #define FC_STEP_FUSED_AG 8
+#define FC_STEP_ISL_RS 9    // two_shot_islands.cuh: the island reduce-scatter
+#define FC_STEP_ISL_X 10    // the exchange across islands
+#define FC_STEP_ISL_AG 11   // the island all-gather
 
 // Written by the first thread that times out, read by the host (pinned, mapped memory survives the trap).
 struct FcError {
@@ -448,7 +451,7 @@ __device__ __forceinline__ void fc_lp_clear(char* slot, u64 bytes) {
 struct FcLpCall {
   u32 epoch;       // for error messages (and the other kernels' flags)
   u32 buf;         // this call's buffer
-  u32 prev;        // the previous one-shot's buffer, to clear
+  u32 prev;        // the previous Lamport call's buffer (any kernel on these slots), to clear
   u32 prev_bytes;  // bytes of each slot it wrote
 };
 

@@ -102,13 +102,13 @@ __device__ __forceinline__ u32 fc_ts_ag_dests(const FcTable* __restrict__ t, u32
   return n;
 }
 
-// The reduce-scatter sources of my segment's chunk at element `base` in table t's half h: my own input
-// (`mine`, at `me`) and every other member's copy as it landed in my rs_pull slots.
+// The sources of a reduce step for the chunk at element `base`: my own term (`mine`, at `me`) and every
+// other source's as it landed in my `pull` slots (a table's rs_pull[h] or ag_pull[h]).
 template <class R, u32 N>
-__device__ __forceinline__ void fc_ts_rs_sources(const FcTable* __restrict__ t, u32 h, u32 me, const char* mine,
-                                                 u64 base, const char* (&src)[N]) {
+__device__ __forceinline__ void fc_ts_sources(char* const* pull, u32 me, const char* mine, u64 base,
+                                              const char* (&src)[N]) {
 #pragma unroll
-  for (u32 p = 0; p < N; ++p) src[p] = (p == me) ? mine : t->rs_pull[h][p] + base * sizeof(R);
+  for (u32 p = 0; p < N; ++p) src[p] = (p == me) ? mine : pull[p] + base * sizeof(R);
 }
 
 // Reduce and push: sum N sources in source order (src[mine] is this rank's own, read as plain
@@ -216,7 +216,7 @@ __device__ __forceinline__ void fc_two_shot_w(const FcTable* __restrict__ t, con
   fc_wait_all(t, t->rs_flag_pull[h], epoch, FC_STEP_RS);
   {
     const char* src[W];
-    fc_ts_rs_sources<R>(t, h, me, in + ((u64)me * seg + base) * sizeof(R), base, src);
+    fc_ts_sources<R>(t->rs_pull[h], me, in + ((u64)me * seg + base) * sizeof(R), base, src);
     char* agd[W - 1];
     u32* agf[W - 1];
     const u32 nag = fc_ts_ag_dests<R>(t, h, base, agd, agf);  // W-1 peers (P2P) or my one host slot

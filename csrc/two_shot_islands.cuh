@@ -40,11 +40,6 @@
 #include "common.cuh"
 #include "two_shot.cuh"
 
-// Steps named in timeout errors (fastcomm/abi.py STEPS; tests/test_abi.py reads every csrc file for them).
-#define FC_STEP_ISL_RS 9   // the island reduce-scatter
-#define FC_STEP_ISL_X 10   // the exchange across islands
-#define FC_STEP_ISL_AG 11  // the island all-gather
-
 template <class D, u32 L, u32 I>
 __device__ __forceinline__ void fc_two_shot_islands_w(const FcTable* __restrict__ ti, const FcTable* __restrict__ tp,
                                                       const char* in, char* out, u64 n, u64 seg, u64 chunk) {
@@ -67,7 +62,7 @@ __device__ __forceinline__ void fc_two_shot_islands_w(const FcTable* __restrict_
   fc_wait_all(ti, ti->rs_flag_pull[hi], ei, FC_STEP_ISL_RS);
   {
     const char* src[L];
-    fc_ts_rs_sources<R>(ti, hi, me, in + ((u64)me * seg + base) * sizeof(R), base, src);
+    fc_ts_sources<R>(ti->rs_pull[hi], me, in + ((u64)me * seg + base) * sizeof(R), base, src);
     char* xd[I - 1];
     u32* xf[I - 1];
     const u32 nx = fc_ts_ag_dests<R>(tp, hp, base, xd, xf);  // I-1 partners (P2P) or my one host slot
@@ -79,12 +74,11 @@ __device__ __forceinline__ void fc_two_shot_islands_w(const FcTable* __restrict_
   fc_wait_all(tp, tp->ag_flag_pull[hp], ep, FC_STEP_ISL_X);
   {
     const char* src[I];
-#pragma unroll
-    for (u32 q = 0; q < I; ++q) src[q] = (q == isl) ? dout : tp->ag_pull[hp][q] + base * sizeof(R);
-    char* agd[L > 1 ? L - 1 : 1];
-    u32* agf[L > 1 ? L - 1 : 1];
+    fc_ts_sources<R>(tp->ag_pull[hp], isl, dout, base, src);
+    char* agd[L - 1];  // L >= 2: islands of one rank never come here (fc_two_shot_islands)
+    u32* agf[L - 1];
     const u32 nag = fc_ts_ag_dests<R>(ti, hi, base, agd, agf);  // L-1 island peers (P2P) or my one host slot
-    fc_ts_reduce_push<D, I, (L > 1 ? L - 1 : 1)>(src, isl, count, dout, agd, agf, nag, ei);
+    fc_ts_reduce_push<D, I, L - 1>(src, isl, count, dout, agd, agf, nag, ei);
   }
 
   // 4. Island all-gather, receive: every other segment's result, all owners' loads in flight together.

@@ -27,9 +27,9 @@
 // peer (both phases read all W-1 of them), and a block that gathered none waits for each peer's first
 // reduced vector first; (3) a rank's kernel cannot end before it has read this call's data from every
 // peer: true thanks to the padding, every rank reads every peer in both phases; (4) state[3] holds the
-// bytes of each slot the call wrote, so the next call (of any of the three kernels) clears all of it.
-// Nothing else touches the buffers, so calls of the one-shot, the fused op and this kernel can follow each
-// other in any order, each taking the next buffer.
+// bytes of each slot the call wrote, so the next call (of any kernel on these slots) clears all of it.
+// Nothing else touches the buffers, so calls of the one-shot, the fused ops (one-shot, cluster, island and
+// two-shot forms) and this kernel can follow each other in any order, each taking the next buffer.
 #pragma once
 #include "common.cuh"
 
