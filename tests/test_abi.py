@@ -55,7 +55,7 @@ def test_every_step_has_a_name():
 @pytest.mark.parametrize("name,value", [("FC_STEP_ISL_RS", abi.STEP_ISL_RS), ("FC_STEP_ISL_X", abi.STEP_ISL_X),
                                         ("FC_STEP_ISL_AG", abi.STEP_ISL_AG)])
 def test_island_two_shot_steps_match(name, value):
-    m = re.search(rf"#define {name} (\d+)", (source_dir() / "two_shot_islands.cuh").read_text())
+    m = re.search(rf"#define {name} (\d+)", ALL_SOURCES)
     assert m and int(m.group(1)) == value
 
 
