@@ -42,7 +42,7 @@
 #    second start with --no-mtp, greedy tokens must match; only if the budget holds it).
 set -uo pipefail
 mode=${1:?usage: device_gguf.sh prepare|run|model|figures|serve DIR}
-dir=${2:?usage: device_gguf.sh prepare|run DIR}
+dir=${2:?usage: device_gguf.sh prepare|run|model|figures|serve DIR}
 here=$(cd "$(dirname "$0")/.." && pwd)
 PLUGIN=vllm-gguf-plugin==0.0.5
 GGUF=gguf==0.19.0
@@ -119,7 +119,7 @@ model() {
 }
 
 figures() {   # one row set per call: gguf | mtp | fp8 | gguf-profile | fp8-profile
-  local what=${1:?figures needs gguf, mtp or fp8} out=${OUT:-$here/out}
+  local what=${1:?figures needs gguf, mtp, fp8, gguf-profile or fp8-profile} out=${OUT:-$here/out}
   install || return 1
   local common=(--tp 1 --max-tokens 128 --capture-sizes 1,2,3,4,8 --repeats 3 --max-model-len 2048)
   case "$what" in
@@ -130,7 +130,7 @@ figures() {   # one row set per call: gguf | mtp | fp8 | gguf-profile | fp8-prof
     # same shapes, at PROFILE_CONCURRENCY requests (default 1, the single-request goal): one call each.
     gguf-profile|fp8-profile)
       local c=${PROFILE_CONCURRENCY:-1} kind=${what%-profile}
-      local prof=(--concurrency "$c" --profile-dir "/tmp/prof-$kind" --profile-concurrency "$c" --profile-tokens 16
+      local prof=(--concurrency "$c" --profile-dir "/tmp/prof-$kind-c$c" --profile-concurrency "$c" --profile-tokens 16
         --max-tokens 64 --tp 1 --capture-sizes 1,2,4,8 --repeats 1 --max-model-len 2048)
       if [ "$kind" = gguf ]; then
         bash bench/device_decode.sh "gguf-prof-c$c" "$MODEL_FIRST" vllm "${prof[@]}" --no-mtp

@@ -114,11 +114,13 @@ def spec_decode_counters(samples: Sequence[tuple[str, dict, float]]) -> dict:
 def scrub(value, roots: Mapping[str, str]):
     """``value`` (str, or lists / dicts of them) with each root path (absolute path -> label, e.g.
     OUTDIR -> "<tmp>") replaced by its label; the longest root first, so nested roots keep their own label.
-    A root only matches whole path components (/tmp/a is not replaced inside /tmp/ab)."""
+    A root only matches whole path components, at both ends (/tmp/a is not replaced inside /tmp/ab, nor /tmp
+    inside /var/tmp)."""
     if isinstance(value, str):
         for root, label in sorted(roots.items(), key=lambda kv: -len(kv[0])):
             if root and root != "/":
-                value = re.sub(re.escape(root.rstrip("/")) + r"(?=$|[/\s\"',:;=)\]}])", lambda _: label, value)
+                value = re.sub(r"(?<![\w.~/-])" + re.escape(root.rstrip("/")) + r"(?=$|[/\s\"',:;=)\]}])",
+                               lambda _: label, value)
         return value
     if isinstance(value, dict):
         return {scrub(k, roots): scrub(v, roots) for k, v in value.items()}
@@ -528,7 +530,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results["failures"] = [k for k, v in checks.items() if not v] + (["exception"] if "exception" in results else [])
     if not checks:
         results["failures"].append("nothing checked")
-    roots = {str(out): "<tmp>", str(a.out): "<tmp>", tempfile.gettempdir(): "<tmp>", str(ROOT): "<repo>",
+    roots = {str(out): "<tmp>", tempfile.gettempdir(): "<tmp>", str(ROOT): "<repo>",
              sys.executable: "<python>", os.path.expanduser("~"): "~"}
     (out / "serve_gpu.json").write_text(json.dumps(scrub(results, roots), indent=1))
     for k, v in checks.items():

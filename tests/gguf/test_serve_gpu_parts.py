@@ -54,11 +54,13 @@ def test_metrics_without_spec_decode():
 def test_scrub_replaces_whole_components_longest_first():
     roots = {"/tmp": "<tmp>", "/tmp/x/out": "<tmp>", "/work/repo": "<repo>", "/usr/bin/python3": "<python>"}
     value = {"cmd": "/usr/bin/python3 -m x /tmp/x/out/model/a.gguf --p=/work/repo/bench",
-             "list": ["/tmp/y", "/tmp/xy", "/work/repository", '{"model":"/tmp/x/out/m.gguf"}', 3, None],
+             "list": ["/tmp/y", "/tmp/xy", "/work/repository", '{"model":"/tmp/x/out/m.gguf"}', 3, None,
+                      "/var/tmp/z"],
              "/tmp/x/out/key": True, "py": "/usr/bin/python3.12"}
     got = serve_gpu.scrub(value, roots)
     assert got == {"cmd": "<python> -m x <tmp>/model/a.gguf --p=<repo>/bench",
-                   "list": ["<tmp>/y", "<tmp>/xy", "/work/repository", '{"model":"<tmp>/m.gguf"}', 3, None],
+                   "list": ["<tmp>/y", "<tmp>/xy", "/work/repository", '{"model":"<tmp>/m.gguf"}', 3, None,
+                            "/var/tmp/z"],
                    "<tmp>/key": True, "py": "/usr/bin/python3.12"}
 
 

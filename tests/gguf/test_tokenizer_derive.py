@@ -122,3 +122,14 @@ def test_unknown_pre_tokenizer_is_refused_in_words(vocab_file, monkeypatch):
     odd = type(meta)(files=meta.files, fields=fields, tensors=meta.tensors)
     backend, _, _, how = derive._byte_level_bpe(odd)
     assert backend is None and "some-new-pre" in how and "newer transformers" in how
+
+
+def test_a_converter_that_does_not_know_the_vocabulary_falls_back_to_the_own_build(vocab_file, tmp_path, monkeypatch):
+    from fastcomm_vllm.gguf import derive
+
+    def unknown(meta):
+        raise KeyError("glm4")  # a transformers whose converter has no builder for this file
+
+    monkeypatch.setattr(derive, "_with_transformers", unknown)
+    assert "built with tokenizers" in derive.write_tokenizer(_meta(vocab_file), tmp_path)
+    assert (tmp_path / "tokenizer.json").is_file()

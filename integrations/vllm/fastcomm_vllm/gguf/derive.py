@@ -16,7 +16,7 @@ from pathlib import Path
 from . import metadata
 from .errors import GgufError
 
-FORMAT = 1   # bump when what is written changes, so old folders are not reused
+FORMAT = 2   # bump when what is written changes, so old folders are not reused (2: the tokenizers build)
 
 
 def cache_root() -> Path:
@@ -91,7 +91,7 @@ def write_tokenizer(meta: metadata.Meta, folder: Path) -> str:
     try:
         try:
             backend, specials, template, how = _with_transformers(meta)
-        except ImportError:
+        except Exception:  # no converter in this transformers, or none that knows this vocabulary
             backend, specials, template, how = _byte_level_bpe(meta)
         if backend is None:
             return f"not derived: {how}; pass --tokenizer"
