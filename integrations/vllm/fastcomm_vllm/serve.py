@@ -24,6 +24,8 @@ from typing import Mapping, Sequence
 
 from fastcomm.config import TRANSPORTS
 
+from .gguf.files import looks_like_path
+
 DESCRIPTION = """\
 Runs `vllm serve` with fastcomm's all-reduce (the fastcomm vLLM plugin) active. Every argument that is
 not one of the options below goes to `vllm serve` unchanged (see `vllm serve --help`)."""
@@ -206,11 +208,6 @@ def _replace_model(args: list[str], old: str, new: str) -> list[str]:
     return out
 
 
-def _looks_like_path(model: str) -> bool:
-    # A Hugging Face id is "name" or "org/name"; anything else that names a file system location is a path.
-    return model.startswith(("/", "./", "../", "~")) or model in (".", "..") or model.count("/") > 1
-
-
 def _int_option(args, names, what) -> int | None:
     value = _option_value(args, names)
     if value is None:
@@ -277,7 +274,7 @@ def build(opts: Options, vllm_args: Sequence[str], environ: Mapping[str, str], *
         if opts.mtp is not None:
             raise ServeError("--no-mtp / --mtp-tokens choose MTP for a GGUF model; for a checkpoint pass vLLM's "
                              "--speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": N}'")
-        if _looks_like_path(model) and not os.path.exists(os.path.expanduser(model)):
+        if looks_like_path(model) and not os.path.exists(os.path.expanduser(model)):
             raise ServeError(f"model path {model!r} does not exist")
     if gpus is None:
         gpus = count_gpus(topo)

@@ -16,7 +16,7 @@ import importlib.util
 from pathlib import Path
 
 from .errors import GgufError, missing_package
-from .files import GgufFiles, looks_like_gguf
+from .files import GgufFiles, looks_like_gguf, looks_like_path
 
 __all__ = ["GgufError", "GgufPlan", "engine_kwargs", "is_gguf", "plan"]
 
@@ -41,16 +41,16 @@ class GgufPlan:
     notes: tuple[str, ...]         # what was chosen and why, one line each
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_VOCAB_FILES = ("tokenizer.json", "tokenizer.model")  # a fast tokenizer, or a SentencePiece model
 
 
 def _tokenizer_source(path: str) -> bool:
-    """Whether ``path`` (a --hf-config-path) can be the tokenizer too: a local folder holding tokenizer
-    files, or anything that is not a local path (a Hub id, which vLLM resolves and reports itself)."""
+    """Whether ``path`` (a --hf-config-path) can be the tokenizer too: a local folder holding a vocabulary
+    (tokenizer_config.json alone is none), or a Hugging Face id (vLLM resolves it and reports a miss)."""
     p = Path(path).expanduser()
-    if not p.exists():
-        return not path.startswith((".", "/", "~"))
-    return p.is_dir() and any((p / name).is_file() for name in _TOKENIZER_FILES)
+    if not looks_like_path(path) and not p.exists():
+        return True
+    return p.is_dir() and any((p / name).is_file() for name in _VOCAB_FILES)
 
 
 def require_packages() -> None:
@@ -94,10 +94,15 @@ def plan(model: str, *, mtp: bool | None = None, num_speculative_tokens: int = 1
         notes.append(f"MTP off: the file has no MTP block (blk.{n_main}.nextn.*)")
     else:
         notes.append("MTP off (--no-mtp)")
+    # The derived folder: the config unless --hf-config-path is given, and the tokenizer unless one is given
+    # or that config folder (or Hub id) brings its own.
+    own_tokenizer = tokenizer is not None or not derive_tokenizer or (
+        hf_config_path is not None and _tokenizer_source(hf_config_path))
     config_dir = None
-    if hf_config_path is None:
+    if hf_config_path is None or not own_tokenizer:
         derive.check_writable(derive.cache_root())
         config_dir = derive.derive(meta)
+    if hf_config_path is None:
         kwargs["hf_config_path"] = str(config_dir)
         notes.append(f"config derived from the GGUF metadata: {config_dir / 'config.json'}")
     else:
@@ -105,20 +110,16 @@ def plan(model: str, *, mtp: bool | None = None, num_speculative_tokens: int = 1
         notes.append(f"config from --hf-config-path {hf_config_path}")
     if tokenizer is not None:
         kwargs["tokenizer"] = tokenizer
-    elif hf_config_path is not None and derive_tokenizer and _tokenizer_source(hf_config_path):
-        # A config folder (or Hub id) that carries a tokenizer is where the user's model comes from.
+    elif not derive_tokenizer:
+        pass
+    elif own_tokenizer:  # the --hf-config-path folder (or Hub id) carries it: where the user's model comes from
         kwargs["tokenizer"] = hf_config_path
         notes.append(f"tokenizer from --hf-config-path {hf_config_path} (--tokenizer overrides)")
-    elif derive_tokenizer:
-        # The derived folder's tokenizer, also beside a --hf-config-path that has none.
-        if config_dir is None:
-            derive.check_writable(derive.cache_root())
-        folder = config_dir if config_dir is not None else derive.derive(meta)
-        if derive.has_tokenizer(folder):
-            kwargs["tokenizer"] = str(folder)
-            notes.append(f"tokenizer {derive.tokenizer_note(folder)} (--tokenizer zai-org/GLM-5 for the original)")
-        else:
-            raise GgufError(f"no tokenizer: {derive.tokenizer_note(folder)} (e.g. --tokenizer zai-org/GLM-5)")
+    elif derive.has_tokenizer(config_dir):
+        kwargs["tokenizer"] = str(config_dir)
+        notes.append(f"tokenizer {derive.tokenizer_note(config_dir)} (--tokenizer zai-org/GLM-5 for the original)")
+    else:
+        raise GgufError(f"no tokenizer: {derive.tokenizer_note(config_dir)} (e.g. --tokenizer zai-org/GLM-5)")
     return GgufPlan(found, meta.arch, True, blocks, use_mtp, num_speculative_tokens, config_dir, kwargs,
                     tuple(notes))
 

@@ -24,6 +24,12 @@ class GgufFiles:
         return self.shards[0]
 
 
+def looks_like_path(name: str) -> bool:
+    """Whether a model / config / tokenizer argument names a file system location rather than a Hugging Face
+    id ("name" or "org/name")."""
+    return name.startswith(("/", "./", "../", "~")) or name in (".", "..") or name.count("/") > 1
+
+
 def model_name(files: GgufFiles) -> str:
     """The model's name as its files spell it: the first shard's name less the split suffix and .gguf
     (GLM-5-UD-Q4_K_XL-00001-of-00009.gguf -> GLM-5-UD-Q4_K_XL)."""
