@@ -223,9 +223,9 @@ def _bench_fused(torch, rank, world, gloo, workspaces, opts):
             res = torch.randn_like(x)
             w = torch.rand(hidden, dtype=dtype, device=dev) + 0.5
             out, rout, ar = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
-            if not ws.can_fuse(x, res):
+            kernel, _ = ws.fused_route(x, res)  # which fused kernel the policy runs (None: none), for the wire
+            if kernel is None:
                 continue
-            kernel, _ = ws.fused_route(x, res)  # which fused kernel the policy runs, for the name and the wire
             nbytes = tokens * hidden * x.element_size()
             fused_wire = policy.wire_bytes("fused" if kernel is policy.FusedAlgo.ONE_SHOT else "fused_two_shot", nbytes, world,
                                            ws.transport.value, elem_size=x.element_size(), hidden=hidden)
@@ -264,7 +264,7 @@ def wire_for(impl, nbytes: int, world: int) -> int | None:
 
     kind, algo = impl
     if kind == "nccl":
-        return 2 * (world - 1) * nbytes // world
+        return policy.nccl_ring_bytes(nbytes, world)
     if not hasattr(kind, "plan"):
         return None
     chosen = kind.algo_for(nbytes, algo)

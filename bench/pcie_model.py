@@ -30,12 +30,13 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
-from fastcomm.policy import ll_bytes, wire_bytes, wire_cross
+from fastcomm.policy import ll_bytes, nccl_ring_bytes, wire_bytes, wire_cross
 from fastcomm.units import KiB, format_size, parse_size
 
 # The brief's decode workload (GLM-5 on 8 x RTX PRO 6000): the all-reduce model's inputs, and predict_mtp's.
 HIDDEN = 6144
-ALLREDUCES_PER_STEP = 157          # 2 per layer + the embedding
+LAYERS = 78                        # GLM-5's decoder layers
+ALLREDUCES_PER_STEP = 2 * LAYERS + 1   # 2 per layer + the embedding: 157
 BRIEF_STEP_MS, BRIEF_AR_US = 23.3, 40.0   # 43 tok/s with CUDA graphs through NCCL at ~40 us per all-reduce
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -80,7 +81,7 @@ class Line:
 
 
 def fit_line(points: Sequence[tuple[float, float]]) -> Line:
-    """Least squares of time (us) against bytes: y = intercept + slope x."""
+    """Least squares y = intercept + slope x (the floors: time in us against bytes)."""
     if len({x for x, _ in points}) < 2:
         raise ValueError("a line needs rows at two or more sizes")
     n = len(points)
@@ -243,7 +244,7 @@ def predict(algo: str, nbytes: int, box: Box, m: Measured) -> Prediction:
     if box.transport == "host":
         if algo not in ALGOS["host"]:
             raise ValueError(f"no host model for {algo!r}")
-        written = _copy(nbytes, old) if old else wire_bytes("one_shot", nbytes, w, "host")
+        written = _copy(nbytes, old)  # the host one-shot writes one copy, into my own slot
         inbound = (w - 1) * written   # every reader pulls each peer's slot in over its own link (wire.py)
         waits = (w - 2) * m.host_round_trip.value if old else 0.0
         return Prediction(algo, nbytes, written, 0, inbound,
@@ -264,8 +265,8 @@ def predict(algo: str, nbytes: int, box: Box, m: Measured) -> Prediction:
     if algo in ISLAND_ALGOS:
         size = w // box.islands
         copy = _copy(nbytes, old)
-        inside = copy * (size - 1) if old else wire_bytes("one_shot", nbytes, size, "p2p")
-        total = copy * (size - 1 + box.islands - 1) if old else wire_bytes("one_shot", nbytes, w, "p2p", box.islands)
+        inside = copy * (size - 1)                       # to my island peers
+        total = copy * (size - 1 + box.islands - 1)      # and one to each other island's partner
         cross = total - inside
         parts = {"floor": m.one_shot_floor.value, "crossings": 2 * x,
                  "second hop": m.one_shot_floor.value - m.node.value,
@@ -345,11 +346,6 @@ def saves(box: Box, m: Measured, nbytes: int = DECODE_BYTES) -> list[dict]:
 
 
 # ---- output ---------------------------------------------------------------------------------------------------
-
-def nccl_ring_bytes(nbytes: int, world: int = WORLD) -> int:
-    """NCCL's ring all-reduce sends 2 (n-1)/n of the message per GPU (the bench's wire column for NCCL)."""
-    return 2 * (world - 1) * nbytes // world
-
 
 def nccl_us(nbytes: int, world: int = WORLD) -> float:
     """The brief's figure at a decode all-reduce (12 KB), plus the ring's further bytes at the link rate for

@@ -25,18 +25,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
-import functools
-
 from . import pcie_model
-from .pcie_model import ALLREDUCES_PER_STEP, BRIEF_AR_US, BRIEF_STEP_MS, HIDDEN
+from .pcie_model import ALLREDUCES_PER_STEP, DECODE_BYTES, LAYERS, WORLD
 
 RECORD = Path(__file__).resolve().parent / "results" / "2026-12-01-h200x1-gguf-78L-tp1-decode.json"
 MTP_RECORD = Path(__file__).resolve().parent / "results" / "2026-12-01-h200x1-gguf-78L-mtp3-tp1-decode.json"
 
-LAYERS = 78
 ALLREDUCES_PER_DRAFT = 3           # the MTP block's two, and its eh_proj's
 HEAD_SHARE = 0.029                 # LM head bytes / bytes read per token (780 MB of ~27 GB in the GGUF)
 H200_TBPS, RTX_PRO_6000_TBPS = 4.8, 1.79
@@ -55,10 +53,8 @@ def fit_step(points: dict[int, float], max_tokens: int = 4) -> Fit:
     xs = sorted(c for c in points if c <= max_tokens)
     if len(xs) < 2:
         raise ValueError("need step times at two or more token counts")
-    mx = sum(c - 1 for c in xs) / len(xs)
-    my = sum(points[c] for c in xs) / len(xs)
-    slope = sum((c - 1 - mx) * (points[c] - my) for c in xs) / sum((c - 1 - mx) ** 2 for c in xs)
-    return Fit(my - slope * mx, slope)
+    line = pcie_model.fit_line([(c - 1, points[c]) for c in xs])
+    return Fit(line.intercept, line.slope)
 
 
 ALLREDUCE_ALGOS = ("one_shot", "two_shot_ll")  # the policy's candidates at decode sizes over PCIe P2P
@@ -72,7 +68,7 @@ def _measured() -> pcie_model.Measured:
 def allreduce_us(tokens: int) -> float:
     """fastcomm's all-reduce of ``tokens`` x HIDDEN bf16 on 8 x PCIe Gen5 (one switch), the cheaper of the
     one-shot and the Lamport two-shot, as bench/pcie_model.py predicts it from the measured constants."""
-    return min(pcie_model.predict(a, tokens * HIDDEN * 2, pcie_model.ONE_SWITCH, _measured()).us
+    return min(pcie_model.predict(a, tokens * DECODE_BYTES, pcie_model.ONE_SWITCH, _measured()).us
                for a in ALLREDUCE_ALGOS)
 
 
@@ -83,8 +79,7 @@ def acceptance_rate(length: float, k: int) -> float:
     lo, hi = 0.0, 1.0
     for _ in range(60):
         a = (lo + hi) / 2
-        got = (k + 1) if a == 1.0 else (1 - a ** (k + 1)) / (1 - a)
-        lo, hi = (a, hi) if got < length else (lo, a)
+        lo, hi = (a, hi) if expected_length(a, k) < length else (lo, a)
     return (lo + hi) / 2
 
 
@@ -120,8 +115,8 @@ def draft_share(points: dict[int, float], run: MtpRun) -> float:
 def predict(fit: Fit, k: int, length: float, *, scaled: bool, share: float = ESTIMATED_DRAFT_SHARE) -> dict:
     """Single-request tok/s on 8 x RTX PRO 6000 with fastcomm for k draft tokens (k = 0: no MTP); ``share``:
     one draft's cost as a share of a plain step."""
-    compute_1 = BRIEF_STEP_MS - ALLREDUCES_PER_STEP * BRIEF_AR_US / 1e3     # ~17 ms, not all-reduce
-    per_token = fit.per_token_ms * ((1 / 8) * (H200_TBPS / RTX_PRO_6000_TBPS) if scaled else 1.0)
+    compute_1 = pcie_model.step_ms(0.0)     # ~17 ms of the brief's step is not all-reduce
+    per_token = fit.per_token_ms * ((1 / WORLD) * (H200_TBPS / RTX_PRO_6000_TBPS) if scaled else 1.0)
     verify = compute_1 + k * per_token + ALLREDUCES_PER_STEP * allreduce_us(k + 1) / 1e3
     draft = compute_1 * share + ALLREDUCES_PER_DRAFT * allreduce_us(1) / 1e3
     step = verify + k * draft

@@ -17,7 +17,7 @@ from .launch import Launch, cdiv, fused_launch, fused_two_shot_launch, ll_bytes,
     two_shot_ll_slot_bytes, vectors_for
 from .links import LinkType, islands, summarize, validate_islands, worst_link
 from .nccl import nccl_env
-from .wire import wire_bytes, wire_cross, wire_split
+from .wire import nccl_ring_bytes, wire_bytes, wire_cross, wire_split
 from .plan import Facts, Plan, make_plan
 from .rules import DEFAULT_TABLE, Algo, PolicyKey, Rule, SizeRange, Transport, choose_algo, lookup_rules, \
     render_ranges, size_ranges
@@ -29,4 +29,4 @@ __all__ = ["DTYPE_SIZE", "FUSED_MAX_ROW_BYTES", "SUPPORTED_DTYPES", "check_fused
            "vectors_for",
            "LinkType", "islands", "summarize", "validate_islands", "worst_link", "nccl_env", "Facts", "Plan",
            "make_plan", "DEFAULT_TABLE", "Algo", "PolicyKey", "Rule", "SizeRange", "Transport", "choose_algo",
-           "lookup_rules", "render_ranges", "size_ranges", "wire_bytes", "wire_cross", "wire_split"]
+           "lookup_rules", "render_ranges", "size_ranges", "nccl_ring_bytes", "wire_bytes", "wire_cross", "wire_split"]

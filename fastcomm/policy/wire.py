@@ -107,6 +107,11 @@ def wire_cross(algo: str, nbytes: int, world: int, islands: int, *, elem_size: i
                      "two_shot_islands)")
 
 
+def nccl_ring_bytes(nbytes: int, world: int) -> int:
+    """NCCL's ring all-reduce: each GPU sends 2 (n-1)/n of the message (its schedule, for comparison)."""
+    return 2 * (world - 1) * nbytes // world
+
+
 def _two_shot_islands(nbytes: int, world: int, islands: int, elem_size: int, max_blocks: int) -> tuple[int, int]:
     """(all bytes, bytes to other islands) the busiest rank writes: segments cut for a world of the island's
     size (as ops launches it), a flag word per block and destination in each of the three phases."""
