@@ -75,7 +75,7 @@ def _read_cached(shards: tuple[Path, ...], stamp: tuple) -> Meta:
             raise GgufError(f"{path.name} is not a readable GGUF file ({type(e).__name__}: {e})") from None
         if i == 0:
             # Skip the big arrays (the vocabulary) unless asked: decoding them costs seconds on 150k tokens.
-            fields = {k: (_Lazy(path, k) if k in _BIG_ARRAYS else _decode(f))
+            fields = {k: (_Lazy(f) if k in _BIG_ARRAYS else _decode(f))
                       for k, f in reader.fields.items() if not k.startswith("GGUF.")}
         else:
             count = reader.fields.get("split.count")
@@ -92,15 +92,15 @@ def _read_cached(shards: tuple[Path, ...], stamp: tuple) -> Meta:
 
 
 class _Lazy:
-    """A tokenizer array, decoded on first use."""
+    """A tokenizer array, decoded on first use from the field the first shard's reader already parsed (the
+    reader's memory map of the file stays open as long as this does)."""
 
-    def __init__(self, path: Path, key: str):
-        self.path, self.key = path, key
+    def __init__(self, field):
+        self.field = field
 
     @functools.cached_property
     def value(self):
-        reader = _gguf().GGUFReader(self.path)
-        return reader.fields[self.key].contents()
+        return self.field.contents()
 
 
 def read(files: GgufFiles) -> Meta:
