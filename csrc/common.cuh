@@ -337,6 +337,14 @@ __device__ __forceinline__ void fc_lp_store(char* p, uint4 v) {
   asm volatile("st.volatile.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
 }
 
+// v to every reader of my vector at byte offset `off` of buffer b: each of the npush (t->n_lp_push, read
+// once by the caller) peers' slots for me over P2P or my one host slot, and over P2P my own slot too (my
+// sibling blocks read my term there, as the peers' terms).
+__device__ __forceinline__ void fc_lp_push(const FcTable* __restrict__ t, u32 npush, u32 b, u64 off, uint4 v) {
+  for (u32 p = 0; p < npush; ++p) fc_lp_store(t->lp_push[b][p] + off, v);
+  if (!t->host) fc_lp_store(t->lp_pull[b][t->rank] + off, v);
+}
+
 // Vector i (16 bytes) of a byte range [base, base+limit): whole when inside and aligned, else byte by byte
 // with zero padding (zero is never the sentinel, so a message tail arrives like any other vector).
 __device__ __forceinline__ uint4 fc_load_vec(const char* base, u64 i, u64 limit) {

@@ -116,8 +116,7 @@ __device__ __forceinline__ void fc_fused_cluster(const FcTable* __restrict__ t, 
     // 1. Push the vectors of my chunk that start in this row (fused_rmsnorm.cuh, step 1, without islands).
     for (u64 j = (c0 > own_lo ? c0 : own_lo) + threadIdx.x; j < c1; j += blockDim.x) {
       const uint4 mine = fc_lp_sanitize<D>(fc_load_vec(in, j, total));
-      for (u32 p = 0; p < npush; ++p) fc_lp_store(t->lp_push[c.buf][p] + j * FC_VEC_BYTES, mine);
-      if (!t->host) fc_lp_store(t->lp_pull[c.buf][t->rank] + j * FC_VEC_BYTES, mine);
+      fc_lp_push(t, npush, c.buf, j * FC_VEC_BYTES, mine);
     }
 
     // 2. My chunk only: a = D(sum over ranks in rank order), z = a + residual, its sum of squares.

@@ -150,8 +150,7 @@ __device__ __forceinline__ void fc_fused_rmsnorm(const FcTable* __restrict__ ti,
         mine = fc_lp_sanitize<D>(V::pack(part));  // the island sum as D (the rule above)
         gathered_i = true;
       }
-      for (u32 p = 0; p < npush; ++p) fc_lp_store(t->lp_push[c.buf][p] + j * FC_VEC_BYTES, mine);
-      if (!t->host) fc_lp_store(t->lp_pull[c.buf][t->rank] + j * FC_VEC_BYTES, mine);
+      fc_lp_push(t, npush, c.buf, j * FC_VEC_BYTES, mine);
     }
 
     // 2. The whole row: a = D(sum over ranks in rank order), z = a + residual in fp32 (not rounded),
