@@ -33,6 +33,10 @@
 #    (PROFILE_CONCURRENCY=8 for the 8-request step), each ~6 min with the engine's start-up.
 #    Why concurrency 2-4: a verify step of k draft tokens is a forward over k + 1 tokens of one request,
 #    which reads the weights as a decode step of k + 1 requests does (bench/predict_mtp.py uses that).
+# 3b. fastcomm's K-quant decode kernels (csrc/kquant.cu; one call, ~3 min): tests/gguf/test_kquant_gpu.py, then
+#    python -m fastcomm_bench.gguf_kernels (plugin vs fastcomm per product at GLM-5's shapes, $OUT/gguf-kernels.json):
+#        eval "$(bash .stage/install.sh)" && bash bench/device_gguf.sh kquant .gguf_stage
+#    The figures above take fastcomm's kernels by default; FASTCOMM_GGUF_KERNELS=plugin gives the plugin's.
 # 4. `fastcomm-serve` itself, end to end (one call, same carry; ~2-4 min, bounded at 540 s):
 #        eval "$(bash .stage/install.sh)" && bash bench/device_gguf.sh serve .gguf_stage
 #    tests/gguf/serve_gpu.py: the tiny GLM-5 GGUF (3 shards + MTP block) through `fastcomm-serve --dry-run`
@@ -41,7 +45,7 @@
 #    $OUT/serve/serve_gpu.json and serve.log. SERVE_GPU_ARGS adds options, e.g. "--compare-no-mtp" (a
 #    second start with --no-mtp, greedy tokens must match; only if the budget holds it).
 set -uo pipefail
-mode=${1:?usage: device_gguf.sh prepare|run|model|figures|serve DIR}
+mode=${1:?usage: device_gguf.sh prepare|run|kquant|model|figures|serve DIR}
 dir=${2:?usage: device_gguf.sh prepare|run|model|figures|serve DIR}
 here=$(cd "$(dirname "$0")/.." && pwd)
 PLUGIN=vllm-gguf-plugin==0.0.5
@@ -192,6 +196,19 @@ PY
   return $rc
 }
 
+kquant() {   # fastcomm's K-quant decode kernels: GPU test, then plugin-vs-fastcomm timings at GLM-5's shapes
+  local out=${OUT:-$here/out}
+  mkdir -p "$out"
+  exec > >(tee "$out/kquant.log") 2>&1
+  install || return 1
+  export FASTCOMM_CACHE_DIR=${FASTCOMM_CACHE_DIR:-/tmp/fastcomm-cache}
+  timeout 300 python -m pytest -q -p no:cacheprovider tests/gguf/test_kquant_gpu.py 2>&1 | tail -n 25
+  local rc=${PIPESTATUS[0]}
+  echo "== kquant GPU test exit $rc"
+  timeout 240 python -m fastcomm_bench.gguf_kernels --json "$out/gguf-kernels.json" || rc=1
+  return $rc
+}
+
 serve() {
   local out=${OUT:-$here/out}
   mkdir -p "$out/serve"
@@ -222,7 +239,8 @@ case "$mode" in
   prepare) prepare ;;
   run) run ;;
   serve) serve ;;
+  kquant) kquant ;;
   model) model ;;
   figures) figures "${3:-}" ;;
-  *) echo "usage: device_gguf.sh prepare|run|model|figures|serve DIR [gguf|mtp|fp8|gguf-profile|fp8-profile]" >&2; exit 2 ;;
+  *) echo "usage: device_gguf.sh prepare|run|kquant|model|figures|serve DIR [gguf|mtp|fp8|gguf-profile|fp8-profile]" >&2; exit 2 ;;
 esac

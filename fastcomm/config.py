@@ -136,6 +136,7 @@ class Var:
 TRANSPORTS = ("auto", "p2p", "host")
 ALGOS = ("auto", "one_shot", "two_shot", "two_shot_ll", "pull", "two_shot_islands")
 FUSED_CLUSTER_SETTINGS = ("auto", "on", "off")
+GGUF_KERNEL_SETTINGS = ("auto", "plugin")
 LOG_LEVELS = ("debug", "info", "warning", "error", "off")
 
 VARIABLES: tuple[Var, ...] = (
@@ -169,6 +170,9 @@ VARIABLES: tuple[Var, ...] = (
     Var("FASTCOMM_VLLM_FUSION", "vllm_fusion", "0", "1 also fuses all-reduce + RMSNorm in vLLM (compile pass and "
         "GLM-5 helper routing). Opt-in until an end-to-end run shows it faster than the all-reduce alone "
         "(bench/RESULTS.md).", _bool),
+    Var("FASTCOMM_GGUF_KERNELS", "gguf_kernels", "auto", "auto | plugin: GGUF products of 1-8 tokens (decode, MTP "
+        "verify) through fastcomm's K-quant kernels (csrc/kquant.cu; Q4_K, Q5_K, Q6_K, Q8_0 weights), the rest "
+        "through vllm-gguf-plugin's; plugin: all through the plugin's.", _choice(*GGUF_KERNEL_SETTINGS)),
     Var("FASTCOMM_LOG", "log_level", "warning", "debug | info | warning | error | off: level of the 'fastcomm' "
         "logger; info prints the transport and policy each workspace chose (like NCCL_DEBUG=INFO).",
         _choice(*LOG_LEVELS)),
@@ -219,6 +223,7 @@ class Config:
     p2p_check: bool = True
     vllm_enabled: bool = True
     vllm_fusion: bool = False  # opt-in, see FASTCOMM_VLLM_FUSION
+    gguf_kernels: str = "auto"  # FASTCOMM_GGUF_KERNELS (fastcomm_vllm.gguf.kquant)
     log_level: str = "warning"
     test_mode: bool = False
     test_shared_gpu: bool = False
@@ -235,6 +240,8 @@ class Config:
             bad("algo", f"must be one of {', '.join(ALGOS)}")
         if self.fused_cluster not in FUSED_CLUSTER_SETTINGS:
             bad("fused_cluster", f"must be one of {', '.join(FUSED_CLUSTER_SETTINGS)}")
+        if self.gguf_kernels not in GGUF_KERNEL_SETTINGS:
+            bad("gguf_kernels", f"must be one of {', '.join(GGUF_KERNEL_SETTINGS)}")
         if self.log_level not in LOG_LEVELS:
             bad("log_level", f"must be one of {', '.join(LOG_LEVELS)}")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \

@@ -16,6 +16,9 @@ SOURCES = ("common.cuh", "one_shot.cuh", "two_shot.cuh", "two_shot_ll.cuh", "fus
            "fused_two_shot.cuh", "fused_cluster.cuh", "p2p_check.cuh", "two_shot_islands.cuh",
            "kernels.cu")
 ENTRY = "kernels.cu"
+# Compile units: the communication kernels, and the GGUF K-quant decode kernels (used by the vLLM
+# integration only, so a process that never serves a GGUF file never compiles them). unit: (sources, entry).
+UNITS = {"comm": (SOURCES, ENTRY), "kquant": (("kquant.cuh", "kquant.cu"), "kquant.cu")}
 OPTIONS = ("-std=c++17", "-default-device")
 
 
@@ -32,9 +35,9 @@ def source_dir() -> Path:
     raise FileNotFoundError(f"fastcomm kernel sources ({ENTRY}) not found next to {here}")
 
 
-def _read_sources() -> dict[str, str]:
+def _read_sources(unit: str = "comm") -> dict[str, str]:
     d = source_dir()
-    return {name: (d / name).read_text() for name in SOURCES}
+    return {name: (d / name).read_text() for name in UNITS[unit][0]}
 
 
 def _nvrtc():
@@ -54,13 +57,15 @@ def cache_key(arch: str, sources: dict[str, str], options: tuple[str, ...], nvrt
     return h.hexdigest()[:32]
 
 
-def compile_cubin(arch: str, options: tuple[str, ...] = OPTIONS) -> bytes:
-    """Compile kernels.cu for ``arch`` (e.g. 'sm_90') with NVRTC; raise CompileError with the log."""
+def compile_cubin(arch: str, options: tuple[str, ...] = OPTIONS, unit: str = "comm") -> bytes:
+    """Compile a unit's entry (kernels.cu by default) for ``arch`` (e.g. 'sm_90') with NVRTC; raise
+    CompileError with the log."""
     nvrtc = _nvrtc()
-    sources = _read_sources()
-    headers = [sources[n].encode() for n in SOURCES if n != ENTRY]
-    names = [n.encode() for n in SOURCES if n != ENTRY]
-    prog = nvrtc.createProgram(sources[ENTRY], ENTRY, headers, names)
+    sources = _read_sources(unit)
+    names_, entry = UNITS[unit]
+    headers = [sources[n].encode() for n in names_ if n != entry]
+    names = [n.encode() for n in names_ if n != entry]
+    prog = nvrtc.createProgram(sources[entry], entry, headers, names)
     try:
         try:
             nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", *options])
@@ -71,14 +76,14 @@ def compile_cubin(arch: str, options: tuple[str, ...] = OPTIONS) -> bytes:
         nvrtc.destroyProgram(prog)
 
 
-def cached_cubin(arch: str, cache_dir: Path, options: tuple[str, ...] = OPTIONS) -> Path:
-    """Path of the cubin for ``arch``, compiling it on a cache miss."""
+def cached_cubin(arch: str, cache_dir: Path, options: tuple[str, ...] = OPTIONS, unit: str = "comm") -> Path:
+    """Path of the unit's cubin for ``arch``, compiling it on a cache miss."""
     nvrtc = _nvrtc()
-    key = cache_key(arch, _read_sources(), options, tuple(nvrtc.getVersion()))
-    path = Path(cache_dir) / f"fastcomm-{arch}-{key}.cubin"
+    key = cache_key(arch, _read_sources(unit), options, tuple(nvrtc.getVersion()))
+    path = Path(cache_dir) / (f"fastcomm-{arch}-{key}.cubin" if unit == "comm" else f"fastcomm-{unit}-{arch}-{key}.cubin")
     if path.is_file():
         return path
-    cubin = compile_cubin(arch, options)
+    cubin = compile_cubin(arch, options, unit)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".cubin")
     with os.fdopen(fd, "wb") as f:
@@ -94,20 +99,20 @@ def arch_of(device_index: int) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _module(device_index: int, cache_dir: str) -> int:
+def _module(device_index: int, cache_dir: str, unit: str = "comm") -> int:
     import cupy
     from cupy_backends.cuda.api import driver
 
-    path = cached_cubin(arch_of(device_index), Path(cache_dir))
+    path = cached_cubin(arch_of(device_index), Path(cache_dir), unit=unit)
     with cupy.cuda.Device(device_index):
         return driver.moduleLoadData(path.read_bytes())
 
 
-def function(device_index: int, cache_dir: Path, symbol: str) -> int:
-    """The CUfunction ``symbol`` (an ``abi.Kernel.symbol``) for this device. The module is loaded once per
-    process and device; callers keep the handle, as each workspace does."""
+def function(device_index: int, cache_dir: Path, symbol: str, unit: str = "comm") -> int:
+    """The CUfunction ``symbol`` (an ``abi.Kernel.symbol``) of a unit for this device. The module is loaded
+    once per process, device and unit; callers keep the handle, as each workspace does."""
     import cupy
     from cupy_backends.cuda.api import driver
 
     with cupy.cuda.Device(device_index):
-        return driver.moduleGetFunction(_module(device_index, str(cache_dir)), symbol)
+        return driver.moduleGetFunction(_module(device_index, str(cache_dir), unit), symbol)

@@ -18,6 +18,22 @@ def test_kernels_compile(arch, tmp_path):
     assert jit.cached_cubin(arch, tmp_path) == path
 
 
+KQUANT_SYMBOLS = [f"fc_kq_{k}_{d}" for d in ("bf16", "f16", "f32")
+                  for k in ("quantize", "gemv1", "gemv2", "gemv4", "gemv8", "moe_up", "moe_down")]
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_120"])
+def test_kquant_kernels_compile(arch, tmp_path):
+    """The GGUF decode kernels (csrc/kquant.cu), a unit of their own: every entry fastcomm_vllm.gguf.kquant
+    launches is in the cubin, cached apart from the communication kernels."""
+    path = jit.cached_cubin(arch, tmp_path, unit="kquant")
+    data = path.read_bytes()
+    assert data[:4] == b"\x7fELF" and path.name.startswith("fastcomm-kquant-")
+    for sym in KQUANT_SYMBOLS:
+        assert sym.encode() in data, f"missing kernel {sym}"
+    assert path != jit.cached_cubin(arch, tmp_path)
+
+
 def test_cache_key_changes_with_source_and_arch():
     src = {"a.cu": "x"}
     k = jit.cache_key("sm_90", src, ("-O3",), (13, 0))
@@ -27,6 +43,6 @@ def test_cache_key_changes_with_source_and_arch():
 
 
 def test_compile_errors_carry_the_log(monkeypatch, tmp_path):
-    monkeypatch.setattr(jit, "_read_sources", lambda: {n: ("this is not C++;" if n == jit.ENTRY else "") for n in jit.SOURCES})
+    monkeypatch.setattr(jit, "_read_sources", lambda unit="comm": {n: ("this is not C++;" if n == jit.ENTRY else "") for n in jit.SOURCES})
     with pytest.raises(jit.CompileError, match="sm_90"):
         jit.compile_cubin("sm_90")

@@ -97,6 +97,38 @@ def test_fused_projections_hold_canonical_shard_order(loaded, tiny):
     assert got.shape != want.shape or not np.array_equal(got, want)
 
 
+def _file_types(first) -> dict[str, int]:
+    import gguf
+
+    from fastcomm_vllm.gguf import files
+
+    return {t.name: int(t.tensor_type) for p in files.discover(str(first)).shards for t in gguf.GGUFReader(p).tensors}
+
+
+def test_decode_kernel_plans_after_loading(loaded, tiny):
+    """fastcomm's K-quant decode kernels (kquant_vllm) decide per layer after vLLM's loading: every GGUF layer
+    went through the hook; the mixed-type fused_qkv_a_proj is read as two segments in the plugin's stored
+    order and types (q_a's then kv_a's rows, as the file's types); routed experts, o_proj and the LM head
+    take the kernels."""
+    report, _ = loaded
+    first, _, shape = tiny
+    types = _file_types(first)
+    m = report["models"]["main"]
+    plans = m["kq_plans"]
+    assert plans and "absent" not in plans.values(), [k for k, v in plans.items() if v == "absent"]
+    for layer in range(shape.layers):
+        offsets = m["fused"][f"model.layers.{layer}.self_attn.fused_qkv_a_proj"]["offsets"]
+        want = [[types[f"blk.{layer}.attn_q_a.weight"], offsets["0"][0], offsets["0"][1] - offsets["0"][0]],
+                [types[f"blk.{layer}.attn_kv_a_mqa.weight"], offsets["1"][0], offsets["1"][1] - offsets["1"][0]]]
+        assert want[0][0] != want[1][0]  # the file mixes types here, the case the segments exist for
+        assert plans[f"model.layers.{layer}.self_attn.fused_qkv_a_proj"] == want
+        assert isinstance(plans[f"model.layers.{layer}.self_attn.o_proj"], list)
+    moe = [k for k in plans if ".mlp.experts" in k]  # vLLM >= 0.3x: mlp.experts.routed_experts
+    assert len(moe) == shape.layers - shape.dense and all(plans[k] is True for k in moe), moe
+    assert all(v is not None for v in plans.values()), [k for k, v in plans.items() if v is None]
+    assert plans["lm_head"] == [[types["output.weight"], 0, shape.vocab]]
+
+
 def test_dense_parameters_hold_the_truth(loaded, tiny):
     report, _ = loaded
     _, truth, shape = tiny

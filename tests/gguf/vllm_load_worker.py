@@ -91,10 +91,15 @@ def main(gguf_path: str, config_dir: str, out: str, swap: bool) -> None:
                     yield n, t
 
             loaded = model.load_weights(stream())
-            fused = {}
+            fused, kq_plans = {}, {}
             for mname, module in model.named_modules():
+                method = getattr(module, "quant_method", None)
+                if method is not None and (hasattr(module, "qweight") or hasattr(module, "w13_qweight")):
+                    method.process_weights_after_loading(module)  # as vLLM's loader does after loading
+                    plan = getattr(module, "_fastcomm_kq_plan", "absent")
+                    kq_plans[mname] = plan if plan in (None, True, "absent") else [
+                        [s.type, s.start, s.rows] for s in plan]
                 if mname.endswith(("fused_qkv_a_proj", "gate_up_proj")) and hasattr(module, "qweight"):
-                    module.quant_method.process_weights_after_loading(module)
                     q = module.qweight
                     fused[mname] = {"shard_id": [str(s) for s in q.shard_id],
                                     "offsets": {str(k): list(v) for k, v in getattr(q, "shard_offset_map", {}).items()},
@@ -102,7 +107,9 @@ def main(gguf_path: str, config_dir: str, out: str, swap: bool) -> None:
             dense = {n: [float(p.data.double().sum()), float(p.data.double().square().sum())]
                      for n, p in model.named_parameters() if p.dtype in (torch.bfloat16, torch.float32)}
             report["models"][tag] = {"arch": arch, "params": sorted(params), "loaded": sorted(loaded),
-                                     "fed": fed, "fused": fused, "dense": dense}
+                                     "fed": fed, "fused": fused, "dense": dense, "kq_plans": kq_plans,
+                                     "qtypes": {m: int(getattr(mod.qweight_type, "weight_type", -1))
+                                                for m, mod in model.named_modules() if hasattr(mod, "qweight_type")}}
     report["stream"] = stream_names
     Path(out).write_text(json.dumps(report))
 

@@ -11,6 +11,8 @@ in each worker, after or before the plugin's own ``gguf`` entry point (both orde
   end: the MTP draft's config is parsed from the GGUF path, with no --hf-config-path to point elsewhere);
 - vLLM <= 0.25 asks transformers for the image processor of every model, the MTP draft's too, whose model is
   the GGUF file: transformers takes a file path for a Hub repo id and raises. A GGUF file has none: {};
+- (FASTCOMM_GGUF_KERNELS=auto, the default) the plugin's linear and MoE methods take fastcomm's K-quant
+  kernels for 1-8 tokens (kquant_vllm.py);
 - vLLM's MTP drafter shares the target's embedding, but first reads its ``.weight``, which a GGUF-quantized
   embedding does not have (its data is ``qweight``): for an MTP draft over such an embedding it shares it
   directly (GLM-5's nextn.embed_tokens is a copy of token_embd, so nothing is lost).
@@ -48,6 +50,25 @@ def register() -> None:
     kernel = status()
     if not kernel.cuda:
         logger.warning("fastcomm: %s", kernel.warning())
+    _decode_kernels()
+
+
+def _decode_kernels() -> None:
+    """fastcomm's K-quant kernels for 1-8 token products (kquant_vllm), unless FASTCOMM_GGUF_KERNELS=plugin."""
+    from fastcomm.config import ConfigError, read
+
+    try:
+        setting = read("FASTCOMM_GGUF_KERNELS")
+    except ConfigError as e:  # a plugin hook must not stop vLLM: say it, keep the plugin's kernels
+        logger.warning("fastcomm: %s; GGUF products stay with vllm-gguf-plugin's kernels", e)
+        return
+    if setting == "plugin":
+        return
+    from . import kquant_vllm
+
+    if kquant_vllm.install():
+        logger.debug("fastcomm: GGUF products of 1-%d tokens through fastcomm's K-quant kernels",
+                     kquant_vllm.kquant.MAX_TOKENS)
 
 
 def _teach_replicated_linear() -> None:

@@ -1,0 +1,187 @@
+"""GGUF decode products at GLM-5's shapes: vllm-gguf-plugin's CUDA kernels against fastcomm's (csrc/kquant.cu).
+
+    python -m fastcomm_bench.gguf_kernels [--tokens 1,2,4,8] [--json OUT]
+
+Every product of one GLM-5 decoder layer at full width (the 78-layer benchmark model's shapes and UD-Q4_K_XL
+types, bench/glm5_gguf.py), the LM head, and the routed experts (16 experts, top 8): GPU time per call for
+the plugin's path (as its ``apply`` runs it: per-shard copies for a mixed-type fused weight, GEMV up to its
+``mmvq_safe`` batch, else its MMQ GEMM; MoE through ``ggml_moe_a8_vec``), fastcomm's, and a bf16 cuBLAS
+matmul of the same shape for scale. Each timing is a CUDA graph of 16 calls replayed (launch overhead out, as
+in vLLM's decode graphs), over enough copies of the weight that no call finds it in L2. Also checks that
+fastcomm's result matches the plugin's (relative error), and prints a per-step sum: 75 MoE layers, 3 dense
+layers and the LM head, as in one decode step of the 78-layer model.
+Needs a GPU, vLLM and vllm-gguf-plugin with its CUDA extension.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import numpy as np
+
+CALLS_PER_GRAPH = 16
+L2_CLEAR_BYTES = 256 << 20
+
+
+def _blocks(rng, qtype, rows_shape, cols):
+    import gguf
+
+    from .glm5_gguf import make_tensor
+
+    stored, _ = make_tensor(rng, gguf.GGMLQuantizationType[qtype], (*rows_shape, cols))
+    return np.ascontiguousarray(stored, np.uint8)
+
+
+def _graph_time_us(fns) -> float:
+    """GPU time of one call: a graph of CALLS_PER_GRAPH calls (cycling over ``fns``), replayed."""
+    import torch
+
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(CALLS_PER_GRAPH):
+            fns[i % len(fns)]()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = 20
+    a.record()
+    for _ in range(reps):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1000 / (reps * CALLS_PER_GRAPH)
+
+
+LINEARS = (  # name, [(type, rows)] shards in output order, cols, layers per step that run it
+    ("fused_qkv_a (q_a Q5_K + kv_a Q8_0)", [("Q5_K", 2048), ("Q8_0", 576)], 6144, 78),
+    ("q_b", [("Q4_K", 16384)], 2048, 78),
+    ("indexer wq_b", [("Q8_0", 4096)], 2048, 78),
+    ("o_proj", [("Q4_K", 6144)], 16384, 78),
+    ("shared gate_up", [("Q4_K", 4096)], 6144, 75),
+    ("shared down", [("Q6_K", 6144)], 2048, 75),
+    ("dense gate_up", [("Q4_K", 24576)], 6144, 3),
+    ("dense down", [("Q6_K", 6144)], 12288, 3),
+    ("lm_head", [("Q6_K", 154880)], 6144, 1),
+)
+MOE = ("routed experts (16, top 8; Q4_K up, Q5_K down)", 16, 8, 6144, 2048, "Q4_K", "Q5_K", 75)
+
+
+def bench_linear(name, shards, cols, tokens, rng):
+    import gguf
+    import torch
+    from vllm_gguf_plugin.quantization import linear as plin
+
+    from fastcomm_vllm.gguf import kquant
+
+    stored = [_blocks(rng, t, (r,), cols) for t, r in shards]
+    width = max(s.shape[1] for s in stored)
+    rows = sum(r for _, r in shards)
+    padded = np.zeros((rows, width), np.uint8)
+    offsets, start = [], 0
+    for s in stored:
+        padded[start:start + s.shape[0], :s.shape[1]] = s
+        offsets.append((start, start + s.shape[0], s.shape[1]))
+        start += s.shape[0]
+    nbytes = padded.nbytes
+    copies = max(1, min(8, math.ceil(L2_CLEAR_BYTES / nbytes)))
+    ws = [torch.from_numpy(padded).cuda() for _ in range(copies)]
+    types = [int(gguf.GGMLQuantizationType[t]) for t, _ in shards]
+    segs = kquant.plan_linear(types, offsets, width, cols)
+    dense = [torch.randn(rows, cols, dtype=torch.bfloat16, device="cuda") for _ in range(max(1, copies // 4))]
+    rowsout = []
+    for n in tokens:
+        x = torch.randn(n, cols, dtype=torch.bfloat16, device="cuda") * 0.1
+
+        def plugin(w):
+            if len(types) == 1:
+                return lambda: plin._fused_mul_mat_gguf(x, w, types[0])
+            return lambda: torch.cat([plin._fused_mul_mat_gguf(x, w[s:e, :u].contiguous(), t)
+                                      for t, (s, e, u) in zip(types, offsets)], dim=1)
+
+        ours = [lambda w=w: kquant.linear(x, w, segs) for w in ws]
+        mine, theirs = ours[0]().float(), plugin(ws[0])().float()
+        rel = float((mine - theirs).norm() / theirs.norm())
+        rowsout.append({"op": name, "tokens": n, "weight_MB": round(nbytes / 1e6, 2),
+                        "plugin_us": round(_graph_time_us([plugin(w) for w in ws]), 2),
+                        "fastcomm_us": round(_graph_time_us(ours), 2),
+                        "bf16_cublas_us": round(_graph_time_us([lambda d=d: x @ d.T for d in dense]), 2),
+                        "rel_diff_vs_plugin": round(rel, 5)})
+    return rowsout
+
+
+def bench_moe(tokens, rng):
+    import gguf
+    import torch
+    from vllm_gguf_plugin.quantization import fused_moe as pmoe
+
+    from fastcomm_vllm.gguf import kquant
+    from fastcomm_vllm.gguf.kquant_vllm import _activation
+
+    name, experts, topk, hidden, inter, t13, t2, _ = MOE
+    w13 = _blocks(rng, t13, (experts, 2 * inter), hidden)
+    w2 = _blocks(rng, t2, (experts, hidden), inter)
+    nbytes = w13.nbytes + w2.nbytes
+    copies = max(1, min(4, math.ceil(L2_CLEAR_BYTES / nbytes)))
+    w13s = [torch.from_numpy(w13).cuda() for _ in range(copies)]
+    w2s = [torch.from_numpy(w2).cuda() for _ in range(copies)]
+    q13, q2 = int(gguf.GGMLQuantizationType[t13]), int(gguf.GGMLQuantizationType[t2])
+    act = _activation("silu")
+    out = []
+    for n in tokens:
+        x = torch.randn(n, hidden, dtype=torch.bfloat16, device="cuda") * 0.1
+        ids = torch.stack([torch.randperm(experts)[:topk] for _ in range(n)]).to(torch.int32).cuda()
+        wts = torch.rand(n, topk, device="cuda")
+        plugin = [lambda a=a, b=b: pmoe._fused_moe_gguf(x, a, b, wts, ids, q13, q2, "silu") for a, b in zip(w13s, w2s)]
+        ours = [lambda a=a, b=b: kquant.moe(x, a, b, wts, ids, q13, q2, act) for a, b in zip(w13s, w2s)]
+        mine, theirs = ours[0]().float(), plugin[0]().float()
+        out.append({"op": name, "tokens": n, "weight_MB_read": round(nbytes * min(1.0, n * topk / experts) / 1e6, 1),
+                    "plugin_us": round(_graph_time_us(plugin), 2), "fastcomm_us": round(_graph_time_us(ours), 2),
+                    "rel_diff_vs_plugin": round(float((mine - theirs).norm() / theirs.norm()), 5)})
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fastcomm_bench.gguf_kernels", description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", default="1,2,4,8")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    import torch
+
+    tokens = [int(t) for t in args.tokens.split(",")]
+    rng = np.random.default_rng(0)
+    rows = []
+    for name, shards, cols, _ in LINEARS:
+        rows += bench_linear(name, shards, cols, tokens, rng)
+        torch.cuda.empty_cache()
+    rows += bench_moe(tokens, rng)
+    per_layer = {name: layers for name, _, _, layers in LINEARS}
+    per_layer[MOE[0]] = MOE[-1]
+    print(f"# {torch.cuda.get_device_name()}: GPU us per call (CUDA graphs of {CALLS_PER_GRAPH} calls, weights out of L2)")
+    print("| op | tokens | MB | plugin us | fastcomm us | speed-up | bf16 cuBLAS us | rel diff |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        mb = r.get("weight_MB", r.get("weight_MB_read"))
+        print(f"| {r['op']} | {r['tokens']} | {mb} | {r['plugin_us']} | {r['fastcomm_us']} | "
+              f"{r['plugin_us'] / r['fastcomm_us']:.2f}x | {r.get('bf16_cublas_us', '-')} | {r['rel_diff_vs_plugin']} |")
+    steps = {}
+    for n in tokens:
+        sel = [r for r in rows if r["tokens"] == n]
+        steps[n] = {k: round(sum(r[k] * per_layer[r["op"]] for r in sel) / 1000, 2) for k in ("plugin_us", "fastcomm_us")}
+        print(f"# per decode step at {n} token(s), these products only: plugin {steps[n]['plugin_us']} ms, "
+              f"fastcomm {steps[n]['fastcomm_us']} ms")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows, "per_step_ms": steps}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+// The launch file of the K-quant decode kernels (kquant.cuh): extern "C" entry points by plain names,
+//   fc_kq_quantize_<dt>           activations (n rows of `cols`) to int8 chunks + (scale, sum)
+//   fc_kq_gemv<N>_<dt>            up to N vectors against up to FC_KQ_MAX_SEGS row segments of a weight
+//   fc_kq_moe_up_<dt>             one row of an expert per (token, expert) pair
+//   fc_kq_moe_down_<dt>           per token: the router-weighted sum over its experts
+// <dt> is the activations' and the output's dtype. Host side: fastcomm_vllm/gguf/kquant.py.
+#include "kquant.cuh"
+
+struct KqBF16 {
+  typedef unsigned short raw;
+  static __device__ __forceinline__ float to_f(raw b) { return __uint_as_float(((unsigned)b) << 16); }
+  static __device__ __forceinline__ raw from_f(float f) {
+    raw r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+  }
+};
+struct KqF16 {
+  typedef unsigned short raw;
+  static __device__ __forceinline__ float to_f(raw b) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(b));
+    return f;
+  }
+  static __device__ __forceinline__ raw from_f(float f) {
+    raw r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+  }
+};
+struct KqF32 {
+  typedef unsigned raw;
+  static __device__ __forceinline__ float to_f(raw b) { return __uint_as_float(b); }
+  static __device__ __forceinline__ raw from_f(float f) { return __float_as_uint(f); }
+};
+
+// Row segments of one weight: rows [row0, row0 + rows) of the launch read `w` (row i at w + i * row_stride,
+// so a plugin's padded multi-shard tensor is read in place) as `type`, into output columns from out_col.
+struct KqSeg {
+  const kq_u8* w;
+  kq_u64 row_stride;
+  int type, rows, row0, out_col;
+};
+struct KqSegs {
+  KqSeg s[FC_KQ_MAX_SEGS];
+  int nseg, total_rows;
+};
+
+__device__ __forceinline__ float kq_warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);  // the same tree in every warp
+  return v;
+}
+
+__device__ __forceinline__ void kq_load_x(const kq_u32* xq, const float2* xds, int chunks, int v, int c,
+                                          kq_u32 q[8], float2* ds) {
+  const kq_u8* p = reinterpret_cast<const kq_u8*>(xq + (kq_u64)v * chunks * 8 + 8 * c);
+  kq_load16(p, q);
+  kq_load16(p + 16, q + 4);
+  *ds = xds[(kq_u64)v * chunks + c];
+}
+
+// One warp, one row of type T, against up to N vectors (n of them real): lane l takes chunks l, l + 32, ...
+template <int T, int N>
+__device__ __forceinline__ void kq_row(const kq_u8* row, const kq_u32* xq, const float2* xds, int chunks, int n,
+                                       float acc[N]) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll 2
+  for (int c = lane; c < chunks; c += 32) {
+    KqChunk k;
+    kq_decode_chunk(T, row, c, &k);
+#pragma unroll
+    for (int v = 0; v < N; ++v) {
+      if (v < n) {
+        kq_u32 q[8];
+        float2 ds;
+        kq_load_x(xq, xds, chunks, v, c, q, &ds);
+        acc[v] += kq_chunk_dot(k, q, ds.x, ds.y);
+      }
+    }
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void kq_row_any(int type, const kq_u8* row, const kq_u32* xq, const float2* xds,
+                                           int chunks, int n, float acc[N]) {
+  switch (type) {  // warp-uniform
+    case FC_KQ_Q4_K: kq_row<FC_KQ_Q4_K, N>(row, xq, xds, chunks, n, acc); break;
+    case FC_KQ_Q5_K: kq_row<FC_KQ_Q5_K, N>(row, xq, xds, chunks, n, acc); break;
+    case FC_KQ_Q6_K: kq_row<FC_KQ_Q6_K, N>(row, xq, xds, chunks, n, acc); break;
+    default: kq_row<FC_KQ_Q8_0, N>(row, xq, xds, chunks, n, acc); break;
+  }
+}
+
+template <typename D>
+__device__ void kq_quantize(const typename D::raw* x, int n, int cols, kq_u64 x_stride, kq_u32* xq, float2* xds) {
+  const int chunks = cols / FC_KQ_CHUNK;
+  const kq_u64 i = (kq_u64)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (kq_u64)n * chunks) return;
+  const int v = (int)(i / chunks), c = (int)(i % chunks);
+  const typename D::raw* src = x + v * x_stride + (kq_u64)c * FC_KQ_CHUNK;
+  float f[FC_KQ_CHUNK];
+  for (int l = 0; l < FC_KQ_CHUNK; ++l) f[l] = D::to_f(src[l]);
+  kq_u32 q[8];
+  float d, s;
+  kq_quantize_chunk(f, q, &d, &s);
+  uint4* dst = reinterpret_cast<uint4*>(xq + i * 8);
+  dst[0] = make_uint4(q[0], q[1], q[2], q[3]);
+  dst[1] = make_uint4(q[4], q[5], q[6], q[7]);
+  xds[i] = make_float2(d, s);
+}
+
+template <typename D, int N>
+__device__ void kq_gemv(const KqSegs& segs, const kq_u32* xq, const float2* xds, int n, int cols,
+                        typename D::raw* out, kq_u64 out_stride) {
+  const int r = blockIdx.x * FC_KQ_ROWS_PER_BLOCK + (threadIdx.x >> 5);
+  if (r >= segs.total_rows) return;
+  // The segment holding row r, with constant indices only (a dynamic index would copy the table to local).
+  const kq_u8* w = segs.s[0].w;
+  kq_u64 stride = segs.s[0].row_stride;
+  int type = segs.s[0].type, row0 = 0, out_col = segs.s[0].out_col;
+#pragma unroll
+  for (int i = 1; i < FC_KQ_MAX_SEGS; ++i) {
+    if (i < segs.nseg && r >= segs.s[i].row0) {
+      w = segs.s[i].w, stride = segs.s[i].row_stride, type = segs.s[i].type;
+      row0 = segs.s[i].row0, out_col = segs.s[i].out_col;
+    }
+  }
+  float acc[N];
+#pragma unroll
+  for (int v = 0; v < N; ++v) acc[v] = 0.f;
+  kq_row_any<N>(type, w + (kq_u64)(r - row0) * stride, xq, xds, cols / FC_KQ_CHUNK, n, acc);
+#pragma unroll
+  for (int v = 0; v < N; ++v) {
+    const float sum = kq_warp_sum(acc[v]);
+    if (v < n && (threadIdx.x & 31) == 0) out[v * out_stride + out_col + (r - row0)] = D::from_f(sum);
+  }
+}
+
+// Pair p = token * topk + k reads expert topk_ids[p] (weights at w + expert * expert_stride) against the
+// token's vector; out is [pairs, rows].
+template <typename D>
+__device__ void kq_moe_up(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows, int cols,
+                          const int* topk_ids, int topk, const kq_u32* xq, const float2* xds,
+                          typename D::raw* out) {
+  const int r = blockIdx.x * FC_KQ_ROWS_PER_BLOCK + (threadIdx.x >> 5), p = blockIdx.y;
+  if (r >= rows) return;
+  const int chunks = cols / FC_KQ_CHUNK;
+  const kq_u8* row = w + (kq_u64)topk_ids[p] * expert_stride + (kq_u64)r * row_stride;
+  const int token = p / topk;
+  float acc[1] = {0.f};
+  kq_row_any<1>(type, row, xq + (kq_u64)token * chunks * 8, xds + (kq_u64)token * chunks, chunks, 1, acc);
+  const float sum = kq_warp_sum(acc[0]);
+  if ((threadIdx.x & 31) == 0) out[(kq_u64)p * rows + r] = D::from_f(sum);
+}
+
+// Token t: out[t, r] = sum over k of topk_weights[t, k] * (row r of expert topk_ids[t, k]) . a[t * topk + k].
+// The (k, chunk) steps are dealt to the lanes as one sequence, so a short row still keeps every lane busy;
+// each lane's partials are weighted as they are made, then the warp adds them in its fixed tree.
+template <typename D, int T>
+__device__ __forceinline__ float kq_moe_down_lane(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int r,
+                                                  int chunks, const int* ids, const float* weights, int topk,
+                                                  const kq_u32* xq, const float2* xds) {
+  float acc = 0.f;
+#pragma unroll 2
+  for (int s = threadIdx.x & 31; s < topk * chunks; s += 32) {
+    const int k = s / chunks, c = s - k * chunks;
+    KqChunk ch;
+    kq_decode_chunk(T, w + (kq_u64)ids[k] * expert_stride + (kq_u64)r * row_stride, c, &ch);
+    kq_u32 q[8];
+    float2 ds;
+    kq_load_x(xq, xds, chunks, k, c, q, &ds);
+    acc += weights[k] * kq_chunk_dot(ch, q, ds.x, ds.y);
+  }
+  return acc;
+}
+
+template <typename D>
+__device__ void kq_moe_down(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows, int cols,
+                            const int* topk_ids, const float* topk_weights, int topk, const kq_u32* xq,
+                            const float2* xds, typename D::raw* out) {
+  const int r = blockIdx.x * FC_KQ_ROWS_PER_BLOCK + (threadIdx.x >> 5), t = blockIdx.y;
+  if (r >= rows) return;
+  const int chunks = cols / FC_KQ_CHUNK;
+  const int* ids = topk_ids + (kq_u64)t * topk;
+  const float* wt = topk_weights + (kq_u64)t * topk;
+  const kq_u32* a = xq + (kq_u64)t * topk * chunks * 8;  // the token's topk activation rows, in k order
+  const float2* ads = xds + (kq_u64)t * topk * chunks;
+  float acc;
+  switch (type) {
+    case FC_KQ_Q4_K: acc = kq_moe_down_lane<D, FC_KQ_Q4_K>(w, expert_stride, row_stride, r, chunks, ids, wt, topk, a, ads); break;
+    case FC_KQ_Q5_K: acc = kq_moe_down_lane<D, FC_KQ_Q5_K>(w, expert_stride, row_stride, r, chunks, ids, wt, topk, a, ads); break;
+    case FC_KQ_Q6_K: acc = kq_moe_down_lane<D, FC_KQ_Q6_K>(w, expert_stride, row_stride, r, chunks, ids, wt, topk, a, ads); break;
+    default: acc = kq_moe_down_lane<D, FC_KQ_Q8_0>(w, expert_stride, row_stride, r, chunks, ids, wt, topk, a, ads); break;
+  }
+  const float sum = kq_warp_sum(acc);
+  if ((threadIdx.x & 31) == 0) out[(kq_u64)t * rows + r] = D::from_f(sum);
+}
+
+#define FC_KQ_DEFINE_GEMV(NAME, D, N)                                                                        \
+  extern "C" __global__ void __launch_bounds__(FC_KQ_THREADS)                                                \
+      fc_kq_gemv##N##_##NAME(KqSegs segs, const kq_u32* xq, const float2* xds, int n, int cols,             \
+                             D::raw* out, kq_u64 out_stride) {                                               \
+    kq_gemv<D, N>(segs, xq, xds, n, cols, out, out_stride);                                                  \
+  }
+
+#define FC_KQ_DEFINE(NAME, D)                                                                                \
+  extern "C" __global__ void __launch_bounds__(256)                                                          \
+      fc_kq_quantize_##NAME(const D::raw* x, int n, int cols, kq_u64 x_stride, kq_u32* xq, float2* xds) {    \
+    kq_quantize<D>(x, n, cols, x_stride, xq, xds);                                                           \
+  }                                                                                                          \
+  FC_KQ_DEFINE_GEMV(NAME, D, 1)                                                                              \
+  FC_KQ_DEFINE_GEMV(NAME, D, 2)                                                                              \
+  FC_KQ_DEFINE_GEMV(NAME, D, 4)                                                                              \
+  FC_KQ_DEFINE_GEMV(NAME, D, 8)                                                                              \
+  extern "C" __global__ void __launch_bounds__(FC_KQ_THREADS)                                                \
+      fc_kq_moe_up_##NAME(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows,       \
+                          int cols, const int* topk_ids, int topk, const kq_u32* xq, const float2* xds,      \
+                          D::raw* out) {                                                                     \
+    kq_moe_up<D>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, xq, xds, out);              \
+  }                                                                                                          \
+  extern "C" __global__ void __launch_bounds__(FC_KQ_THREADS)                                                \
+      fc_kq_moe_down_##NAME(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows,     \
+                            int cols, const int* topk_ids, const float* topk_weights, int topk,              \
+                            const kq_u32* xq, const float2* xds, D::raw* out) {                              \
+    kq_moe_down<D>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk_weights, topk, xq, xds,    \
+                   out);                                                                                     \
+  }
+
+FC_KQ_DEFINE(bf16, KqBF16)
+FC_KQ_DEFINE(f16, KqF16)
+FC_KQ_DEFINE(f32, KqF32)

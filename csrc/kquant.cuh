@@ -1,0 +1,253 @@
+// Decode-time products of GGUF K-quant weights with a few activation vectors (batch 1-8: a decode step,
+// an MTP verify step): the dense GEMV and the MoE GEMV over (token, expert) pairs.
+//
+// Why our own: vllm-gguf-plugin 0.0.5's mmvq/moe_vec kernels give each row one 32-thread block, move 4-8
+// bytes per thread per step and read the weights once per vector; one 6144 x 2048 Q4_K GEMV took 28.6 us on
+// an H200 (its weight bytes take 1.5 us). Here a warp owns a row and each lane one 32-value chunk of it at a
+// time, with 16-byte loads (4-byte loads where a block type is only 2-byte aligned), and every loaded weight
+// meets all the vectors of the call.
+//
+// Numerics as llama.cpp's (and the plugin's): activations are quantized to int8 per 32 values (scale and
+// the chunk's exact fp32 sum kept), the products are dp4a integer dots scaled in fp32, one fixed order.
+//
+// The chunk math below is plain C++ on purpose: under a host compiler (tests/gguf/test_kquant_host.py
+// builds it with g++) the same functions run on the CPU against gguf-py's dequantization. No CUDA headers.
+#pragma once
+
+#if defined(__CUDACC__)
+#define FC_KQ_HD __host__ __device__ __forceinline__
+typedef unsigned long long kq_u64;
+typedef unsigned int kq_u32;
+typedef unsigned short kq_u16;
+typedef unsigned char kq_u8;
+typedef signed char kq_i8;
+#else
+#include <cstdint>
+#include <cstring>
+#define FC_KQ_HD inline
+typedef uint64_t kq_u64;
+typedef uint32_t kq_u32;
+typedef uint16_t kq_u16;
+typedef uint8_t kq_u8;
+typedef int8_t kq_i8;
+#endif
+
+// ggml's type ids (gguf.GGMLQuantizationType) of the types these kernels read.
+#define FC_KQ_Q8_0 8
+#define FC_KQ_Q4_K 12
+#define FC_KQ_Q5_K 13
+#define FC_KQ_Q6_K 14
+#define FC_KQ_CHUNK 32  // values per activation scale and per lane step
+#define FC_KQ_MAX_VECS 8
+#define FC_KQ_MAX_SEGS 4
+#define FC_KQ_ROWS_PER_BLOCK 4  // one warp per row
+#define FC_KQ_THREADS (32 * FC_KQ_ROWS_PER_BLOCK)
+
+// Bytes of one block and values in it, per type (gguf.GGML_QUANT_SIZES).
+FC_KQ_HD int kq_block_bytes(int type) {
+  return type == FC_KQ_Q4_K ? 144 : type == FC_KQ_Q5_K ? 176 : type == FC_KQ_Q6_K ? 210 : type == FC_KQ_Q8_0 ? 34 : 0;
+}
+FC_KQ_HD int kq_block_values(int type) { return type == FC_KQ_Q8_0 ? 32 : 256; }
+
+// ---- primitives with a host twin ---------------------------------------------------------------------------
+
+FC_KQ_HD int kq_dp4a(int a, int b, int c) {
+#if defined(__CUDA_ARCH__)
+  return __dp4a(a, b, c);
+#else
+  for (int i = 0; i < 4; ++i) c += (int)(kq_i8)(a >> (8 * i)) * (int)(kq_i8)(b >> (8 * i));
+  return c;
+#endif
+}
+
+FC_KQ_HD kq_u32 kq_funnel_r(kq_u32 lo, kq_u32 hi, int shift) {  // low word of (hi:lo) >> shift, shift < 32
+#if defined(__CUDA_ARCH__)
+  return __funnelshift_r(lo, hi, shift);
+#else
+  return (kq_u32)((((kq_u64)hi << 32) | lo) >> shift);
+#endif
+}
+
+FC_KQ_HD kq_u32 kq_vsub4(kq_u32 a, kq_u32 b) {  // per byte, modulo 256
+#if defined(__CUDA_ARCH__)
+  return __vsub4(a, b);
+#else
+  kq_u32 r = 0;
+  for (int i = 0; i < 4; ++i) r |= ((((a >> (8 * i)) & 0xFF) - ((b >> (8 * i)) & 0xFF)) & 0xFF) << (8 * i);
+  return r;
+#endif
+}
+
+FC_KQ_HD float kq_half(kq_u32 bits) {  // IEEE half (low 16 bits) to float
+#if defined(__CUDA_ARCH__)
+  float f;
+  unsigned short h = (unsigned short)bits;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+#else
+  kq_u32 h = bits & 0xFFFF, sign = (h >> 15) << 31, exp = (h >> 10) & 0x1F, man = h & 0x3FF, out;
+  if (exp == 0x1F) {
+    out = sign | 0x7F800000u | (man << 13);
+  } else if (exp != 0) {
+    out = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    out = sign;
+  } else {  // subnormal: normalise
+    int e = -1;
+    do { man <<= 1; ++e; } while (!(man & 0x400));
+    out = sign | ((kq_u32)(112 - e) << 23) | ((man & 0x3FF) << 13);
+  }
+  float f;
+  memcpy(&f, &out, 4);
+  return f;
+#endif
+}
+
+// Four aligned words from a 16-byte aligned address (read-only path on the GPU).
+FC_KQ_HD void kq_load16(const kq_u8* p, kq_u32 w[4]) {
+#if defined(__CUDA_ARCH__)
+  uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+  w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+#else
+  memcpy(w, p, 16);
+#endif
+}
+
+FC_KQ_HD kq_u32 kq_load_word(const kq_u8* p) {  // p 4-byte aligned
+#if defined(__CUDA_ARCH__)
+  return __ldg(reinterpret_cast<const unsigned int*>(p));
+#else
+  kq_u32 w;
+  memcpy(&w, p, 4);
+  return w;
+#endif
+}
+
+// N words starting at a 2-byte aligned address (Q6_K's 210-byte and Q8_0's 34-byte blocks are no better
+// aligned): N + 1 aligned word loads and a funnel shift. The extra word never leaves the 4-byte word that
+// holds the last byte asked for.
+template <int N>
+FC_KQ_HD void kq_load_even(const kq_u8* p, kq_u32 w[N]) {
+  const kq_u64 a = (kq_u64)p;
+  const kq_u8* base = p - (a & 3);
+  const int shift = (int)(a & 3) * 8;
+  kq_u32 lo = kq_load_word(base);
+  for (int i = 0; i < N; ++i) {
+    const kq_u32 hi = (shift || i + 1 < N) ? kq_load_word(base + 4 * (i + 1)) : 0u;
+    w[i] = shift ? kq_funnel_r(lo, hi, shift) : lo;
+    lo = hi;
+  }
+}
+
+FC_KQ_HD int kq_byte(const kq_u32* w, int i) { return (int)((w[i >> 2] >> (8 * (i & 3))) & 0xFF); }
+
+// Q4_K / Q5_K 6-bit scale and min of sub-block j (0-7) from the 12 scale bytes at header bytes 4-15.
+FC_KQ_HD void kq_scale_min_k4(const kq_u32* header, int j, int* sc, int* m) {
+  const int o = 4;  // scales follow d and dmin
+  if (j < 4) {
+    *sc = kq_byte(header, o + j) & 63;
+    *m = kq_byte(header, o + j + 4) & 63;
+  } else {
+    *sc = (kq_byte(header, o + j + 4) & 0xF) | ((kq_byte(header, o + j - 4) >> 6) << 4);
+    *m = (kq_byte(header, o + j + 4) >> 4) | ((kq_byte(header, o + j) >> 6) << 4);
+  }
+}
+
+// ---- one chunk: 32 consecutive values of a row ----------------------------------------------------------
+// A chunk decodes to 8 words of packed 8-bit weights (value l of the chunk in byte l % 4 of word l / 4, as
+// the activations are packed) and its affine form: dot(w, x) = mul * sum_i dp4a(...) * xd - sub * xs, or for
+// Q6_K two scales over the chunk's halves.
+struct KqChunk {
+  kq_u32 q[8];
+  float mul_lo, mul_hi;  // scale of the integer dot over values 0-15 and 16-31 (equal unless Q6_K)
+  float sub;             // times the activations' sum (Q4_K / Q5_K mins)
+};
+
+FC_KQ_HD void kq_decode_chunk(int type, const kq_u8* row, int c, KqChunk* k) {
+  if (type == FC_KQ_Q4_K || type == FC_KQ_Q5_K) {
+    // d, dmin, scales[12] | (Q5_K: qh[32]) | qs[128]: sub-block j takes the low (even j) or high nibbles of
+    // qs[32 (j / 2) ...], and (Q5_K) bit j of each qh byte as its fifth bit.
+    const int j = c & 7, pair = j >> 1, nib = (j & 1) * 4;
+    const kq_u8* b = row + (kq_u64)(c >> 3) * kq_block_bytes(type);
+    kq_u32 h[4], lo[8];
+    kq_load16(b, h);
+    const kq_u8* qs = b + (type == FC_KQ_Q5_K ? 48 : 16) + 32 * pair;
+    kq_load16(qs, lo);
+    kq_load16(qs + 16, lo + 4);
+    int sc, m;
+    kq_scale_min_k4(h, j, &sc, &m);
+    if (type == FC_KQ_Q5_K) {
+      kq_u32 qh[8];
+      kq_load16(b + 16, qh);
+      kq_load16(b + 32, qh + 4);
+      for (int i = 0; i < 8; ++i) k->q[i] = ((lo[i] >> nib) & 0x0F0F0F0Fu) | (((qh[i] >> j) & 0x01010101u) << 4);
+    } else {
+      for (int i = 0; i < 8; ++i) k->q[i] = (lo[i] >> nib) & 0x0F0F0F0Fu;
+    }
+    k->mul_lo = k->mul_hi = kq_half(h[0]) * (float)sc;
+    k->sub = kq_half(h[0] >> 16) * (float)m;
+  } else if (type == FC_KQ_Q6_K) {
+    // ql[128] qh[64] scales[16] (int8) d: value 128 h + 32 g + l takes nibble g / 2 of ql[64 h + 32 (g % 2) + l],
+    // bits 2 g of qh[32 h + l], minus 32, and scale 8 h + 2 g + l / 16.
+    const int j = c & 7, h = j >> 2, g = j & 3;
+    const kq_u8* b = row + (kq_u64)(c >> 3) * 210;
+    kq_u32 ql[8], qh[8], sc[1], d[1];
+    kq_load_even<8>(b + 64 * h + 32 * (g & 1), ql);
+    kq_load_even<8>(b + 128 + 32 * h, qh);
+    kq_load_even<1>(b + 192 + 8 * h + 2 * g, sc);
+    kq_load_even<1>(b + 208, d);
+    const int nib = (g >> 1) * 4, hs = 2 * g;
+    for (int i = 0; i < 8; ++i)
+      k->q[i] = kq_vsub4(((ql[i] >> nib) & 0x0F0F0F0Fu) | (((qh[i] >> hs) & 0x03030303u) << 4), 0x20202020u);
+    const float dd = kq_half(d[0]);
+    k->mul_lo = dd * (float)(kq_i8)(sc[0] & 0xFF);
+    k->mul_hi = dd * (float)(kq_i8)((sc[0] >> 8) & 0xFF);
+    k->sub = 0.f;
+  } else {  // FC_KQ_Q8_0: d, qs[32] (int8)
+    const kq_u8* b = row + (kq_u64)c * 34;
+    kq_u32 d[1];
+    kq_load_even<1>(b, d);
+    kq_load_even<8>(b + 2, k->q);
+    k->mul_lo = k->mul_hi = kq_half(d[0]);
+    k->sub = 0.f;
+  }
+}
+
+// The chunk against one quantized activation chunk (8 words of int8, its scale xd and exact sum xs).
+FC_KQ_HD float kq_chunk_dot(const KqChunk& k, const kq_u32* xq, float xd, float xs) {
+  int lo = 0, hi = 0;
+  for (int i = 0; i < 4; ++i) lo = kq_dp4a((int)k.q[i], (int)xq[i], lo);
+  for (int i = 4; i < 8; ++i) hi = kq_dp4a((int)k.q[i], (int)xq[i], hi);
+  return xd * (k.mul_lo * (float)lo + k.mul_hi * (float)hi) - k.sub * xs;
+}
+
+// Activation chunk: int8 q = round(x / d), d = max|x| / 127 (0 for an all-zero chunk), s = sum x in fp32.
+FC_KQ_HD void kq_quantize_chunk(const float* x, kq_u32 q[8], float* d, float* s) {
+  float amax = 0.f, sum = 0.f;
+  for (int l = 0; l < FC_KQ_CHUNK; ++l) {
+    const float a = x[l] < 0.f ? -x[l] : x[l];
+    amax = a > amax ? a : amax;
+    amax = a != a ? a : amax;  // NaN stays NaN, so the products are NaN too, never silently finite
+    sum += x[l];
+  }
+  const float dd = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int i = 0; i < 8; ++i) {
+    kq_u32 w = 0;
+    for (int b = 0; b < 4; ++b) {
+      float v = x[4 * i + b] * inv;
+      v = v > 127.f ? 127.f : v < -127.f ? -127.f : v;
+#if defined(__CUDA_ARCH__)
+      const int r = __float2int_rn(v);
+#else
+      const float t = v < 0.f ? -v : v;
+      float r0 = (float)(int)(t + 0.5f);
+      if (r0 - t == 0.5f && ((int)r0 & 1)) r0 -= 1.f;  // ties to even, as cvt.rni
+      const int r = (int)(v < 0.f ? -r0 : r0);
+#endif
+      w |= ((kq_u32)(r & 0xFF)) << (8 * b);
+    }
+    q[i] = w;
+  }
+  *d = dd;
+  *s = sum;
+}

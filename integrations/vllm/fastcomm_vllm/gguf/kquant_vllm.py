@@ -1,0 +1,158 @@
+"""vllm-gguf-plugin's linear and MoE layers through fastcomm's K-quant decode kernels (kquant.py).
+
+``install()`` wraps ``GGUFLinearMethod.apply`` (every quantized linear layer, the LM head included) and
+``GGUFMoEMethod.apply``: a layer whose weights the kernels can read (``kquant.plan_linear`` /
+``kquant.moe_types_ok``, decided once per layer) calls a torch custom op that takes fastcomm's kernels for
+1-8 tokens and the plugin's own function otherwise, so a CUDA graph of a decode batch records fastcomm's
+kernels and a prefill runs exactly as the plugin would. Layers the kernels cannot read keep the plugin's
+``apply``. Idempotent.
+"""
+import functools
+
+import torch
+
+from . import kquant
+
+_PLAN = "_fastcomm_kq_plan"  # per layer: the segments (linear), True (MoE), or None (the plugin's path)
+
+
+def _linear_fn(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts: list[int], rows: list[int],
+               used: list[int]) -> torch.Tensor:
+    from vllm_gguf_plugin.quantization import linear as plin
+
+    if kquant.decode_tokens_ok(x.shape[0]) and qweight.data_ptr() % 16 == 0:
+        segs = tuple(kquant.Segment(t, s, r) for t, s, r in zip(types, starts, rows))
+        return kquant.linear(x, qweight, segs)
+    if len(types) == 1 and used[0] == qweight.shape[1] and rows[0] == qweight.shape[0]:
+        return plin._fused_mul_mat_gguf(x, qweight, types[0])
+    return torch.cat([plin._fused_mul_mat_gguf(x, qweight[s:s + r, :u].contiguous(), t)
+                      for t, s, r, u in zip(types, starts, rows, used)], dim=1)
+
+
+def _linear_fake(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts: list[int], rows: list[int],
+                 used: list[int]) -> torch.Tensor:
+    return torch.empty(x.shape[0], sum(rows), dtype=x.dtype, device=x.device)
+
+
+def _activation(name: str):
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation, apply_moe_activation
+
+    kind = MoEActivation.from_str(name)
+
+    def act(inp):
+        out = torch.empty(inp.shape[:-1] + (inp.shape[-1] // 2,), dtype=inp.dtype, device=inp.device)
+        apply_moe_activation(kind, out, inp)
+        return out
+
+    return act
+
+
+def _moe_fn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+            topk_ids: torch.Tensor, t13: int, t2: int, activation: str) -> torch.Tensor:
+    from vllm_gguf_plugin.quantization import fused_moe as pmoe
+
+    if kquant.decode_tokens_ok(x.shape[0]) and w13.data_ptr() % 16 == 0 and w2.data_ptr() % 16 == 0:
+        return kquant.moe(x, w13, w2, topk_weights, topk_ids, t13, t2, _activation(activation))
+    return pmoe._fused_moe_gguf(x, w13, w2, topk_weights, topk_ids, t13, t2, activation)
+
+
+def _moe_fake(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, t13: int, t2: int, activation: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@functools.lru_cache(maxsize=None)
+def register_ops() -> None:
+    from vllm.utils.torch_utils import direct_register_custom_op
+
+    direct_register_custom_op(op_name="fastcomm_gguf_linear", op_func=_linear_fn, fake_impl=_linear_fake)
+    direct_register_custom_op(op_name="fastcomm_gguf_moe", op_func=_moe_fn, fake_impl=_moe_fake)
+
+
+def linear_plan(layer) -> tuple[kquant.Segment, ...] | None:
+    """The plugin's stored weight of ``layer`` as kernel segments, in the order its ``apply`` concatenates."""
+    qweight, qtype = layer.qweight, layer.qweight_type
+    if isinstance(qweight, torch.nn.parameter.UninitializedParameter) or qweight.dim() != 2:
+        return None
+    shard_id = list(getattr(qweight, "shard_id", None) or [])
+    row_stride = qweight.shape[1]
+    if not shard_id:
+        offsets, types = [(0, qweight.shape[0], row_stride)], [qtype.weight_type]
+    else:
+        shard_id = ["q", "k", "v"] if "q" in shard_id else shard_id  # the plugin's apply does the same
+        types = [qtype.shard_weight_type.get(i, qtype.weight_type) for i in shard_id]
+        if len(set(types)) == 1:
+            offsets, types = [(0, qweight.shape[0], row_stride)], types[:1]
+        else:
+            offsets = [tuple(qweight.shard_offset_map[i]) for i in shard_id]
+    first = types[0]
+    if first not in kquant.BLOCKS:
+        return None
+    values, nbytes = kquant.BLOCKS[first]
+    cols = offsets[0][2] // nbytes * values  # every shard has the layer's input features
+    return kquant.plan_linear(types, offsets, row_stride, cols)
+
+
+def moe_plan(layer) -> bool:
+    w13, w2 = layer.w13_qweight, layer.w2_qweight
+    if any(isinstance(w, torch.nn.parameter.UninitializedParameter) for w in (w13, w2)):
+        return False
+    if layer.apply_router_weight_on_input or w13.dim() != 3 or w2.dim() != 3:
+        return False
+    t13, t2 = layer.w13_qweight_type.weight_type, layer.w2_qweight_type.weight_type
+    if t13 not in kquant.BLOCKS:
+        return False
+    hidden = w13.shape[2] // kquant.BLOCKS[t13][1] * kquant.BLOCKS[t13][0]
+    return kquant.moe_types_ok(t13, t2, hidden, w13.shape[1] // 2, w13.shape[2], w2.shape[2]) and w2.shape[1] == hidden
+
+
+def _after_loading(original, plan):
+    @functools.wraps(original)
+    def process(self, layer):
+        original(self, layer)
+        # Decided here, once, outside any torch.compile trace: apply only reads it.
+        setattr(layer, _PLAN, plan(layer) or None)
+    process._fastcomm = True
+    return process
+
+
+def install() -> bool:
+    """Wrap the plugin's methods (once); False when the plugin is not importable here."""
+    try:
+        from vllm_gguf_plugin.quantization import fused_moe as pmoe, linear as plin
+    except ImportError:
+        return False
+    if getattr(plin.GGUFLinearMethod.apply, "_fastcomm", False):
+        return True
+    register_ops()
+    linear_apply, moe_apply = plin.GGUFLinearMethod.apply, pmoe.GGUFMoEMethod.apply
+
+    @functools.wraps(linear_apply)
+    def apply_linear(self, layer, x, bias=None):
+        segs = getattr(layer, _PLAN, None)
+        if segs is None:
+            return linear_apply(self, layer, x, bias)
+        cols = x.shape[-1]
+        used = [kquant.BLOCKS[s.type][1] * (cols // kquant.BLOCKS[s.type][0]) for s in segs]
+        out = torch.ops.vllm.fastcomm_gguf_linear(x, layer.qweight, [s.type for s in segs], [s.start for s in segs],
+                                                  [s.rows for s in segs], used)
+        if bias is not None:
+            out.add_(bias)
+        return out
+
+    @functools.wraps(moe_apply)
+    def apply_moe(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        if getattr(layer, _PLAN, None) is None:
+            return moe_apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+        return torch.ops.vllm.fastcomm_gguf_moe(x, layer.w13_qweight, layer.w2_qweight, topk_weights, topk_ids,
+                                                layer.w13_qweight_type.weight_type, layer.w2_qweight_type.weight_type,
+                                                layer.activation.value)
+
+    apply_linear._fastcomm = apply_moe._fastcomm = True
+    plin.GGUFLinearMethod.apply = apply_linear
+    pmoe.GGUFMoEMethod.apply = apply_moe
+    plin.GGUFLinearMethod.process_weights_after_loading = _after_loading(
+        plin.GGUFLinearMethod.process_weights_after_loading, linear_plan)
+    pmoe.GGUFMoEMethod.process_weights_after_loading = _after_loading(
+        pmoe.GGUFMoEMethod.process_weights_after_loading, moe_plan)
+    return True
