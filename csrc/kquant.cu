@@ -3,6 +3,10 @@
 //   fc_kq_gemv<N>_<dt>            up to N vectors against up to FC_KQ_MAX_SEGS row segments of a weight
 //   fc_kq_moe_up_<dt>             one row of an expert per (token, expert) pair
 //   fc_kq_moe_down_<dt>           per token: the router-weighted sum over its experts
+// and the staged forms, one launch each, which quantize their activations into shared memory first:
+//   fc_kq_gemvs<N>_<dt>           as fc_kq_gemv<N>, from the activations themselves
+//   fc_kq_moe_up_silu_<dt>        gate and up rows of each pair, then silu(gate) * up: the activation rows
+//   fc_kq_moe_down_s_<dt>         as fc_kq_moe_down, from the activation rows themselves
 // <dt> is the activations' and the output's dtype. Host side: fastcomm_vllm/gguf/kquant.py.
 #include "kquant.cuh"
 
@@ -196,6 +200,184 @@ __device__ void kq_moe_down(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_str
   if ((threadIdx.x & 31) == 0) out[(kq_u64)t * rows + r] = D::from_f(sum);
 }
 
+// ---- staged forms: the activations quantized once per block into shared memory --------------------------
+// Why: the two-launch forms pay a kernel boundary for the quantization on every product (a few us each in a
+// decode graph of ~1000 products), and read the activations through L1 beside the weights. A staged block
+// quantizes all n rows (each chunk's 16-byte halves in two planes, so lane-consecutive chunks read
+// conflict-free), then its warps take rows in a grid-stride loop: a grid of about two blocks per SM
+// quantizes each activation row a few hundred times, from L2, against weights read once.
+#define FC_KQ_STAGED_THREADS 512
+
+struct KqStage {
+  const uint4* qa;   // [n][chunks] values 0-15 of each chunk
+  const uint4* qb;   // [n][chunks] values 16-31
+  const float2* ds;  // [n][chunks] (scale, sum)
+  int chunks;
+};
+
+template <typename D>
+__device__ KqStage kq_stage(const typename D::raw* x, int n, int cols, kq_u64 x_stride, uint4* smem) {
+  typedef typename D::raw raw;
+  const int chunks = cols / FC_KQ_CHUNK, total = n * chunks;
+  uint4* qa = smem;
+  uint4* qb = qa + total;
+  float2* ds = reinterpret_cast<float2*>(qb + total);
+  for (int i = threadIdx.x; i < total; i += blockDim.x) {
+    const int v = i / chunks, c = i - v * chunks;
+    const uint4* src = reinterpret_cast<const uint4*>(x + v * x_stride + (kq_u64)c * FC_KQ_CHUNK);
+    raw buf[FC_KQ_CHUNK];
+    uint4* b = reinterpret_cast<uint4*>(buf);
+#pragma unroll
+    for (int k = 0; k < (int)(FC_KQ_CHUNK * sizeof(raw) / 16); ++k) b[k] = __ldg(src + k);  // rows 16-byte aligned
+    float f[FC_KQ_CHUNK];
+#pragma unroll
+    for (int l = 0; l < FC_KQ_CHUNK; ++l) f[l] = D::to_f(buf[l]);
+    kq_u32 q[8];
+    float d, s;
+    kq_quantize_chunk(f, q, &d, &s);
+    qa[i] = make_uint4(q[0], q[1], q[2], q[3]);
+    qb[i] = make_uint4(q[4], q[5], q[6], q[7]);
+    ds[i] = make_float2(d, s);
+  }
+  __syncthreads();  // every row staged before any warp reads another thread's chunks
+  KqStage st = {qa, qb, ds, chunks};
+  return st;
+}
+
+// One warp, one row of type T, against staged vectors v0 .. v0 + n - 1 (n <= N).
+template <int T, int N>
+__device__ __forceinline__ void kq_row_s(const kq_u8* row, const KqStage& x, int v0, int n, float acc[N]) {
+#pragma unroll 2
+  for (int c = threadIdx.x & 31; c < x.chunks; c += 32) {
+    KqChunk k;
+    kq_decode_chunk(T, row, c, &k);
+#pragma unroll
+    for (int v = 0; v < N; ++v) {
+      if (v < n) {
+        const int i = (v0 + v) * x.chunks + c;
+        const uint4 a = x.qa[i], b = x.qb[i];
+        const kq_u32 q[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        const float2 ds = x.ds[i];
+        acc[v] += kq_chunk_dot(k, q, ds.x, ds.y);
+      }
+    }
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void kq_row_s_any(int type, const kq_u8* row, const KqStage& x, int v0, int n,
+                                             float acc[N]) {
+  switch (type) {  // warp-uniform
+    case FC_KQ_Q4_K: kq_row_s<FC_KQ_Q4_K, N>(row, x, v0, n, acc); break;
+    case FC_KQ_Q5_K: kq_row_s<FC_KQ_Q5_K, N>(row, x, v0, n, acc); break;
+    case FC_KQ_Q6_K: kq_row_s<FC_KQ_Q6_K, N>(row, x, v0, n, acc); break;
+    default: kq_row_s<FC_KQ_Q8_0, N>(row, x, v0, n, acc); break;
+  }
+}
+
+template <typename D, int N>
+__device__ void kq_gemv_s(const KqSegs& segs, const typename D::raw* x, int n, int cols, kq_u64 x_stride,
+                          typename D::raw* out, kq_u64 out_stride) {
+  extern __shared__ uint4 kq_smem[];
+  const KqStage xs = kq_stage<D>(x, n, cols, x_stride, kq_smem);
+  const int warps = blockDim.x >> 5;
+  for (int r = blockIdx.x * warps + (threadIdx.x >> 5); r < segs.total_rows; r += gridDim.x * warps) {
+    const kq_u8* w = segs.s[0].w;
+    kq_u64 stride = segs.s[0].row_stride;
+    int type = segs.s[0].type, row0 = 0, out_col = segs.s[0].out_col;
+#pragma unroll
+    for (int i = 1; i < FC_KQ_MAX_SEGS; ++i) {
+      if (i < segs.nseg && r >= segs.s[i].row0) {
+        w = segs.s[i].w, stride = segs.s[i].row_stride, type = segs.s[i].type;
+        row0 = segs.s[i].row0, out_col = segs.s[i].out_col;
+      }
+    }
+    float acc[N];
+#pragma unroll
+    for (int v = 0; v < N; ++v) acc[v] = 0.f;
+    kq_row_s_any<N>(type, w + (kq_u64)(r - row0) * stride, xs, 0, n, acc);
+#pragma unroll
+    for (int v = 0; v < N; ++v) {
+      const float sum = kq_warp_sum(acc[v]);
+      if (v < n && (threadIdx.x & 31) == 0) out[v * out_stride + out_col + (r - row0)] = D::from_f(sum);
+    }
+  }
+}
+
+// Pair p = token * topk + k, activation row i: gate row i and up row inter + i of expert topk_ids[p] against
+// the token's vector, each rounded to the dtype as an unfused up projection would hand them over, then
+// act[p, i] = silu(gate) * up (vLLM's silu_and_mul). A warp's consecutive items are rows of one pair.
+template <typename D>
+__device__ void kq_moe_up_silu_s(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int inter,
+                                 int cols, const int* topk_ids, int topk, int tokens, const typename D::raw* x,
+                                 kq_u64 x_stride, typename D::raw* act) {
+  extern __shared__ uint4 kq_smem[];
+  const KqStage xs = kq_stage<D>(x, tokens, cols, x_stride, kq_smem);
+  const int warps = blockDim.x >> 5;
+  const kq_u64 items = (kq_u64)tokens * topk * inter;
+  for (kq_u64 it = (kq_u64)blockIdx.x * warps + (threadIdx.x >> 5); it < items; it += (kq_u64)gridDim.x * warps) {
+    const int p = (int)(it / inter), i = (int)(it - (kq_u64)p * inter);
+    const kq_u8* e = w + (kq_u64)topk_ids[p] * expert_stride;
+    float g[1] = {0.f}, u[1] = {0.f};
+    kq_row_s_any<1>(type, e + (kq_u64)i * row_stride, xs, p / topk, 1, g);
+    kq_row_s_any<1>(type, e + (kq_u64)(inter + i) * row_stride, xs, p / topk, 1, u);
+    const float gs = D::to_f(D::from_f(kq_warp_sum(g[0]))), us = D::to_f(D::from_f(kq_warp_sum(u[0])));
+    if ((threadIdx.x & 31) == 0) act[(kq_u64)p * inter + i] = D::from_f(gs / (1.f + __expf(-gs)) * us);
+  }
+}
+
+// Token t, row r: the router-weighted sum over its experts, the (k, chunk) steps dealt to the lanes as one
+// sequence (as kq_moe_down_lane), from the staged activation rows of its pairs.
+template <typename D, int T>
+__device__ __forceinline__ float kq_moe_down_s_lane(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int r,
+                                                    const int* ids, const float* wt, int topk, int v0,
+                                                    const KqStage& a) {
+  float acc = 0.f;
+#pragma unroll 2
+  for (int s = threadIdx.x & 31; s < topk * a.chunks; s += 32) {
+    const int k = s / a.chunks, c = s - k * a.chunks;
+    KqChunk ch;
+    kq_decode_chunk(T, w + (kq_u64)ids[k] * expert_stride + (kq_u64)r * row_stride, c, &ch);
+    const int i = (v0 + k) * a.chunks + c;
+    const uint4 qa = a.qa[i], qb = a.qb[i];
+    const kq_u32 q[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+    const float2 ds = a.ds[i];
+    acc += wt[k] * kq_chunk_dot(ch, q, ds.x, ds.y);
+  }
+  return acc;
+}
+
+template <typename D>
+__device__ void kq_moe_down_s(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows, int cols,
+                              const int* topk_ids, const float* topk_weights, int topk, int tokens,
+                              const typename D::raw* act, kq_u64 act_stride, typename D::raw* out) {
+  extern __shared__ uint4 kq_smem[];
+  const KqStage as = kq_stage<D>(act, tokens * topk, cols, act_stride, kq_smem);
+  const int warps = blockDim.x >> 5;
+  const kq_u64 items = (kq_u64)tokens * rows;
+  for (kq_u64 it = (kq_u64)blockIdx.x * warps + (threadIdx.x >> 5); it < items; it += (kq_u64)gridDim.x * warps) {
+    const int t = (int)(it / rows), r = (int)(it - (kq_u64)t * rows);
+    const int* ids = topk_ids + (kq_u64)t * topk;
+    const float* wt = topk_weights + (kq_u64)t * topk;
+    float acc;
+    switch (type) {
+      case FC_KQ_Q4_K: acc = kq_moe_down_s_lane<D, FC_KQ_Q4_K>(w, expert_stride, row_stride, r, ids, wt, topk, t * topk, as); break;
+      case FC_KQ_Q5_K: acc = kq_moe_down_s_lane<D, FC_KQ_Q5_K>(w, expert_stride, row_stride, r, ids, wt, topk, t * topk, as); break;
+      case FC_KQ_Q6_K: acc = kq_moe_down_s_lane<D, FC_KQ_Q6_K>(w, expert_stride, row_stride, r, ids, wt, topk, t * topk, as); break;
+      default: acc = kq_moe_down_s_lane<D, FC_KQ_Q8_0>(w, expert_stride, row_stride, r, ids, wt, topk, t * topk, as); break;
+    }
+    const float sum = kq_warp_sum(acc);
+    if ((threadIdx.x & 31) == 0) out[(kq_u64)t * rows + r] = D::from_f(sum);
+  }
+}
+
+#define FC_KQ_DEFINE_GEMVS(NAME, D, N)                                                                       \
+  extern "C" __global__ void __launch_bounds__(FC_KQ_STAGED_THREADS)                                         \
+      fc_kq_gemvs##N##_##NAME(KqSegs segs, const D::raw* x, int n, int cols, kq_u64 x_stride, D::raw* out,  \
+                              kq_u64 out_stride) {                                                           \
+    kq_gemv_s<D, N>(segs, x, n, cols, x_stride, out, out_stride);                                            \
+  }
+
 #define FC_KQ_DEFINE_GEMV(NAME, D, N)                                                                        \
   extern "C" __global__ void __launch_bounds__(FC_KQ_THREADS)                                                \
       fc_kq_gemv##N##_##NAME(KqSegs segs, const kq_u32* xq, const float2* xds, int n, int cols,             \
@@ -212,6 +394,24 @@ __device__ void kq_moe_down(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_str
   FC_KQ_DEFINE_GEMV(NAME, D, 2)                                                                              \
   FC_KQ_DEFINE_GEMV(NAME, D, 4)                                                                              \
   FC_KQ_DEFINE_GEMV(NAME, D, 8)                                                                              \
+  FC_KQ_DEFINE_GEMVS(NAME, D, 1)                                                                             \
+  FC_KQ_DEFINE_GEMVS(NAME, D, 2)                                                                             \
+  FC_KQ_DEFINE_GEMVS(NAME, D, 4)                                                                             \
+  FC_KQ_DEFINE_GEMVS(NAME, D, 8)                                                                             \
+  extern "C" __global__ void __launch_bounds__(FC_KQ_STAGED_THREADS)                                         \
+      fc_kq_moe_up_silu_##NAME(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int inter,  \
+                               int cols, const int* topk_ids, int topk, int tokens, const D::raw* x,          \
+                               kq_u64 x_stride, D::raw* act) {                                               \
+    kq_moe_up_silu_s<D>(w, expert_stride, row_stride, type, inter, cols, topk_ids, topk, tokens, x, x_stride, \
+                        act);                                                                                \
+  }                                                                                                          \
+  extern "C" __global__ void __launch_bounds__(FC_KQ_STAGED_THREADS)                                         \
+      fc_kq_moe_down_s_##NAME(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows,   \
+                              int cols, const int* topk_ids, const float* topk_weights, int topk, int tokens, \
+                              const D::raw* act, kq_u64 act_stride, D::raw* out) {                           \
+    kq_moe_down_s<D>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk_weights, topk, tokens, act, \
+                     act_stride, out);                                                                       \
+  }                                                                                                          \
   extern "C" __global__ void __launch_bounds__(FC_KQ_THREADS)                                                \
       fc_kq_moe_up_##NAME(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows,       \
                           int cols, const int* topk_ids, int topk, const kq_u32* xq, const float2* xds,      \

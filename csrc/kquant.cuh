@@ -139,18 +139,17 @@ FC_KQ_HD void kq_load_even(const kq_u8* p, kq_u32 w[N]) {
   }
 }
 
-FC_KQ_HD int kq_byte(const kq_u32* w, int i) { return (int)((w[i >> 2] >> (8 * (i & 3))) & 0xFF); }
-
-// Q4_K / Q5_K 6-bit scale and min of sub-block j (0-7) from the 12 scale bytes at header bytes 4-15.
+// Q4_K / Q5_K 6-bit scale and min of sub-block j (0-7) from the 12 scale bytes q[] at header bytes 4-15:
+// j < 4: sc = q[j] & 63, m = q[j + 4] & 63; j >= 4: sc = (q[j + 4] & 15) | (q[j - 4] >> 6) << 4,
+// m = (q[j + 4] >> 4) | (q[j] >> 6) << 4. Byte j % 4 of header words 1-3 serves both halves, so the lanes of
+// a block (j = 0-7 side by side) take one path with selects instead of diverging.
 FC_KQ_HD void kq_scale_min_k4(const kq_u32* header, int j, int* sc, int* m) {
-  const int o = 4;  // scales follow d and dmin
-  if (j < 4) {
-    *sc = kq_byte(header, o + j) & 63;
-    *m = kq_byte(header, o + j + 4) & 63;
-  } else {
-    *sc = (kq_byte(header, o + j + 4) & 0xF) | ((kq_byte(header, o + j - 4) >> 6) << 4);
-    *m = (kq_byte(header, o + j + 4) >> 4) | ((kq_byte(header, o + j) >> 6) << 4);
-  }
+  const int shift = 8 * (j & 3);
+  const int b1 = (int)((header[1] >> shift) & 0xFF), b2 = (int)((header[2] >> shift) & 0xFF),
+            b3 = (int)((header[3] >> shift) & 0xFF);
+  const bool low = j < 4;
+  *sc = low ? (b1 & 63) : ((b3 & 0xF) | ((b1 >> 6) << 4));
+  *m = low ? (b2 & 63) : ((b3 >> 4) | ((b2 >> 6) << 4));
 }
 
 // ---- one chunk: 32 consecutive values of a row ----------------------------------------------------------

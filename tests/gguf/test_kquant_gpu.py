@@ -4,7 +4,8 @@ Activations are chosen so int8 chunk quantization represents them exactly (a sca
 127, exact in bf16 too): the kernels must then equal dequantized weights times x up to fp32 sums and the
 output dtype's rounding. Random activations are held to the int8 activation error, and to the plugin's own
 CUDA kernels where the plugin is installed. Also: multi-shard weights stored padded (read in place), MoE up
-and down over (token, expert) pairs, NaN, and a CUDA graph replayed with inputs changed between replays.
+and down over (token, expert) pairs, NaN, and a CUDA graph replayed with inputs changed between replays; each for the staged (one-launch) forms and
+the quantize-then-product forms.
 Needs a GPU, torch, CuPy and gguf (not vLLM).
 """
 import numpy as np
@@ -58,9 +59,10 @@ def check(got: torch.Tensor, want: np.ndarray, terms: np.ndarray, dtype) -> floa
     return worst
 
 
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "two-launch"])
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
-def test_gemv_exact_activations(qtype, n):
+def test_gemv_exact_activations(qtype, n, staged):
     k = kq()
     rng = np.random.default_rng(n)
     rows, cols = 37, 2048
@@ -69,7 +71,7 @@ def test_gemv_exact_activations(qtype, n):
     w = torch.from_numpy(stored).cuda()
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         xt = torch.from_numpy(x).to(dtype).cuda()
-        got = k.linear(xt, w, (k.Segment(getattr(k, qtype), 0, rows),))
+        got = k.linear(xt, w, (k.Segment(getattr(k, qtype), 0, rows),), staged=staged)
         want = x.astype(np.float64) @ truth.T
         check(got, want, np.abs(x) @ np.abs(truth).T, dtype)
 
@@ -96,7 +98,8 @@ def test_gemv_random_activations_and_the_plugin(qtype):
             assert np.linalg.norm(got - theirs) / np.linalg.norm(theirs) < 1e-2
 
 
-def test_padded_shards_of_two_types_read_in_place():
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "two-launch"])
+def test_padded_shards_of_two_types_read_in_place(staged):
     """GLM-5's fused_qkv_a_proj as the plugin stores it: q_a (Q5_K) then kv_a (Q8_0) rows, zero-padded to the
     wider row; one launch, outputs side by side in shard order."""
     k = kq()
@@ -111,7 +114,7 @@ def test_padded_shards_of_two_types_read_in_place():
     segs = k.plan_linear([k.Q5_K, k.Q8_0], [(0, 64, qa.shape[1]), (64, 88, kva.shape[1])], width, cols)
     assert segs is not None
     x = exact_x(rng, 2, cols)
-    got = k.linear(torch.from_numpy(x).cuda(), torch.from_numpy(padded).cuda(), segs)
+    got = k.linear(torch.from_numpy(x).cuda(), torch.from_numpy(padded).cuda(), segs, staged=staged)
     both = np.concatenate([qa_t, kva_t])
     check(got, x.astype(np.float64) @ both.T, np.abs(x) @ np.abs(both).T, torch.float32)
 
@@ -121,9 +124,11 @@ def _act(up: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(g) * u).to(up.dtype)
 
 
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "five-launch"])
 @pytest.mark.parametrize("types", [("Q4_K", "Q5_K"), ("Q4_K", "Q6_K"), ("Q8_0", "Q8_0")])
 @pytest.mark.parametrize("tokens", [1, 3, 8])
-def test_moe_up_and_down(types, tokens):
+def test_moe_up_and_down(types, tokens, staged):
+    """Staged: silu(gate) * up inside the up kernel; five-launch: the same activation from torch between."""
     k = kq()
     rng = np.random.default_rng(tokens)
     experts, hidden, inter, topk = 6, 512, 256, 4
@@ -134,7 +139,8 @@ def test_moe_up_and_down(types, tokens):
     wts = rng.random((tokens, topk)).astype(np.float32)
     xt = torch.from_numpy(x).cuda()
     got = k.moe(xt, torch.from_numpy(w13).cuda(), torch.from_numpy(w2).cuda(), torch.from_numpy(wts).cuda(),
-                torch.from_numpy(ids).cuda(), getattr(k, types[0]), getattr(k, types[1]), _act)
+                torch.from_numpy(ids).cuda(), getattr(k, types[0]), getattr(k, types[1]), _act, silu=True,
+                staged=staged)
     want = np.zeros((tokens, hidden))
     for t in range(tokens):
         for j in range(topk):
@@ -144,22 +150,36 @@ def test_moe_up_and_down(types, tokens):
             a = (torch.nn.functional.silu(g) * u).numpy()
             want[t] += wts[t, j] * (w2_t[e] @ a)
     rel = np.linalg.norm(got.cpu().numpy() - want) / np.linalg.norm(want)
-    assert rel < 2e-2, rel
+    assert rel < 3e-2, rel  # two int8 activation quantizations (x, then the activation) against float64
+    # The same pipeline from the dense kernel (exact-activation tested above): the pairs' routing, the
+    # activation rows' order and the router weights must agree to fp32 rounding.
+    w13g, w2g = torch.from_numpy(w13).cuda(), torch.from_numpy(w2).cuda()
+    same = torch.zeros(tokens, hidden, dtype=torch.float64)
+    for t in range(tokens):
+        for j in range(topk):
+            e = int(ids[t, j])
+            up = k.linear(xt[t:t + 1], w13g[e], (k.Segment(getattr(k, types[0]), 0, 2 * inter),))
+            down = k.linear(_act(up), w2g[e], (k.Segment(getattr(k, types[1]), 0, hidden),))
+            same[t] += float(wts[t, j]) * down[0].double().cpu()
+    close = torch.linalg.norm(got.cpu().double() - same) / torch.linalg.norm(same)
+    assert close < 1e-5, float(close)
 
 
-def test_nan_propagates_and_zeros_stay_zero():
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "two-launch"])
+def test_nan_propagates_and_zeros_stay_zero(staged):
     k = kq()
     stored, _ = weights("Q4_K", (8, 256), seed=17)
     w = torch.from_numpy(stored).cuda()
     x = torch.zeros(3, 256, device="cuda")
     x[1] = -0.0
     x[2, 5] = float("nan")
-    got = k.linear(x, w, (k.Segment(k.Q4_K, 0, 8),)).cpu()
+    got = k.linear(x, w, (k.Segment(k.Q4_K, 0, 8),), staged=staged).cpu()
     assert torch.all(got[:2] == 0)
     assert torch.all(torch.isnan(got[2]))
 
 
-def test_cuda_graph_replays_with_changing_inputs():
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "two-launch"])
+def test_cuda_graph_replays_with_changing_inputs(staged):
     k = kq()
     rng = np.random.default_rng(9)
     rows, cols = 96, 2048
@@ -169,11 +189,11 @@ def test_cuda_graph_replays_with_changing_inputs():
     x = torch.zeros(2, cols, dtype=torch.bfloat16, device="cuda")
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
-        k.linear(x, w, segs)  # compile and load outside the capture
+        k.linear(x, w, segs, staged=staged)  # compile and load outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = k.linear(x, w, segs)
+        out = k.linear(x, w, segs, staged=staged)
     for i in range(2000):
         xi = exact_x(rng, 2, cols)
         x.copy_(torch.from_numpy(xi))

@@ -34,6 +34,15 @@ def test_token_counts_and_variants():
     assert [kquant.gemv_variant(t) for t in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
 
 
+def test_staged_launch_shape():
+    # GLM-5 at one token: o_proj's 16384 inputs take 20 KB; 8 tokens' MoE down (64 pairs x 2048) 160 KB
+    assert kquant.stage_bytes(1, 16384) == 512 * 40
+    assert kquant.stage_bytes(64, 2048) == 64 * 64 * 40
+    assert kquant.staged_grid(6144, 132) == 264   # two blocks an SM
+    assert kquant.staged_grid(100, 132) == 7      # one warp per row, no empty blocks
+    assert kquant.staged_grid(0, 132) == 1
+
+
 def test_constants_mirror_the_cuda_side():
     text = (CSRC / "kquant.cuh").read_text()
     defines = dict(re.findall(r"#define (FC_KQ_\w+) (\d+)", text))
@@ -41,6 +50,8 @@ def test_constants_mirror_the_cuda_side():
     assert int(defines["FC_KQ_MAX_SEGS"]) == kquant.MAX_SEGS
     assert int(defines["FC_KQ_ROWS_PER_BLOCK"]) == kquant.ROWS_PER_BLOCK
     assert int(defines["FC_KQ_CHUNK"]) == kquant.CHUNK
+    launch_defines = dict(re.findall(r"#define (FC_KQ_\w+) (\d+)", (CSRC / "kquant.cu").read_text()))
+    assert int(launch_defines["FC_KQ_STAGED_THREADS"]) == kquant.STAGED_THREADS
     for name, value in kquant.NAMES.items():
         assert int(defines[f"FC_KQ_{value}"]) == name
     launch = (CSRC / "kquant.cu").read_text()

@@ -32,6 +32,9 @@ THREADS = 128       # FC_KQ_THREADS
 CHUNK = 32          # FC_KQ_CHUNK
 GEMV_VARIANTS = (1, 2, 4, 8)
 QUANTIZE_THREADS = 256
+STAGED_THREADS = 512  # FC_KQ_STAGED_THREADS
+STAGED_BLOCKS_PER_SM = 2
+STAGE_BYTES_PER_CHUNK = 40  # two 16-byte halves and a (scale, sum) float2, per 32 values of a row
 DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 # 16-byte loads read Q4_K/Q5_K rows; Q6_K/Q8_0 blocks are only 2-byte aligned and are read by words.
 ROW_ALIGN = {Q4_K: 16, Q5_K: 16, Q6_K: 2, Q8_0: 2}
@@ -74,6 +77,18 @@ def moe_types_ok(t13: int, t2: int, hidden: int, inter: int, row13: int, row2: i
     return True
 
 
+def stage_bytes(rows: int, cols: int) -> int:
+    """Shared memory a staged kernel needs for ``rows`` activation rows of ``cols`` values."""
+    return rows * (cols // CHUNK) * STAGE_BYTES_PER_CHUNK
+
+
+def staged_grid(items: int, sms: int) -> int:
+    """Blocks of a staged launch: enough for every item's warp, at most STAGED_BLOCKS_PER_SM per SM (each
+    block quantizes the activations again, so more blocks cost L2 reads and gain nothing)."""
+    warps = STAGED_THREADS // 32
+    return max(1, min((items + warps - 1) // warps, sms * STAGED_BLOCKS_PER_SM))
+
+
 def decode_tokens_ok(tokens: int) -> bool:
     return 1 <= tokens <= MAX_TOKENS
 
@@ -93,20 +108,43 @@ class _Segs(ctypes.Structure):
     _fields_ = [("s", _Seg * MAX_SEGS), ("nseg", ctypes.c_int32), ("total_rows", ctypes.c_int32)]
 
 
-def _launch(device: int, symbol: str, grid: tuple[int, int], block: int, stream: int, values: list) -> None:
+def _launch(device: int, symbol: str, grid: tuple[int, int], block: int, stream: int, values: list,
+            smem: int = 0) -> None:
     from cupy_backends.cuda.api import driver
 
     params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-    driver.launchKernel(_function(device, symbol), grid[0], grid[1], 1, block, 1, 1, 0, stream,
+    driver.launchKernel(_function(device, symbol), grid[0], grid[1], 1, block, 1, 1, smem, stream,
                         ctypes.addressof(params), 0)
+
+
+_MAX_DYNAMIC_SMEM_ATTR = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+STAGED_SYMBOLS = ("fc_kq_gemvs", "fc_kq_moe_up_silu_", "fc_kq_moe_down_s_")
 
 
 @functools.lru_cache(maxsize=None)
 def _function(device: int, symbol: str) -> int:
+    from cupy_backends.cuda.api import driver
+
     from fastcomm import jit
     from fastcomm.config import read
 
-    return jit.function(device, read("FASTCOMM_CACHE_DIR"), symbol, unit="kquant")
+    fn = jit.function(device, read("FASTCOMM_CACHE_DIR"), symbol, unit="kquant")
+    if symbol.startswith(STAGED_SYMBOLS):
+        driver.funcSetAttribute(fn, _MAX_DYNAMIC_SMEM_ATTR, _device(device)[1])  # staged: above 48 KB on request
+    return fn
+
+
+@functools.lru_cache(maxsize=None)
+def _device(device: int) -> tuple[int, int]:
+    """(SMs, opt-in shared memory per block) of a device."""
+    import torch
+
+    p = torch.cuda.get_device_properties(device)
+    return p.multi_processor_count, int(getattr(p, "shared_memory_per_block_optin", 48 << 10))
+
+
+def staged_fits(device: int, rows: int, cols: int) -> bool:
+    return stage_bytes(rows, cols) <= _device(device)[1]
 
 
 def _stream(t) -> int:
@@ -124,7 +162,7 @@ def quantize(x):
     xq = torch.empty(n * chunks * 8, dtype=torch.int32, device=x.device)
     xds = torch.empty(n * chunks, 2, dtype=torch.float32, device=x.device)
     total = n * chunks
-    _launch(x.device.index, f"fc_kq_quantize_{DTYPES[str(x.dtype).split('.')[-1]]}",
+    _launch(x.device.index, f"fc_kq_quantize_{_dt(x)}",
             ((total + QUANTIZE_THREADS - 1) // QUANTIZE_THREADS, 1), QUANTIZE_THREADS, _stream(x),
             [ctypes.c_uint64(x.data_ptr()), ctypes.c_int32(n), ctypes.c_int32(cols), ctypes.c_uint64(x.stride(0)),
              ctypes.c_uint64(xq.data_ptr()), ctypes.c_uint64(xds.data_ptr())])
@@ -138,13 +176,18 @@ def _aligned(x):
     return x
 
 
-def linear(x, qweight, segments: tuple[Segment, ...]):
-    """x [n, cols] (n <= 8) times the segments' rows of ``qweight`` (uint8 [rows, row_stride]): [n, sum rows]."""
+def _dt(x) -> str:
+    return DTYPES[str(x.dtype).split(".")[-1]]
+
+
+def linear(x, qweight, segments: tuple[Segment, ...], staged: bool = True):
+    """x [n, cols] (n <= 8) times the segments' rows of ``qweight`` (uint8 [rows, row_stride]): [n, sum rows].
+    ``staged``: the one-launch form where its shared memory fits (else the quantize + GEMV pair)."""
     import torch
 
     x = _aligned(x)
     n, cols = x.shape
-    xq, xds = quantize(x)
+    dev, dt = x.device.index, _dt(x)
     total = sum(s.rows for s in segments)
     out = torch.empty(n, total, dtype=x.dtype, device=x.device)
     table = _Segs()
@@ -155,16 +198,25 @@ def linear(x, qweight, segments: tuple[Segment, ...]):
         col += s.rows
     table.nseg, table.total_rows = len(segments), total
     variant = gemv_variant(n)
-    _launch(x.device.index, f"fc_kq_gemv{variant}_{DTYPES[str(x.dtype).split('.')[-1]]}",
-            ((total + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK, 1), THREADS, _stream(x),
-            [table, ctypes.c_uint64(xq.data_ptr()), ctypes.c_uint64(xds.data_ptr()), ctypes.c_int32(n),
-             ctypes.c_int32(cols), ctypes.c_uint64(out.data_ptr()), ctypes.c_uint64(total)])
+    if staged and staged_fits(dev, n, cols):
+        _launch(dev, f"fc_kq_gemvs{variant}_{dt}", (staged_grid(total, _device(dev)[0]), 1), STAGED_THREADS,
+                _stream(x), [table, ctypes.c_uint64(x.data_ptr()), ctypes.c_int32(n), ctypes.c_int32(cols),
+                             ctypes.c_uint64(x.stride(0)), ctypes.c_uint64(out.data_ptr()), ctypes.c_uint64(total)],
+                smem=stage_bytes(n, cols))
+        return out
+    xq, xds = quantize(x)
+    _launch(dev, f"fc_kq_gemv{variant}_{dt}", ((total + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK, 1), THREADS,
+            _stream(x), [table, ctypes.c_uint64(xq.data_ptr()), ctypes.c_uint64(xds.data_ptr()), ctypes.c_int32(n),
+                         ctypes.c_int32(cols), ctypes.c_uint64(out.data_ptr()), ctypes.c_uint64(total)])
     return out
 
 
-def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation):
+def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu: bool = False,
+        staged: bool = True):
     """The routed experts of 1-8 tokens: x [T, hidden], w13 [E, 2 inter, row13], w2 [E, hidden, row2] (uint8
-    blocks); returns [T, hidden], each token's experts summed in their top-k order, router weights applied."""
+    blocks); returns [T, hidden], each token's experts summed in their top-k order, router weights applied.
+    ``activation`` maps [pairs, 2 inter] to [pairs, inter]; ``silu``: it is vLLM's silu_and_mul, which the
+    staged up kernel applies itself (two launches in all where the shared memory fits, else five)."""
     import torch
 
     x = _aligned(x)
@@ -175,23 +227,40 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation):
     weights = topk_weights.to(torch.float32).contiguous()
     rows13 = w13.shape[1]
     inter = rows13 // 2
-    dt = DTYPES[str(x.dtype).split('.')[-1]]
-    dev, stream = x.device.index, _stream(x)
-    xq, xds = quantize(x)
-    up = torch.empty(pairs, rows13, dtype=x.dtype, device=x.device)
-    _launch(dev, f"fc_kq_moe_up_{dt}", ((rows13 + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK, pairs), THREADS, stream,
-            [ctypes.c_uint64(w13.data_ptr()), ctypes.c_uint64(w13.stride(0) * w13.element_size()),
-             ctypes.c_uint64(w13.stride(1) * w13.element_size()),
-             ctypes.c_int32(t13), ctypes.c_int32(rows13), ctypes.c_int32(hidden), ctypes.c_uint64(ids.data_ptr()),
-             ctypes.c_int32(topk), ctypes.c_uint64(xq.data_ptr()), ctypes.c_uint64(xds.data_ptr()),
-             ctypes.c_uint64(up.data_ptr())])
-    act = activation(up)  # [pairs, inter]
-    aq, ads = quantize(act)
+    dt, dev, stream = _dt(x), x.device.index, _stream(x)
+    e13, r13 = w13.stride(0) * w13.element_size(), w13.stride(1) * w13.element_size()
+    e2, r2 = w2.stride(0) * w2.element_size(), w2.stride(1) * w2.element_size()
+    sms = _device(dev)[0]
+    if staged and silu and staged_fits(dev, tokens, hidden):
+        act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+        _launch(dev, f"fc_kq_moe_up_silu_{dt}", (staged_grid(pairs * inter, sms), 1), STAGED_THREADS, stream,
+                [ctypes.c_uint64(w13.data_ptr()), ctypes.c_uint64(e13), ctypes.c_uint64(r13), ctypes.c_int32(t13),
+                 ctypes.c_int32(inter), ctypes.c_int32(hidden), ctypes.c_uint64(ids.data_ptr()), ctypes.c_int32(topk),
+                 ctypes.c_int32(tokens), ctypes.c_uint64(x.data_ptr()), ctypes.c_uint64(x.stride(0)),
+                 ctypes.c_uint64(act.data_ptr())], smem=stage_bytes(tokens, hidden))
+    else:
+        xq, xds = quantize(x)
+        up = torch.empty(pairs, rows13, dtype=x.dtype, device=x.device)
+        _launch(dev, f"fc_kq_moe_up_{dt}", ((rows13 + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK, pairs), THREADS,
+                stream, [ctypes.c_uint64(w13.data_ptr()), ctypes.c_uint64(e13), ctypes.c_uint64(r13),
+                         ctypes.c_int32(t13), ctypes.c_int32(rows13), ctypes.c_int32(hidden),
+                         ctypes.c_uint64(ids.data_ptr()), ctypes.c_int32(topk), ctypes.c_uint64(xq.data_ptr()),
+                         ctypes.c_uint64(xds.data_ptr()), ctypes.c_uint64(up.data_ptr())])
+        act = activation(up)  # [pairs, inter]
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    if staged and staged_fits(dev, pairs, inter):
+        act = _aligned(act)
+        _launch(dev, f"fc_kq_moe_down_s_{dt}", (staged_grid(tokens * hidden, sms), 1), STAGED_THREADS, stream,
+                [ctypes.c_uint64(w2.data_ptr()), ctypes.c_uint64(e2), ctypes.c_uint64(r2), ctypes.c_int32(t2),
+                 ctypes.c_int32(hidden), ctypes.c_int32(inter), ctypes.c_uint64(ids.data_ptr()),
+                 ctypes.c_uint64(weights.data_ptr()), ctypes.c_int32(topk), ctypes.c_int32(tokens),
+                 ctypes.c_uint64(act.data_ptr()), ctypes.c_uint64(act.stride(0)), ctypes.c_uint64(out.data_ptr())],
+                smem=stage_bytes(pairs, inter))
+        return out
+    aq, ads = quantize(act)
     _launch(dev, f"fc_kq_moe_down_{dt}", ((hidden + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK, tokens), THREADS, stream,
-            [ctypes.c_uint64(w2.data_ptr()), ctypes.c_uint64(w2.stride(0) * w2.element_size()),
-             ctypes.c_uint64(w2.stride(1) * w2.element_size()),
-             ctypes.c_int32(t2), ctypes.c_int32(hidden), ctypes.c_int32(inter), ctypes.c_uint64(ids.data_ptr()),
+            [ctypes.c_uint64(w2.data_ptr()), ctypes.c_uint64(e2), ctypes.c_uint64(r2), ctypes.c_int32(t2),
+             ctypes.c_int32(hidden), ctypes.c_int32(inter), ctypes.c_uint64(ids.data_ptr()),
              ctypes.c_uint64(weights.data_ptr()), ctypes.c_int32(topk), ctypes.c_uint64(aq.data_ptr()),
              ctypes.c_uint64(ads.data_ptr()), ctypes.c_uint64(out.data_ptr())])
     return out

@@ -52,7 +52,8 @@ def _moe_fn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: 
     from vllm_gguf_plugin.quantization import fused_moe as pmoe
 
     if kquant.decode_tokens_ok(x.shape[0]) and w13.data_ptr() % 16 == 0 and w2.data_ptr() % 16 == 0:
-        return kquant.moe(x, w13, w2, topk_weights, topk_ids, t13, t2, _activation(activation))
+        return kquant.moe(x, w13, w2, topk_weights, topk_ids, t13, t2, _activation(activation),
+                          silu=activation == "silu")
     return pmoe._fused_moe_gguf(x, w13, w2, topk_weights, topk_ids, t13, t2, activation)
 
 
