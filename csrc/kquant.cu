@@ -225,7 +225,7 @@ __device__ KqStage kq_stage(const typename D::raw* x, int n, int cols, kq_u64 x_
   for (int i = threadIdx.x; i < total; i += blockDim.x) {
     const int v = i / chunks, c = i - v * chunks;
     const uint4* src = reinterpret_cast<const uint4*>(x + v * x_stride + (kq_u64)c * FC_KQ_CHUNK);
-    raw buf[FC_KQ_CHUNK];
+    alignas(16) raw buf[FC_KQ_CHUNK];  // filled by 16-byte stores
     uint4* b = reinterpret_cast<uint4*>(buf);
 #pragma unroll
     for (int k = 0; k < (int)(FC_KQ_CHUNK * sizeof(raw) / 16); ++k) b[k] = __ldg(src + k);  // rows 16-byte aligned
