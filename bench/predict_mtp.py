@@ -154,6 +154,8 @@ def table(points: dict[int, float], run: MtpRun | None = None) -> list[str]:
 
 
 def points_from(record: dict) -> dict[int, float]:
+    """Step time by concurrency from a decode record: one backend's row, or a bench-decode result file."""
+    record = record.get("results", record)
     sweep = record["vllm"]["sweep"] if "vllm" in record else record["sweep"]
     return {p["concurrency"]: p["tpot_ms"] for p in sweep}
 

@@ -6,6 +6,7 @@
 // and the staged forms, one launch each, which quantize their activations into shared memory first:
 //   fc_kq_gemvs<N>_<dt>           as fc_kq_gemv<N>, from the activations themselves
 //   fc_kq_moe_up_silu_<dt>        gate and up rows of each pair, then silu(gate) * up: the activation rows
+//                                 (measured slower than the five-launch MoE on an H200; not the default)
 //   fc_kq_moe_down_s_<dt>         as fc_kq_moe_down, from the activation rows themselves
 // <dt> is the activations' and the output's dtype. Host side: fastcomm_vllm/gguf/kquant.py.
 #include "kquant.cuh"

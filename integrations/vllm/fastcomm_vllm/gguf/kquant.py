@@ -35,6 +35,11 @@ QUANTIZE_THREADS = 256
 STAGED_THREADS = 512  # FC_KQ_STAGED_THREADS
 STAGED_BLOCKS_PER_SM = 2
 STAGE_BYTES_PER_CHUNK = 40  # two 16-byte halves and a (scale, sum) float2, per 32 values of a row
+# Which form serves by default, from bench/gguf_kernels.py on an H200 (bench/RESULTS.md): the staged linear
+# is faster for nearly every GLM-5 product at 1-8 tokens (it saves a launch, the small ones gain most); the
+# staged MoE was slower at every token count (82 against 78 us at 1 token, 605 against 472 at 8: a warp makes
+# the gate and the up row one after the other), so the MoE keeps its five launches.
+LINEAR_STAGED, MOE_STAGED = True, False
 DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 # 16-byte loads read Q4_K/Q5_K rows; Q6_K/Q8_0 blocks are only 2-byte aligned and are read by words.
 ROW_ALIGN = {Q4_K: 16, Q5_K: 16, Q6_K: 2, Q8_0: 2}
@@ -180,7 +185,7 @@ def _dt(x) -> str:
     return DTYPES[str(x.dtype).split(".")[-1]]
 
 
-def linear(x, qweight, segments: tuple[Segment, ...], staged: bool = True):
+def linear(x, qweight, segments: tuple[Segment, ...], staged: bool = LINEAR_STAGED):
     """x [n, cols] (n <= 8) times the segments' rows of ``qweight`` (uint8 [rows, row_stride]): [n, sum rows].
     ``staged``: the one-launch form where its shared memory fits (else the quantize + GEMV pair)."""
     import torch
@@ -212,11 +217,12 @@ def linear(x, qweight, segments: tuple[Segment, ...], staged: bool = True):
 
 
 def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu: bool = False,
-        staged: bool = True):
+        staged: bool = MOE_STAGED):
     """The routed experts of 1-8 tokens: x [T, hidden], w13 [E, 2 inter, row13], w2 [E, hidden, row2] (uint8
     blocks); returns [T, hidden], each token's experts summed in their top-k order, router weights applied.
     ``activation`` maps [pairs, 2 inter] to [pairs, inter]; ``silu``: it is vLLM's silu_and_mul, which the
-    staged up kernel applies itself (two launches in all where the shared memory fits, else five)."""
+    staged up kernel applies itself (``staged``: two launches in all where the shared memory fits, else
+    five: quantize, up, activation, quantize, down)."""
     import torch
 
     x = _aligned(x)

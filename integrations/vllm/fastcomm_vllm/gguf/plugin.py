@@ -67,8 +67,8 @@ def _decode_kernels() -> None:
     from . import kquant_vllm
 
     if kquant_vllm.install():
-        logger.debug("fastcomm: GGUF products of 1-%d tokens through fastcomm's K-quant kernels",
-                     kquant_vllm.kquant.MAX_TOKENS)
+        logger.info("fastcomm: GGUF products of 1-%d tokens through fastcomm's K-quant kernels "
+                    "(FASTCOMM_GGUF_KERNELS=plugin: the plugin's)", kquant_vllm.kquant.MAX_TOKENS)
 
 
 def _teach_replicated_linear() -> None:
