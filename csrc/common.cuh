@@ -214,38 +214,7 @@ __device__ __forceinline__ void fc_end(const FcTable* t, u32 epoch) {
   }
 }
 
-// ---- dtypes ---------------------------------------------------------------------------------------------
-// Each type maps a raw storage word to fp32 and back (round to nearest even). Raw bits, no headers.
-
-struct FcBF16 {
-  typedef u16 raw;
-  static __device__ __forceinline__ float to_f(raw b) { return __uint_as_float(((u32)b) << 16); }
-  static __device__ __forceinline__ raw from_f(float f) {
-    raw r;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
-    return r;
-  }
-};
-
-struct FcF16 {
-  typedef u16 raw;
-  static __device__ __forceinline__ float to_f(raw b) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(b));
-    return f;
-  }
-  static __device__ __forceinline__ raw from_f(float f) {
-    raw r;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
-    return r;
-  }
-};
-
-struct FcF32 {
-  typedef u32 raw;
-  static __device__ __forceinline__ float to_f(raw b) { return __uint_as_float(b); }
-  static __device__ __forceinline__ raw from_f(float f) { return __float_as_uint(f); }
-};
+#include "dtypes.cuh"
 
 // ---- Lamport one-shot: readiness in the data itself ------------------------------------------------------
 //

@@ -9,35 +9,8 @@
 //                                 (measured slower than the five-launch MoE on an H200; not the default)
 //   fc_kq_moe_down_s_<dt>         as fc_kq_moe_down, from the activation rows themselves
 // <dt> is the activations' and the output's dtype. Host side: fastcomm_vllm/gguf/kquant.py.
+#include "dtypes.cuh"
 #include "kquant.cuh"
-
-struct KqBF16 {
-  typedef unsigned short raw;
-  static __device__ __forceinline__ float to_f(raw b) { return __uint_as_float(((unsigned)b) << 16); }
-  static __device__ __forceinline__ raw from_f(float f) {
-    raw r;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
-    return r;
-  }
-};
-struct KqF16 {
-  typedef unsigned short raw;
-  static __device__ __forceinline__ float to_f(raw b) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(b));
-    return f;
-  }
-  static __device__ __forceinline__ raw from_f(float f) {
-    raw r;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
-    return r;
-  }
-};
-struct KqF32 {
-  typedef unsigned raw;
-  static __device__ __forceinline__ float to_f(raw b) { return __uint_as_float(b); }
-  static __device__ __forceinline__ raw from_f(float f) { return __float_as_uint(f); }
-};
 
 // Row segments of one weight: rows [row0, row0 + rows) of the launch read `w` (row i at w + i * row_stride,
 // so a plugin's padded multi-shard tensor is read in place) as `type`, into output columns from out_col.
@@ -50,6 +23,21 @@ struct KqSegs {
   KqSeg s[FC_KQ_MAX_SEGS];
   int nseg, total_rows;
 };
+
+// The segment holding row r, read with constant indices only (a dynamic index would copy the table to local
+// memory).
+__device__ __forceinline__ KqSeg kq_segment(const KqSegs& segs, int r) {
+  KqSeg sg = segs.s[0];
+  sg.row0 = 0;
+#pragma unroll
+  for (int i = 1; i < FC_KQ_MAX_SEGS; ++i) {
+    if (i < segs.nseg && r >= segs.s[i].row0) {
+      sg.w = segs.s[i].w, sg.row_stride = segs.s[i].row_stride, sg.type = segs.s[i].type;
+      sg.row0 = segs.s[i].row0, sg.out_col = segs.s[i].out_col;
+    }
+  }
+  return sg;
+}
 
 __device__ __forceinline__ float kq_warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);  // the same tree in every warp
@@ -119,25 +107,15 @@ __device__ void kq_gemv(const KqSegs& segs, const kq_u32* xq, const float2* xds,
                         typename D::raw* out, kq_u64 out_stride) {
   const int r = blockIdx.x * FC_KQ_ROWS_PER_BLOCK + (threadIdx.x >> 5);
   if (r >= segs.total_rows) return;
-  // The segment holding row r, with constant indices only (a dynamic index would copy the table to local).
-  const kq_u8* w = segs.s[0].w;
-  kq_u64 stride = segs.s[0].row_stride;
-  int type = segs.s[0].type, row0 = 0, out_col = segs.s[0].out_col;
-#pragma unroll
-  for (int i = 1; i < FC_KQ_MAX_SEGS; ++i) {
-    if (i < segs.nseg && r >= segs.s[i].row0) {
-      w = segs.s[i].w, stride = segs.s[i].row_stride, type = segs.s[i].type;
-      row0 = segs.s[i].row0, out_col = segs.s[i].out_col;
-    }
-  }
+  const KqSeg sg = kq_segment(segs, r);
   float acc[N];
 #pragma unroll
   for (int v = 0; v < N; ++v) acc[v] = 0.f;
-  kq_row_any<N>(type, w + (kq_u64)(r - row0) * stride, xq, xds, cols / FC_KQ_CHUNK, n, acc);
+  kq_row_any<N>(sg.type, sg.w + (kq_u64)(r - sg.row0) * sg.row_stride, xq, xds, cols / FC_KQ_CHUNK, n, acc);
 #pragma unroll
   for (int v = 0; v < N; ++v) {
     const float sum = kq_warp_sum(acc[v]);
-    if (v < n && (threadIdx.x & 31) == 0) out[v * out_stride + out_col + (r - row0)] = D::from_f(sum);
+    if (v < n && (threadIdx.x & 31) == 0) out[v * out_stride + sg.out_col + (r - sg.row0)] = D::from_f(sum);
   }
 }
 
@@ -283,24 +261,15 @@ __device__ void kq_gemv_s(const KqSegs& segs, const typename D::raw* x, int n, i
   const KqStage xs = kq_stage<D>(x, n, cols, x_stride, kq_smem);
   const int warps = blockDim.x >> 5;
   for (int r = blockIdx.x * warps + (threadIdx.x >> 5); r < segs.total_rows; r += gridDim.x * warps) {
-    const kq_u8* w = segs.s[0].w;
-    kq_u64 stride = segs.s[0].row_stride;
-    int type = segs.s[0].type, row0 = 0, out_col = segs.s[0].out_col;
-#pragma unroll
-    for (int i = 1; i < FC_KQ_MAX_SEGS; ++i) {
-      if (i < segs.nseg && r >= segs.s[i].row0) {
-        w = segs.s[i].w, stride = segs.s[i].row_stride, type = segs.s[i].type;
-        row0 = segs.s[i].row0, out_col = segs.s[i].out_col;
-      }
-    }
+    const KqSeg sg = kq_segment(segs, r);
     float acc[N];
 #pragma unroll
     for (int v = 0; v < N; ++v) acc[v] = 0.f;
-    kq_row_s_any<N>(type, w + (kq_u64)(r - row0) * stride, xs, 0, n, acc);
+    kq_row_s_any<N>(sg.type, sg.w + (kq_u64)(r - sg.row0) * sg.row_stride, xs, 0, n, acc);
 #pragma unroll
     for (int v = 0; v < N; ++v) {
       const float sum = kq_warp_sum(acc[v]);
-      if (v < n && (threadIdx.x & 31) == 0) out[v * out_stride + out_col + (r - row0)] = D::from_f(sum);
+      if (v < n && (threadIdx.x & 31) == 0) out[v * out_stride + sg.out_col + (r - sg.row0)] = D::from_f(sum);
     }
   }
 }
@@ -427,6 +396,6 @@ __device__ void kq_moe_down_s(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_s
                    out);                                                                                     \
   }
 
-FC_KQ_DEFINE(bf16, KqBF16)
-FC_KQ_DEFINE(f16, KqF16)
-FC_KQ_DEFINE(f32, KqF32)
+FC_KQ_DEFINE(bf16, FcBF16)
+FC_KQ_DEFINE(f16, FcF16)
+FC_KQ_DEFINE(f32, FcF32)

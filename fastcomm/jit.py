@@ -12,13 +12,13 @@ import os
 import tempfile
 from pathlib import Path
 
-SOURCES = ("common.cuh", "one_shot.cuh", "two_shot.cuh", "two_shot_ll.cuh", "fused_rmsnorm.cuh", "pull.cuh",
+SOURCES = ("dtypes.cuh", "common.cuh", "one_shot.cuh", "two_shot.cuh", "two_shot_ll.cuh", "fused_rmsnorm.cuh", "pull.cuh",
            "fused_two_shot.cuh", "fused_cluster.cuh", "p2p_check.cuh", "two_shot_islands.cuh",
            "kernels.cu")
 ENTRY = "kernels.cu"
 # Compile units: the communication kernels, and the GGUF K-quant decode kernels (used by the vLLM
 # integration only, so a process that never serves a GGUF file never compiles them). unit: (sources, entry).
-UNITS = {"comm": (SOURCES, ENTRY), "kquant": (("kquant.cuh", "kquant.cu"), "kquant.cu")}
+UNITS = {"comm": (SOURCES, ENTRY), "kquant": (("dtypes.cuh", "kquant.cuh", "kquant.cu"), "kquant.cu")}
 OPTIONS = ("-std=c++17", "-default-device")
 
 
