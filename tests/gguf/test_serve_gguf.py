@@ -15,7 +15,8 @@ pytestmark = [needs_gguf, pytest.mark.vllm,
 
 @pytest.fixture(autouse=True)
 def env(monkeypatch):
-    for name in ("FASTCOMM_VLLM", "FASTCOMM_TRANSPORT", "VLLM_PLUGINS", "NCCL_P2P_LEVEL", "VLLM_GGUF_USE_CUDA"):
+    for name in ("FASTCOMM_VLLM", "FASTCOMM_TRANSPORT", "VLLM_PLUGINS", "NCCL_P2P_LEVEL", "VLLM_GGUF_USE_CUDA",
+                 "FASTCOMM_GGUF_KERNELS"):
         monkeypatch.delenv(name, raising=False)
     # The entry point comes with the package's metadata (pyproject); this checkout's install may predate it.
     monkeypatch.setattr(serve, "_gguf_adapter_installed", lambda: True)
@@ -145,6 +146,16 @@ def test_slow_fallback_warns(capsys, tiny, monkeypatch):
     monkeypatch.setenv("VLLM_GGUF_USE_CUDA", "0")
     _, _, err = dry(capsys, [str(tiny[0]), "--gpus", "1"])
     assert "warning: vllm-gguf-plugin will run its slow Triton fallback" in err
+
+
+def test_dry_run_says_which_kernels_take_the_products(capsys, tiny, monkeypatch):
+    _, _, err = dry(capsys, [str(tiny[0]), "--gpus", "1"])
+    assert "GGUF products of 1-8 tokens (decode, MTP verify) of Q8_0/Q4_K/Q5_K/Q6_K weights: fastcomm's" in err
+    monkeypatch.setenv("FASTCOMM_GGUF_KERNELS", "plugin")
+    _, _, err = dry(capsys, [str(tiny[0]), "--gpus", "1"])
+    assert "GGUF products: vllm-gguf-plugin's kernels at every token count" in err
+    monkeypatch.setenv("FASTCOMM_GGUF_KERNELS", "fast")
+    assert error(capsys, [str(tiny[0]), "--gpus", "1"]).endswith("FASTCOMM_GGUF_KERNELS='fast': must be one of auto, plugin")
 
 
 def test_served_under_the_files_own_name(capsys, tiny, monkeypatch):

@@ -22,7 +22,7 @@ import shlex
 import sys
 from typing import Mapping, Sequence
 
-from fastcomm.config import TRANSPORTS
+from fastcomm.config import TRANSPORTS, ConfigError
 
 from .gguf.files import looks_like_path
 
@@ -383,7 +383,25 @@ def _gguf_args(opts: Options, model: str, args: list[str]) -> tuple[list[str], l
     kernel = kernels.status()
     notes.append(f"warning: {kernel.warning()}" if not kernel.cuda else
                  f"K-quant kernels: vllm-gguf-plugin's CUDA extension ({kernel.detail})")
+    notes.append(_decode_kernels_note())
     return args, notes
+
+
+def _decode_kernels_note() -> str:
+    """Which kernels the workers' GGUF products take (fastcomm_vllm.gguf.plugin reads the same setting)."""
+    from fastcomm.config import read
+
+    from .gguf import kquant
+
+    try:
+        setting = read("FASTCOMM_GGUF_KERNELS")
+    except ConfigError as e:
+        raise ServeError(str(e)) from None
+    if setting == "plugin":
+        return "GGUF products: vllm-gguf-plugin's kernels at every token count (FASTCOMM_GGUF_KERNELS=plugin)"
+    types = "/".join(kquant.NAMES[t] for t in sorted(kquant.NAMES))
+    return (f"GGUF products of 1-{kquant.MAX_TOKENS} tokens (decode, MTP verify) of {types} weights: fastcomm's "
+            "K-quant kernels; prefill and other types: the plugin's (FASTCOMM_GGUF_KERNELS=plugin: all the plugin's)")
 
 
 def _entry_points() -> list[str]:
@@ -432,7 +450,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         topo = None if opts.gpus is not None else probe_topology()
         launch = build(opts, vllm_args, os.environ, topo=topo, gpus=opts.gpus)
-    except ServeError as e:
+    except (ServeError, ConfigError) as e:  # a user's input: one line, no traceback
         print(f"fastcomm-serve: error: {e}", file=sys.stderr)
         return 2
     print(f"fastcomm-serve: {describe_topology(topo, launch.gpus)}", file=sys.stderr)

@@ -20,9 +20,9 @@ FORMAT = 2   # bump when what is written changes, so old folders are not reused 
 
 
 def cache_root() -> Path:
-    from fastcomm.config import Config
+    from fastcomm.config import read
 
-    return Config.from_env().cache_dir / "gguf"
+    return read("FASTCOMM_CACHE_DIR") / "gguf"  # this setting alone: another bad one is named where it is used
 
 
 def folder_for(meta: metadata.Meta, root: Path | None = None) -> Path:
