@@ -125,11 +125,13 @@ model() {
 figures() {   # one row set per call: gguf | mtp | fp8 | gguf-profile | fp8-profile
   local what=${1:?figures needs gguf, mtp, fp8, gguf-profile or fp8-profile} out=${OUT:-$here/out}
   install || return 1
-  local common=(--tp 1 --max-tokens 128 --capture-sizes 1,2,3,4,8 --repeats 3 --max-model-len 2048)
+  local common=(--tp 1 --max-tokens 128 --capture-sizes 1,2,3,4,8 --repeats "${FIGURE_REPEATS:-3}" --max-model-len 2048)
+  # FIGURE_CONCURRENCY (default 1,2,3,4,8) and FIGURE_REPEATS (3) trim a run to fit one call on a fresh machine.
+  local conc=${FIGURE_CONCURRENCY:-1,2,3,4,8}
   case "$what" in
-    gguf) bash bench/device_decode.sh gguf-tp1 "$MODEL_FIRST" vllm "${common[@]}" --no-mtp --concurrency 1,2,3,4,8 ;;
+    gguf) bash bench/device_decode.sh gguf-tp1 "$MODEL_FIRST" vllm "${common[@]}" --no-mtp --concurrency "$conc" ;;
     mtp) bash bench/device_decode.sh gguf-mtp3-tp1 "$MODEL_FIRST" vllm "${common[@]}" --mtp 3 --concurrency 1 --max-num-seqs 8 ;;
-    fp8) bash bench/device_decode.sh fp8-tp1 glm5-78L-16E vllm "${common[@]}" --quantization fp8 --concurrency 1,2,3,4,8 ;;
+    fp8) bash bench/device_decode.sh fp8-tp1 glm5-78L-16E vllm "${common[@]}" --quantization fp8 --concurrency "$conc" ;;
     # Where each step's GPU time goes (profile_summary: busiest kernels per step), GGUF against FP8 on the
     # same shapes, at PROFILE_CONCURRENCY requests (default 1, the single-request goal): one call each.
     gguf-profile|fp8-profile)
