@@ -1,25 +1,22 @@
 """fastcomm's K-quant decode kernels (csrc/kquant.cu) for vllm-gguf-plugin's layers: host side.
 
-The plugin's CUDA GEMV and MoE-GEMV kernels serve a decode step's 1-8 tokens at a few per cent of the GPU's
-memory bandwidth (one warp per row per vector, 4-8 bytes a thread a step; bench/RESULTS.md). For those token
-counts and for the types a UD-Q4_K_XL file mixes (Q4_K, Q5_K, Q6_K, Q8_0), a linear layer's product and a
+vllm-gguf-plugin's CUDA GEMV and MoE-GEMV kernels serve a decode step's 1-8 tokens at about a quarter of an
+H200's memory bandwidth (19.6 ms for the 24.7 GB of one GLM-5-shaped step's products; bench/RESULTS.md), and
+above 2 tokens its large linears switch to a GEMM kernel that costs 3x more. For those token counts and for the types a UD-Q4_K_XL file mixes (Q4_K, Q5_K, Q6_K, Q8_0), a linear layer's product and a
 MoE layer's two expert products go through csrc/kquant.cu instead; everything else (prefill, other types)
 stays with the plugin. A multi-shard weight the plugin stores padded (shards of different types: GLM-5's
 ``fused_qkv_a_proj`` is Q5_K + Q8_0) is read in place, one launch for all shards, where the plugin copies
 each shard out on every call.
 
-Layers: ``plan_linear`` / ``decode_tokens_ok`` are pure policy; ``linear`` / ``moe`` run the kernels on
-torch tensors (the current stream, so CUDA-graph capture records them); ``install`` wraps the plugin's
-``apply`` methods through torch custom ops (``register_ops``), once per process.
+Layers: ``plan_linear`` / ``moe_types_ok`` / ``decode_tokens_ok`` / ``staged_grid`` are pure policy;
+``linear`` / ``moe`` run the kernels on torch tensors (the current stream, so CUDA-graph capture records
+them); kquant_vllm.py wires them into the plugin's layers.
 """
 from __future__ import annotations
 
 import ctypes
 import dataclasses
 import functools
-import logging
-
-logger = logging.getLogger("vllm.fastcomm.gguf")
 
 # ggml type ids (gguf.GGMLQuantizationType) csrc/kquant.cuh reads, with (values, bytes) per block.
 Q8_0, Q4_K, Q5_K, Q6_K = 8, 12, 13, 14
