@@ -56,6 +56,6 @@ def test_constants_mirror_the_cuda_side():
         assert int(defines[f"FC_KQ_{value}"]) == name
     launch = (CSRC / "kquant.cu").read_text()
     assert set(kquant.GEMV_VARIANTS) == {int(v) for v in re.findall(r"FC_KQ_DEFINE_GEMV\(NAME, D, (\d+)\)", launch)}
-    assert set(kquant.DTYPES.values()) == set(re.findall(r"FC_KQ_DEFINE\((\w+), Kq", launch))
+    assert set(kquant.DTYPES.values()) == set(re.findall(r"FC_KQ_DEFINE\((\w+), Fc", launch))
     # struct KqSegs as the kernels take it by value: 4 x (pointer, u64, 4 ints) then two ints
     assert ctypes.sizeof(kquant._Seg) == 32 and ctypes.sizeof(kquant._Segs) == kquant.MAX_SEGS * 32 + 8
