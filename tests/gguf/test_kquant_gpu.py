@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import installed
+from kquant_data import exact_activations, weights
 
 torch = pytest.importorskip("torch")
 pytestmark = [
@@ -28,24 +29,6 @@ def kq():
     from fastcomm_vllm.gguf import kquant
 
     return kquant
-
-
-def weights(qtype: str, shape: tuple, seed: int):
-    import gguf
-
-    from fastcomm_bench.glm5_gguf import make_tensor
-
-    q = gguf.GGMLQuantizationType[qtype]
-    stored, _ = make_tensor(np.random.default_rng(seed), q, shape)
-    truth = gguf.quants.dequantize(stored, q).astype(np.float64).reshape(shape)
-    return np.ascontiguousarray(stored, dtype=np.uint8), truth
-
-
-def exact_x(rng, n: int, cols: int) -> np.ndarray:
-    k = rng.integers(-127, 128, size=(n, cols // 32, 32))
-    k[..., 0] = 127 * rng.choice([-1, 1], size=(n, cols // 32))
-    scale = 2.0 ** rng.integers(-8, -2, size=(n, cols // 32, 1))
-    return (k * scale).reshape(n, cols).astype(np.float32)
 
 
 def check(got: torch.Tensor, want: np.ndarray, terms: np.ndarray, dtype) -> float:
@@ -67,7 +50,7 @@ def test_gemv_exact_activations(qtype, n, staged):
     rng = np.random.default_rng(n)
     rows, cols = 37, 2048
     stored, truth = weights(qtype, (rows, cols), seed=11)
-    x = exact_x(rng, n, cols)
+    x = exact_activations(rng, n, cols)
     w = torch.from_numpy(stored).cuda()
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         xt = torch.from_numpy(x).to(dtype).cuda()
@@ -113,7 +96,7 @@ def test_padded_shards_of_two_types_read_in_place(staged):
     padded[64:, :kva.shape[1]] = kva
     segs = k.plan_linear([k.Q5_K, k.Q8_0], [(0, 64, qa.shape[1]), (64, 88, kva.shape[1])], width, cols)
     assert segs is not None
-    x = exact_x(rng, 2, cols)
+    x = exact_activations(rng, 2, cols)
     got = k.linear(torch.from_numpy(x).cuda(), torch.from_numpy(padded).cuda(), segs, staged=staged)
     both = np.concatenate([qa_t, kva_t])
     check(got, x.astype(np.float64) @ both.T, np.abs(x) @ np.abs(both).T, torch.float32)
@@ -195,7 +178,7 @@ def test_cuda_graph_replays_with_changing_inputs(staged):
     with torch.cuda.graph(graph):
         out = k.linear(x, w, segs, staged=staged)
     for i in range(2000):
-        xi = exact_x(rng, 2, cols)
+        xi = exact_activations(rng, 2, cols)
         x.copy_(torch.from_numpy(xi))
         graph.replay()
         if i % 250 == 0 or i == 1999:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import needs_gguf
+from kquant_data import exact_activations, weights
 
 pytestmark = needs_gguf
 HERE = Path(__file__).resolve().parent
@@ -35,18 +36,6 @@ def host_binary(tmp_path_factory):
     return exe
 
 
-def weights(qtype: str, rows: int, cols: int, seed: int):
-    """(stored bytes [rows, row_bytes], float64 truth [rows, cols]) with the scales a real file has."""
-    import gguf
-
-    from fastcomm_bench.glm5_gguf import make_tensor
-
-    q = gguf.GGMLQuantizationType[qtype]
-    stored, _ = make_tensor(np.random.default_rng(seed), q, (rows, cols))
-    truth = gguf.quants.dequantize(stored, q).astype(np.float64).reshape(rows, cols)
-    return np.ascontiguousarray(stored, dtype=np.uint8), truth
-
-
 def run(exe, qtype: str, stored: np.ndarray, x: np.ndarray) -> np.ndarray:
     import gguf
 
@@ -58,18 +47,11 @@ def run(exe, qtype: str, stored: np.ndarray, x: np.ndarray) -> np.ndarray:
     return np.frombuffer(out, np.float32).reshape(n, rows)
 
 
-def exact_activations(rng, n: int, cols: int) -> np.ndarray:
-    k = rng.integers(-127, 128, size=(n, cols // 32, 32))
-    k[..., 0] = 127 * rng.choice([-1, 1], size=(n, cols // 32))  # each chunk's max is exactly 127 steps
-    scale = (2.0 ** rng.integers(-8, -2, size=(n, cols // 32, 1))).astype(np.float64)
-    return (k * scale).reshape(n, cols).astype(np.float32)
-
-
 @pytest.mark.parametrize("qtype", TYPES)
 def test_decode_matches_gguf_py(host_binary, qtype):
     rng = np.random.default_rng(1)
     rows, cols = 37, 2048  # odd row count; 8 super-blocks a row, 64 chunks: two per lane
-    stored, truth = weights(qtype, rows, cols, seed=2)
+    stored, truth = weights(qtype, (rows, cols), seed=2)
     x = exact_activations(rng, 3, cols)
     got = run(host_binary, qtype, stored, x).astype(np.float64)
     want = x.astype(np.float64) @ truth.T
@@ -82,7 +64,7 @@ def test_decode_matches_gguf_py(host_binary, qtype):
 def test_random_activations_within_int8_error(host_binary, qtype):
     rng = np.random.default_rng(3)
     rows, cols = 64, 6144
-    stored, truth = weights(qtype, rows, cols, seed=4)
+    stored, truth = weights(qtype, (rows, cols), seed=4)
     x = rng.standard_normal((2, cols)).astype(np.float32)
     got = run(host_binary, qtype, stored, x).astype(np.float64)
     want = x.astype(np.float64) @ truth.T
@@ -93,7 +75,7 @@ def test_random_activations_within_int8_error(host_binary, qtype):
 def test_activation_quantization_edge_cases(host_binary):
     """Zeros and -0.0 give exact zeros; a NaN in a chunk makes that product NaN (never a finite lie)."""
     rows, cols = 4, 256
-    stored, truth = weights("Q4_K", rows, cols, seed=5)
+    stored, truth = weights("Q4_K", (rows, cols), seed=5)
     x = np.zeros((3, cols), np.float32)
     x[1] = -0.0
     x[2, 7] = np.nan
@@ -105,7 +87,7 @@ def test_activation_quantization_edge_cases(host_binary):
 def test_a_wrong_decode_would_be_caught(host_binary):
     """The exact reference is sharp: the Q4_K weights read as Q5_K bytes' neighbour type differ at once."""
     rng = np.random.default_rng(6)
-    stored, truth = weights("Q4_K", 8, 256, seed=7)
+    stored, truth = weights("Q4_K", (8, 256), seed=7)
     x = exact_activations(rng, 1, 256)
     flipped = stored.copy()
     flipped[:, 4] ^= 0x01  # one bit of the first sub-block's 6-bit scale

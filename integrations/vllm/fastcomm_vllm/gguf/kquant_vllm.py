@@ -16,24 +16,27 @@ from . import kquant
 _PLAN = "_fastcomm_kq_plan"  # per layer: the segments (linear), True (MoE), or None (the plugin's path)
 
 
-def _linear_fn(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts: list[int], rows: list[int],
-               used: list[int]) -> torch.Tensor:
+def _linear_fn(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts: list[int],
+               rows: list[int]) -> torch.Tensor:
     from vllm_gguf_plugin.quantization import linear as plin
 
     if kquant.decode_tokens_ok(x.shape[0]) and qweight.data_ptr() % 16 == 0:
         segs = tuple(kquant.Segment(t, s, r) for t, s, r in zip(types, starts, rows))
         return kquant.linear(x, qweight, segs)
+    # Bytes of a row a segment uses (its shard's type over x's columns; the stored rows are padded to the widest).
+    used = [kquant.BLOCKS[t][1] * (x.shape[1] // kquant.BLOCKS[t][0]) for t in types]
     if len(types) == 1 and used[0] == qweight.shape[1] and rows[0] == qweight.shape[0]:
         return plin._fused_mul_mat_gguf(x, qweight, types[0])
     return torch.cat([plin._fused_mul_mat_gguf(x, qweight[s:s + r, :u].contiguous(), t)
                       for t, s, r, u in zip(types, starts, rows, used)], dim=1)
 
 
-def _linear_fake(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts: list[int], rows: list[int],
-                 used: list[int]) -> torch.Tensor:
+def _linear_fake(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts: list[int],
+                 rows: list[int]) -> torch.Tensor:
     return torch.empty(x.shape[0], sum(rows), dtype=x.dtype, device=x.device)
 
 
+@functools.lru_cache(maxsize=None)
 def _activation(name: str):
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation, apply_moe_activation
 
@@ -133,10 +136,8 @@ def install() -> bool:
         segs = getattr(layer, _PLAN, None)
         if segs is None:
             return linear_apply(self, layer, x, bias)
-        cols = x.shape[-1]
-        used = [kquant.BLOCKS[s.type][1] * (cols // kquant.BLOCKS[s.type][0]) for s in segs]
         out = torch.ops.vllm.fastcomm_gguf_linear(x, layer.qweight, [s.type for s in segs], [s.start for s in segs],
-                                                  [s.rows for s in segs], used)
+                                                  [s.rows for s in segs])
         if bias is not None:
             out.add_(bias)
         return out
