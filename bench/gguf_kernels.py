@@ -5,10 +5,10 @@
 Every product of one GLM-5 decoder layer at full width (the 78-layer benchmark model's shapes and UD-Q4_K_XL
 types, bench/glm5_gguf.py), the LM head, and the routed experts (16 experts, top 8): GPU time per call for
 the plugin's path (as its ``apply`` runs it: per-shard copies for a mixed-type fused weight, GEMV up to its
-``mmvq_safe`` batch, else its MMQ GEMM; MoE through ``ggml_moe_a8_vec``), fastcomm's in both forms (staged:
-activations quantized in the product's own launch; unstaged: a quantize launch first), its default form
-marked (kquant.LINEAR_STAGED / MOE_STAGED, chosen from this table), and a bf16 cuBLAS
-matmul of the same shape for scale. Each timing is a CUDA graph of 16 calls replayed (launch overhead out, as
+``mmvq_safe`` batch, else its MMQ GEMM; MoE through ``ggml_moe_a8_vec``), fastcomm's in every form (linears:
+``mma`` on the tensor cores, ``staged`` and ``unstaged`` dp4a; MoE: ``grouped`` by expert on the tensor cores,
+``pairs`` dp4a per (token, expert) pair; kquant.FORMS_*), the form its policy takes marked (kquant.linear_form /
+moe_form, whose thresholds come from this table), and a bf16 cuBLAS matmul of the same shape for scale. Each timing is a CUDA graph of 16 calls replayed (launch overhead out, as
 in vLLM's decode graphs), over enough copies of the weight that no call finds it in L2. Also checks that
 fastcomm's result matches the plugin's (relative error), and prints a per-step sum: 75 MoE layers, 3 dense
 layers and the LM head, as in one decode step of the 78-layer model.
@@ -76,10 +76,6 @@ LINEARS = (  # name, [(type, rows)] shards in output order, cols, layers per ste
 MOE = ("routed experts (16, top 8; Q4_K up, Q5_K down)", 16, 8, 6144, 2048, "Q4_K", "Q5_K", 75)
 
 
-def _form(staged: bool) -> str:
-    return "staged" if staged else "unstaged"
-
-
 def _default_us(r) -> float:
     return r[f"{r['default']}_us"]
 
@@ -116,16 +112,16 @@ def bench_linear(name, shards, cols, tokens, rng):
             return lambda: torch.cat([plin._fused_mul_mat_gguf(x, w[s:e, :u].contiguous(), t)
                                       for t, (s, e, u) in zip(types, offsets)], dim=1)
 
-        ours = [lambda w=w: kquant.linear(x, w, segs, staged=True) for w in ws]
-        two = [lambda w=w: kquant.linear(x, w, segs, staged=False) for w in ws]
-        mine, theirs = (ours if kquant.LINEAR_STAGED else two)[0]().float(), plugin(ws[0])().float()
-        rel = float((mine - theirs).norm() / theirs.norm())
-        rowsout.append({"op": name, "tokens": n, "weight_MB": round(nbytes / 1e6, 2),
-                        "plugin_us": round(_graph_time_us([plugin(w) for w in ws]), 2),
-                        "staged_us": round(_graph_time_us(ours), 2),
-                        "unstaged_us": round(_graph_time_us(two), 2), "default": _form(kquant.LINEAR_STAGED),
-                        "bf16_cublas_us": round(_graph_time_us([lambda d=d: x @ d.T for d in dense]), 2),
-                        "rel_diff_vs_plugin": round(rel, 5)})
+        default = kquant.linear_form(n, kquant.mma_ok(segs, cols), kquant.staged_fits(0, n, cols))
+        row = {"op": name, "tokens": n, "weight_MB": round(nbytes / 1e6, 2),
+               "plugin_us": round(_graph_time_us([plugin(w) for w in ws]), 2), "default": default}
+        for form in kquant.FORMS_LINEAR:
+            row[f"{form}_us"] = round(_graph_time_us([lambda w=w, f=form: kquant.linear(x, w, segs, form=f)
+                                                      for w in ws]), 2)
+        mine, theirs = kquant.linear(x, ws[0], segs).float(), plugin(ws[0])().float()
+        row["bf16_cublas_us"] = round(_graph_time_us([lambda d=d: x @ d.T for d in dense]), 2)
+        row["rel_diff_vs_plugin"] = round(float((mine - theirs).norm() / theirs.norm()), 5)
+        rowsout.append(row)
     return rowsout
 
 
@@ -152,37 +148,49 @@ def bench_moe(tokens, rng):
         ids = torch.stack([torch.randperm(experts)[:topk] for _ in range(n)]).to(torch.int32).cuda()
         wts = torch.rand(n, topk, device="cuda")
         plugin = [lambda a=a, b=b: pmoe._fused_moe_gguf(x, a, b, wts, ids, q13, q2, "silu") for a, b in zip(w13s, w2s)]
-        ours = [lambda a=a, b=b: kquant.moe(x, a, b, wts, ids, q13, q2, act, silu=True, staged=True)
-                for a, b in zip(w13s, w2s)]
-        five = [lambda a=a, b=b: kquant.moe(x, a, b, wts, ids, q13, q2, act, staged=False) for a, b in zip(w13s, w2s)]
-        mine, theirs = (ours if kquant.MOE_STAGED else five)[0]().float(), plugin[0]().float()
-        out.append({"op": name, "tokens": n, "weight_MB_read": round(nbytes * min(1.0, n * topk / experts) / 1e6, 1),
-                    "plugin_us": round(_graph_time_us(plugin), 2), "staged_us": round(_graph_time_us(ours), 2),
-                    "unstaged_us": round(_graph_time_us(five), 2), "default": _form(kquant.MOE_STAGED),
-                    "rel_diff_vs_plugin": round(float((mine - theirs).norm() / theirs.norm()), 5)})
+        # the bytes of the distinct experts this routing reads (the grouped form reads each once)
+        distinct = len(set(ids.flatten().tolist()))
+        row = {"op": name, "tokens": n, "weight_MB_read": round(nbytes * distinct / experts / 1e6, 1),
+               "plugin_us": round(_graph_time_us(plugin), 2), "default": kquant.moe_form(n, topk, hidden, inter)}
+        for form in kquant.FORMS_MOE:
+            row[f"{form}_us"] = round(_graph_time_us([lambda a=a, b=b, f=form: kquant.moe(
+                x, a, b, wts, ids, q13, q2, act, silu=True, form=f) for a, b in zip(w13s, w2s)]), 2)
+        mine, theirs = kquant.moe(x, w13s[0], w2s[0], wts, ids, q13, q2, act, silu=True).float(), plugin[0]().float()
+        row["rel_diff_vs_plugin"] = round(float((mine - theirs).norm() / theirs.norm()), 5)
+        out.append(row)
     return out
 
 
+def _forms(r) -> list[str]:
+    return [k[:-3] for k in r if k.endswith("_us") and k not in ("plugin_us", "bf16_cublas_us")]
+
+
+def _best_us(r) -> float:
+    return min(r[f"{f}_us"] for f in _forms(r))
+
+
 def report(rows: list[dict], tokens: list[int]) -> tuple[str, dict]:
-    """The markdown table of ``rows`` and, per token count, the per-step sums (ms) of one decode step."""
+    """The markdown table of ``rows`` and, per token count, the per-step sums (ms) of one decode step: the
+    plugin's, fastcomm's in the forms its policy takes, and in the fastest form of each product."""
     per_layer = {name: layers for name, _, _, layers in LINEARS}
     per_layer[MOE[0]] = MOE[-1]
-    lines = ["| op | tokens | MB | plugin us | fastcomm us (default form) | speed-up | staged us | unstaged us | "
-             "bf16 cuBLAS us | rel diff |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| op | tokens | MB | plugin us | fastcomm us (policy's form) | speed-up | every form, us | "
+             "bf16 cuBLAS us | rel diff |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mb = r.get("weight_MB", r.get("weight_MB_read"))
+        forms = ", ".join(f"{f} {r[f'{f}_us']}" for f in _forms(r))
         lines.append(f"| {r['op']} | {r['tokens']} | {mb} | {r['plugin_us']} | {_default_us(r)} ({r['default']}) | "
-                     f"{r['plugin_us'] / _default_us(r):.2f}x | {r['staged_us']} | {r['unstaged_us']} | "
-                     f"{r.get('bf16_cublas_us', '-')} | {r['rel_diff_vs_plugin']} |")
+                     f"{r['plugin_us'] / _default_us(r):.2f}x | {forms} | {r.get('bf16_cublas_us', '-')} | "
+                     f"{r['rel_diff_vs_plugin']} |")
     steps = {}
     for n in tokens:
         sel = [r for r in rows if r["tokens"] == n]
-        steps[n] = {k: round(sum(r[k] * per_layer[r["op"]] for r in sel) / 1000, 2)
-                    for k in ("plugin_us", "staged_us", "unstaged_us")}
-        steps[n]["fastcomm_default_us"] = round(sum(_default_us(r) * per_layer[r["op"]] for r in sel) / 1000, 2)
+        weigh = lambda us: round(sum(us(r) * per_layer[r["op"]] for r in sel) / 1000, 2)  # noqa: E731
+        steps[n] = {"plugin_us": weigh(lambda r: r["plugin_us"]), "fastcomm_default_us": weigh(_default_us),
+                    "fastcomm_best_us": weigh(_best_us)}
         lines.append(f"# per decode step at {n} token(s), these products only (ms): plugin {steps[n]['plugin_us']}, "
-                     f"fastcomm {steps[n]['fastcomm_default_us']} (all staged {steps[n]['staged_us']}, all "
-                     f"unstaged {steps[n]['unstaged_us']})")
+                     f"fastcomm {steps[n]['fastcomm_default_us']} (the fastest form of each: "
+                     f"{steps[n]['fastcomm_best_us']})")
     return "\n".join(lines), steps
 
 

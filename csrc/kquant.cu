@@ -1,43 +1,20 @@
-// The launch file of the K-quant decode kernels (kquant.cuh): extern "C" entry points by plain names,
+// The launch file of the K-quant decode kernels (kquant.cuh, kquant_mma.cuh): extern "C" entry points by
+// plain names,
 //   fc_kq_quantize_<dt>           activations (n rows of `cols`) to int8 chunks + (scale, sum)
-//   fc_kq_gemv<N>_<dt>            up to N vectors against up to FC_KQ_MAX_SEGS row segments of a weight
-//   fc_kq_moe_up_<dt>             one row of an expert per (token, expert) pair
-//   fc_kq_moe_down_<dt>           per token: the router-weighted sum over its experts
-// and the staged forms, one launch each, which quantize their activations into shared memory first:
-//   fc_kq_gemvs<N>_<dt>           as fc_kq_gemv<N>, from the activations themselves
-//   fc_kq_moe_up_silu_<dt>        gate and up rows of each pair, then silu(gate) * up: the activation rows
-//                                 (measured slower than the five-launch MoE on an H200; not the default)
-//   fc_kq_moe_down_s_<dt>         as fc_kq_moe_down, from the activation rows themselves
-// <dt> is the activations' and the output's dtype. Host side: fastcomm_vllm/gguf/kquant.py.
+//   fc_kq_quantize_silu_<dt>      the same of silu(gate) * up, rows [gate | up] of 2 cols (vLLM's silu_and_mul)
+//   fc_kq_gemv<N>_<dt>            up to N vectors against up to FC_KQ_MAX_SEGS row segments of a weight (dp4a)
+//   fc_kq_gemvs<N>_<dt>           the same in one launch: the activations quantized into shared memory first
+//   fc_kq_mma_<dt>                the same on the tensor cores: 16-row tiles, up to 8 vectors
+//   fc_kq_moe_up_<dt>             one row of an expert per (token, expert) pair (dp4a)
+//   fc_kq_moe_down_<dt>           per token: the router-weighted sum over its experts (dp4a)
+//   fc_kq_moe_mma_up_<dt>         grouped by expert on the tensor cores: each expert's rows once for its pairs
+//   fc_kq_moe_mma_down            the same for the down rows, one fp32 row per pair
+//   fc_kq_moe_sum_<dt>            per token: the router-weighted sum of its pairs' fp32 rows
+// <dt> is the activations' and the output's dtype. Host side: fastcomm_vllm/gguf/kquant.py; the C ABI's one
+// mirror: fastcomm/abi.py.
 #include "dtypes.cuh"
 #include "kquant.cuh"
-
-// Row segments of one weight: rows [row0, row0 + rows) of the launch read `w` (row i at w + i * row_stride,
-// so a plugin's padded multi-shard tensor is read in place) as `type`, into output columns from out_col.
-struct KqSeg {
-  const kq_u8* w;
-  kq_u64 row_stride;
-  int type, rows, row0, out_col;
-};
-struct KqSegs {
-  KqSeg s[FC_KQ_MAX_SEGS];
-  int nseg, total_rows;
-};
-
-// The segment holding row r, read with constant indices only (a dynamic index would copy the table to local
-// memory).
-__device__ __forceinline__ KqSeg kq_segment(const KqSegs& segs, int r) {
-  KqSeg sg = segs.s[0];
-  sg.row0 = 0;
-#pragma unroll
-  for (int i = 1; i < FC_KQ_MAX_SEGS; ++i) {
-    if (i < segs.nseg && r >= segs.s[i].row0) {
-      sg.w = segs.s[i].w, sg.row_stride = segs.s[i].row_stride, sg.type = segs.s[i].type;
-      sg.row0 = segs.s[i].row0, sg.out_col = segs.s[i].out_col;
-    }
-  }
-  return sg;
-}
+#include "kquant_mma.cuh"
 
 __device__ __forceinline__ float kq_warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);  // the same tree in every warp
@@ -84,7 +61,9 @@ __device__ __forceinline__ void kq_row_any(int type, const kq_u8* row, const kq_
   }
 }
 
-template <typename D>
+// SILU: the rows are [gate | up] of 2 cols values and the vector is silu(gate) * up, each rounded to the dtype
+// as vLLM's silu_and_mul hands it over (silu, then the product).
+template <typename D, bool SILU>
 __device__ void kq_quantize(const typename D::raw* x, int n, int cols, kq_u64 x_stride, kq_u32* xq, float2* xds) {
   const int chunks = cols / FC_KQ_CHUNK;
   const kq_u64 i = (kq_u64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -92,7 +71,14 @@ __device__ void kq_quantize(const typename D::raw* x, int n, int cols, kq_u64 x_
   const int v = (int)(i / chunks), c = (int)(i % chunks);
   const typename D::raw* src = x + v * x_stride + (kq_u64)c * FC_KQ_CHUNK;
   float f[FC_KQ_CHUNK];
-  for (int l = 0; l < FC_KQ_CHUNK; ++l) f[l] = D::to_f(src[l]);
+  for (int l = 0; l < FC_KQ_CHUNK; ++l) {
+    if (SILU) {
+      const float gate = D::to_f(src[l]), silu = D::to_f(D::from_f(gate / (1.f + expf(-gate))));
+      f[l] = D::to_f(D::from_f(silu * D::to_f(src[l + cols])));
+    } else {
+      f[l] = D::to_f(src[l]);
+    }
+  }
   kq_u32 q[8];
   float d, s;
   kq_quantize_chunk(f, q, &d, &s);
@@ -274,73 +260,6 @@ __device__ void kq_gemv_s(const KqSegs& segs, const typename D::raw* x, int n, i
   }
 }
 
-// Pair p = token * topk + k, activation row i: gate row i and up row inter + i of expert topk_ids[p] against
-// the token's vector, each rounded to the dtype as an unfused up projection would hand them over, then
-// act[p, i] = silu(gate) * up (vLLM's silu_and_mul). A warp's consecutive items are rows of one pair.
-template <typename D>
-__device__ void kq_moe_up_silu_s(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int inter,
-                                 int cols, const int* topk_ids, int topk, int tokens, const typename D::raw* x,
-                                 kq_u64 x_stride, typename D::raw* act) {
-  extern __shared__ uint4 kq_smem[];
-  const KqStage xs = kq_stage<D>(x, tokens, cols, x_stride, kq_smem);
-  const int warps = blockDim.x >> 5;
-  const kq_u64 items = (kq_u64)tokens * topk * inter;
-  for (kq_u64 it = (kq_u64)blockIdx.x * warps + (threadIdx.x >> 5); it < items; it += (kq_u64)gridDim.x * warps) {
-    const int p = (int)(it / inter), i = (int)(it - (kq_u64)p * inter);
-    const kq_u8* e = w + (kq_u64)topk_ids[p] * expert_stride;
-    float g[1] = {0.f}, u[1] = {0.f};
-    kq_row_s_any<1>(type, e + (kq_u64)i * row_stride, xs, p / topk, 1, g);
-    kq_row_s_any<1>(type, e + (kq_u64)(inter + i) * row_stride, xs, p / topk, 1, u);
-    const float gs = D::to_f(D::from_f(kq_warp_sum(g[0]))), us = D::to_f(D::from_f(kq_warp_sum(u[0])));
-    if ((threadIdx.x & 31) == 0) act[(kq_u64)p * inter + i] = D::from_f(gs / (1.f + __expf(-gs)) * us);
-  }
-}
-
-// Token t, row r: the router-weighted sum over its experts, the (k, chunk) steps dealt to the lanes as one
-// sequence (as kq_moe_down_lane), from the staged activation rows of its pairs.
-template <typename D, int T>
-__device__ __forceinline__ float kq_moe_down_s_lane(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int r,
-                                                    const int* ids, const float* wt, int topk, int v0,
-                                                    const KqStage& a) {
-  float acc = 0.f;
-#pragma unroll 2
-  for (int s = threadIdx.x & 31; s < topk * a.chunks; s += 32) {
-    const int k = s / a.chunks, c = s - k * a.chunks;
-    KqChunk ch;
-    kq_decode_chunk(T, w + (kq_u64)ids[k] * expert_stride + (kq_u64)r * row_stride, c, &ch);
-    const int i = (v0 + k) * a.chunks + c;
-    const uint4 qa = a.qa[i], qb = a.qb[i];
-    const kq_u32 q[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
-    const float2 ds = a.ds[i];
-    acc += wt[k] * kq_chunk_dot(ch, q, ds.x, ds.y);
-  }
-  return acc;
-}
-
-template <typename D>
-__device__ void kq_moe_down_s(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows, int cols,
-                              const int* topk_ids, const float* topk_weights, int topk, int tokens,
-                              const typename D::raw* act, kq_u64 act_stride, typename D::raw* out) {
-  extern __shared__ uint4 kq_smem[];
-  const KqStage as = kq_stage<D>(act, tokens * topk, cols, act_stride, kq_smem);
-  const int warps = blockDim.x >> 5;
-  const kq_u64 items = (kq_u64)tokens * rows;
-  for (kq_u64 it = (kq_u64)blockIdx.x * warps + (threadIdx.x >> 5); it < items; it += (kq_u64)gridDim.x * warps) {
-    const int t = (int)(it / rows), r = (int)(it - (kq_u64)t * rows);
-    const int* ids = topk_ids + (kq_u64)t * topk;
-    const float* wt = topk_weights + (kq_u64)t * topk;
-    float acc;
-    switch (type) {
-      case FC_KQ_Q4_K: acc = kq_moe_down_s_lane<D, FC_KQ_Q4_K>(w, expert_stride, row_stride, r, ids, wt, topk, t * topk, as); break;
-      case FC_KQ_Q5_K: acc = kq_moe_down_s_lane<D, FC_KQ_Q5_K>(w, expert_stride, row_stride, r, ids, wt, topk, t * topk, as); break;
-      case FC_KQ_Q6_K: acc = kq_moe_down_s_lane<D, FC_KQ_Q6_K>(w, expert_stride, row_stride, r, ids, wt, topk, t * topk, as); break;
-      default: acc = kq_moe_down_s_lane<D, FC_KQ_Q8_0>(w, expert_stride, row_stride, r, ids, wt, topk, t * topk, as); break;
-    }
-    const float sum = kq_warp_sum(acc);
-    if ((threadIdx.x & 31) == 0) out[(kq_u64)t * rows + r] = D::from_f(sum);
-  }
-}
-
 #define FC_KQ_DEFINE_GEMVS(NAME, D, N)                                                                       \
   extern "C" __global__ void __launch_bounds__(FC_KQ_STAGED_THREADS)                                         \
       fc_kq_gemvs##N##_##NAME(KqSegs segs, const D::raw* x, int n, int cols, kq_u64 x_stride, D::raw* out,  \
@@ -358,7 +277,11 @@ __device__ void kq_moe_down_s(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_s
 #define FC_KQ_DEFINE(NAME, D)                                                                                \
   extern "C" __global__ void __launch_bounds__(256)                                                          \
       fc_kq_quantize_##NAME(const D::raw* x, int n, int cols, kq_u64 x_stride, kq_u32* xq, float2* xds) {    \
-    kq_quantize<D>(x, n, cols, x_stride, xq, xds);                                                           \
+    kq_quantize<D, false>(x, n, cols, x_stride, xq, xds);                                                    \
+  }                                                                                                          \
+  extern "C" __global__ void __launch_bounds__(256)                                                          \
+      fc_kq_quantize_silu_##NAME(const D::raw* x, int n, int cols, kq_u64 x_stride, kq_u32* xq, float2* xds) { \
+    kq_quantize<D, true>(x, n, cols, x_stride, xq, xds);                                                     \
   }                                                                                                          \
   FC_KQ_DEFINE_GEMV(NAME, D, 1)                                                                              \
   FC_KQ_DEFINE_GEMV(NAME, D, 2)                                                                              \
@@ -368,19 +291,10 @@ __device__ void kq_moe_down_s(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_s
   FC_KQ_DEFINE_GEMVS(NAME, D, 2)                                                                             \
   FC_KQ_DEFINE_GEMVS(NAME, D, 4)                                                                             \
   FC_KQ_DEFINE_GEMVS(NAME, D, 8)                                                                             \
-  extern "C" __global__ void __launch_bounds__(FC_KQ_STAGED_THREADS)                                         \
-      fc_kq_moe_up_silu_##NAME(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int inter,  \
-                               int cols, const int* topk_ids, int topk, int tokens, const D::raw* x,          \
-                               kq_u64 x_stride, D::raw* act) {                                               \
-    kq_moe_up_silu_s<D>(w, expert_stride, row_stride, type, inter, cols, topk_ids, topk, tokens, x, x_stride, \
-                        act);                                                                                \
-  }                                                                                                          \
-  extern "C" __global__ void __launch_bounds__(FC_KQ_STAGED_THREADS)                                         \
-      fc_kq_moe_down_s_##NAME(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows,   \
-                              int cols, const int* topk_ids, const float* topk_weights, int topk, int tokens, \
-                              const D::raw* act, kq_u64 act_stride, D::raw* out) {                           \
-    kq_moe_down_s<D>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk_weights, topk, tokens, act, \
-                     act_stride, out);                                                                       \
+  extern "C" __global__ void __launch_bounds__(32 * FC_KQ_MMA_WARPS)                                         \
+      fc_kq_mma_##NAME(KqSegs segs, const kq_u32* xq, const float2* xds, int n, int cols, D::raw* out,      \
+                       kq_u64 out_stride) {                                                                  \
+    kq_mma_gemv<D>(segs, xq, xds, n, cols, out, out_stride);                                                 \
   }                                                                                                          \
   extern "C" __global__ void __launch_bounds__(FC_KQ_THREADS)                                                \
       fc_kq_moe_up_##NAME(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows,       \
@@ -394,8 +308,26 @@ __device__ void kq_moe_down_s(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_s
                             const kq_u32* xq, const float2* xds, D::raw* out) {                              \
     kq_moe_down<D>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk_weights, topk, xq, xds,    \
                    out);                                                                                     \
+  }                                                                                                          \
+  extern "C" __global__ void __launch_bounds__(32 * FC_KQ_MMA_WARPS)                                         \
+      fc_kq_moe_mma_up_##NAME(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows,   \
+                              int cols, const int* topk_ids, int topk, int pairs, const kq_u32* xq,          \
+                              const float2* xds, D::raw* out) {                                              \
+    kq_mma_moe<D, true>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, pairs, xq, xds, out); \
+  }                                                                                                          \
+  extern "C" __global__ void __launch_bounds__(256)                                                          \
+      fc_kq_moe_sum_##NAME(const float* y, const int* topk_ids, const float* topk_weights, int topk,         \
+                           int experts, int tokens, int rows, D::raw* out) {                                 \
+    kq_moe_sum<D>(y, topk_ids, topk_weights, topk, experts, tokens, rows, out);                              \
   }
 
 FC_KQ_DEFINE(bf16, FcBF16)
 FC_KQ_DEFINE(f16, FcF16)
 FC_KQ_DEFINE(f32, FcF32)
+
+// The down rows' output is fp32 whatever the dtype (kq_moe_sum rounds once), so one entry serves all three.
+extern "C" __global__ void __launch_bounds__(32 * FC_KQ_MMA_WARPS)
+    fc_kq_moe_mma_down(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows, int cols,
+                       const int* topk_ids, int topk, int pairs, const kq_u32* xq, const float2* xds, float* out) {
+  kq_mma_moe<FcF32, false>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, pairs, xq, xds, out);
+}

@@ -38,6 +38,7 @@ typedef int8_t kq_i8;
 #define FC_KQ_Q5_K 13
 #define FC_KQ_Q6_K 14
 #define FC_KQ_CHUNK 32  // values per activation scale and per lane step
+#define FC_KQ_UNIT 256  // values of a K-quant super-block (eight Q8_0 blocks): the mma forms' step along a row
 #define FC_KQ_MAX_VECS 8
 #define FC_KQ_MAX_SEGS 4
 #define FC_KQ_ROWS_PER_BLOCK 4  // one warp per row
@@ -48,6 +49,33 @@ FC_KQ_HD int kq_block_bytes(int type) {
   return type == FC_KQ_Q4_K ? 144 : type == FC_KQ_Q5_K ? 176 : type == FC_KQ_Q6_K ? 210 : type == FC_KQ_Q8_0 ? 34 : 0;
 }
 FC_KQ_HD int kq_block_values(int type) { return type == FC_KQ_Q8_0 ? 32 : 256; }
+
+// Row segments of one weight: rows [row0, row0 + rows) of the launch read `w` (row i at w + i * row_stride,
+// so a plugin's padded multi-shard tensor is read in place) as `type`, into output columns from out_col.
+struct KqSeg {
+  const kq_u8* w;
+  kq_u64 row_stride;
+  int type, rows, row0, out_col;
+};
+struct KqSegs {
+  KqSeg s[FC_KQ_MAX_SEGS];
+  int nseg, total_rows;
+};
+
+// The segment holding row r, read with constant indices only (a dynamic index would copy the table to local
+// memory).
+FC_KQ_HD KqSeg kq_segment(const KqSegs& segs, int r) {
+  KqSeg sg = segs.s[0];
+  sg.row0 = 0;
+#pragma unroll
+  for (int i = 1; i < FC_KQ_MAX_SEGS; ++i) {
+    if (i < segs.nseg && r >= segs.s[i].row0) {
+      sg.w = segs.s[i].w, sg.row_stride = segs.s[i].row_stride, sg.type = segs.s[i].type;
+      sg.row0 = segs.s[i].row0, sg.out_col = segs.s[i].out_col;
+    }
+  }
+  return sg;
+}
 
 // ---- primitives with a host twin ---------------------------------------------------------------------------
 
@@ -110,6 +138,15 @@ FC_KQ_HD void kq_load16(const kq_u8* p, kq_u32 w[4]) {
   w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
 #else
   memcpy(w, p, 16);
+#endif
+}
+
+FC_KQ_HD void kq_load8(const kq_u8* p, kq_u32 w[2]) {  // p 8-byte aligned
+#if defined(__CUDA_ARCH__)
+  const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+  w[0] = v.x; w[1] = v.y;
+#else
+  memcpy(w, p, 8);
 #endif
 }
 
@@ -249,4 +286,100 @@ FC_KQ_HD void kq_quantize_chunk(const float* x, kq_u32 q[8], float* d, float* s)
   }
   *d = dd;
   *s = sum;
+}
+
+// ---- tensor-core operands: one chunk of a row, the part one thread feeds to mma.sync --------------------
+// The mma forms (kquant_mma.cuh) multiply a 16-row tile by up to 8 activation vectors with int8 mma.sync:
+// m16n8k32 per 32-value chunk for Q4_K / Q5_K / Q8_0 (one scale per chunk), m16n8k16 per 16-value half for
+// Q6_K (a scale per half). Thread (g, t) of a warp (g = lane / 4, t = lane % 4) gives rows g and g + 8 the
+// int8 operands of k-ints t and 4 + t (m16n8k16: k-int t), and vector g's operands at the same k-ints. Which
+// of a chunk's values stand at a k-int is free, so long as the activations make the same choice (an integer
+// dot is exact in any order): words 2t and 2t + 1 of the chunk (values 8t .. 8t + 7), so each thread reads
+// 8 consecutive bytes of a row; Q6_K: word t of each half (values 16 h + 4t .. 16 h + 4t + 3).
+struct KqFrag {
+  kq_u32 q[2];     // the two operand words (Q6_K: one per half)
+  float mul[2];    // scale of the integer dot over the words' half (equal unless Q6_K)
+  float sub;       // times the activation chunk's sum (Q4_K / Q5_K mins)
+};
+
+// A thread's words of one 256-value unit of a row (a super-block; eight Q8_0 blocks), loaded once per unit
+// so that its 8 chunks decode from registers (a header or a byte group serves several chunks).
+//   Q4_K: header (d, dmin, scales) w[0..3], then per sub-block pair p its qs bytes 8t .. 8t + 7: w[4 + 2p ..]
+//   Q5_K: header w[0..3], qh bytes 8t .. 8t + 7: w[4..5], qs per pair: w[6 + 2p ..]
+//   Q6_K: ql word (half h, odd/even g, 16-value half s): w[4 h + 2 (g % 2) + s]; qh word (h, s): w[8 + 2 h + s];
+//         the 16 int8 scales: w[12..15]; d: w[16]
+//   Q8_0: block m: d w[3 m], bytes 8t .. 8t + 7 of its values w[3 m + 1 ..]
+#define FC_KQ_UNIT_WORDS 24
+struct KqUnit {
+  kq_u32 w[FC_KQ_UNIT_WORDS];
+};
+
+FC_KQ_HD void kq_unit_load(int type, const kq_u8* row, int u, int t, KqUnit* r) {
+  kq_u32* w = r->w;
+  if (type == FC_KQ_Q4_K || type == FC_KQ_Q5_K) {
+    const kq_u8* b = row + (kq_u64)u * kq_block_bytes(type);
+    kq_load16(b, w);
+    const int qs = type == FC_KQ_Q5_K ? 6 : 4;
+    if (type == FC_KQ_Q5_K) kq_load8(b + 16 + 8 * t, w + 4);
+    for (int p = 0; p < 4; ++p) kq_load8(b + (type == FC_KQ_Q5_K ? 48 : 16) + 32 * p + 8 * t, w + qs + 2 * p);
+  } else if (type == FC_KQ_Q6_K) {
+    const kq_u8* b = row + (kq_u64)u * 210;
+    for (int i = 0; i < 8; ++i) {  // i = 4 h + 2 a + s: ql[64 h + 32 a + 16 s + 4t ..]
+      const int h = i >> 2, a = (i >> 1) & 1, s = i & 1;
+      kq_load_even<1>(b + 64 * h + 32 * a + 16 * s + 4 * t, w + i);
+    }
+    for (int i = 0; i < 4; ++i) kq_load_even<1>(b + 128 + 32 * (i >> 1) + 16 * (i & 1) + 4 * t, w + 8 + i);
+    kq_load_even<4>(b + 192, w + 12);
+    kq_load_even<1>(b + 208, w + 16);
+  } else {  // FC_KQ_Q8_0
+    for (int m = 0; m < 8; ++m) {
+      const kq_u8* b = row + (kq_u64)(u * 8 + m) * 34;
+      kq_load_even<1>(b, w + 3 * m);
+      kq_load_even<2>(b + 2 + 8 * t, w + 3 * m + 1);
+    }
+  }
+}
+
+// Chunk m (0-7) of the unit, decoded from the thread's words.
+FC_KQ_HD void kq_unit_chunk(int type, const KqUnit& r, int m, KqFrag* f) {
+  const kq_u32* w = r.w;
+  if (type == FC_KQ_Q4_K || type == FC_KQ_Q5_K) {
+    // As kq_decode_chunk: sub-block m takes nibble m % 2 of qs[32 (m / 2) + l] (and bit m of qh[l], Q5_K).
+    const int nib = (m & 1) * 4, qs = (type == FC_KQ_Q5_K ? 6 : 4) + 2 * (m >> 1);
+    for (int i = 0; i < 2; ++i) {
+      f->q[i] = (w[qs + i] >> nib) & 0x0F0F0F0Fu;
+      if (type == FC_KQ_Q5_K) f->q[i] |= ((w[4 + i] >> m) & 0x01010101u) << 4;
+    }
+    int sc, mn;
+    kq_scale_min_k4(w, m, &sc, &mn);
+    f->mul[0] = f->mul[1] = kq_half(w[0]) * (float)sc;
+    f->sub = kq_half(w[0] >> 16) * (float)mn;
+  } else if (type == FC_KQ_Q6_K) {
+    // As kq_decode_chunk: value 128 h + 32 g + l from ql[64 h + 32 (g % 2) + l] (nibble g / 2) and qh[32 h + l]
+    // (bits 2g), minus 32; scale 8 h + 2 g + l / 16.
+    const int h = m >> 2, g = m & 3, nib = (g >> 1) * 4, hs = 2 * g;
+    const float d = kq_half(w[16]);
+    for (int s = 0; s < 2; ++s) {
+      const kq_u32 ql = w[4 * h + 2 * (g & 1) + s], qh = w[8 + 2 * h + s];
+      f->q[s] = kq_vsub4(((ql >> nib) & 0x0F0F0F0Fu) | (((qh >> hs) & 0x03030303u) << 4), 0x20202020u);
+      const int k = 8 * h + 2 * g + s;
+      f->mul[s] = d * (float)(kq_i8)((w[12 + (k >> 2)] >> (8 * (k & 3))) & 0xFF);
+    }
+    f->sub = 0.f;
+  } else {  // FC_KQ_Q8_0
+    f->q[0] = w[3 * m + 1];
+    f->q[1] = w[3 * m + 2];
+    f->mul[0] = f->mul[1] = kq_half(w[3 * m]);
+    f->sub = 0.f;
+  }
+}
+
+// Vector g's operand words for the same k-ints, from its quantized chunk (8 words, 16-byte aligned).
+FC_KQ_HD void kq_frag_x(int type, const kq_u32* xw, int t, kq_u32 b[2]) {
+  if (type == FC_KQ_Q6_K) {
+    b[0] = kq_load_word(reinterpret_cast<const kq_u8*>(xw + t));
+    b[1] = kq_load_word(reinterpret_cast<const kq_u8*>(xw + 4 + t));
+  } else {
+    kq_load8(reinterpret_cast<const kq_u8*>(xw + 2 * t), b);
+  }
 }

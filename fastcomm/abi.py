@@ -1,10 +1,11 @@
-"""The one mirror of csrc's C ABI: constants, group and step ids, the structs, and the kernel table.
+"""The one mirror of csrc's C ABI: constants, group and step ids, the structs, and the kernel tables.
 
 Everything the host shares with the device is declared here and nowhere else: ``struct FcTable`` and
 ``struct FcError`` (csrc/common.cuh) as ctypes structures, the FC_* constants, and every ``extern "C"``
-kernel of csrc/kernels.cu with its parameter types, from which launches are packed. tests/test_abi.py reads
-the CUDA sources and checks this module against them, so a change on one side that is not made on the
-other fails on the CPU, before any GPU sees it.
+kernel of csrc/kernels.cu with its parameter types, from which launches are packed; likewise the GGUF
+K-quant decode kernels' unit (csrc/kquant.cuh, kquant_mma.cuh, kquant.cu: FC_KQ_*, ``struct KqSegs``, the
+KQ_* kernels). tests/test_abi.py reads the CUDA sources and checks this module against them, so a change on
+one side that is not made on the other fails on the CPU, before any GPU sees it.
 """
 from __future__ import annotations
 
@@ -93,7 +94,8 @@ SCRATCH_BYTES = MAX_BLOCKS * 2 * PACKET_BYTES  # per group: two packets per bloc
 
 # ---- kernels ---------------------------------------------------------------------------------------------
 
-_CTYPES = {"ptr": ctypes.c_uint64, "u64": ctypes.c_uint64, "u32": ctypes.c_uint32, "f32": ctypes.c_float}
+_CTYPES = {"ptr": ctypes.c_uint64, "u64": ctypes.c_uint64, "u32": ctypes.c_uint32, "f32": ctypes.c_float,
+           "i32": ctypes.c_int32}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +103,7 @@ class Kernel:
     """One kernel family of kernels.cu: ``fc_<family><variant>_<dtype suffix>`` for each dtype and variant."""
 
     family: str
-    params: tuple[tuple[str, str], ...]   # (name, type): type is ptr / u64 / u32 / f32
+    params: tuple[tuple[str, str], ...]   # (name, type): ptr / u64 / u32 / i32 / f32, or a struct below by value
     variants: tuple[str, ...] = ("",)
     typed: bool = True                    # one entry point per dtype (fc_<family>_<suffix>), or just fc_<family>
 
@@ -120,7 +122,10 @@ class Kernel:
         if len(args) != len(self.params):
             names = ", ".join(n for n, _ in self.params)
             raise TypeError(f"{self.family} takes {len(self.params)} arguments ({names}), got {len(args)}")
-        values = [_CTYPES[t](a) for (_, t), a in zip(self.params, args)]
+        values = [a if t in _STRUCTS else _CTYPES[t](a) for (_, t), a in zip(self.params, args)]
+        for (name, t), v in zip(self.params, values):
+            if t in _STRUCTS and not isinstance(v, _STRUCTS[t]):
+                raise TypeError(f"{self.family}: {name} must be a {_STRUCTS[t].__name__}, got {type(v).__name__}")
         return PackedArgs(values)
 
 
@@ -172,3 +177,58 @@ FUSED_MAX_CLUSTER = 8
 P2P_CHECK = Kernel("p2p_check", (("dst", "ptr"), ("pattern", "u64"), ("count", "u32")), typed=False)
 KERNELS = (ONE_SHOT, ONE_SHOT_ISLANDS, TWO_SHOT, TWO_SHOT_LL, PULL, PULL2, FUSED_RMSNORM, FUSED_RMSNORM_ISLANDS,
            FUSED_TWO_SHOT, FUSED_CLUSTER, P2P_CHECK, TWO_SHOT_ISLANDS)
+
+
+# ---- GGUF K-quant decode kernels (the "kquant" unit: csrc/kquant.cuh, kquant_mma.cuh, kquant.cu) ------------
+# ggml type ids the kernels read (FC_KQ_<type>, gguf.GGMLQuantizationType).
+KQ_Q8_0, KQ_Q4_K, KQ_Q5_K, KQ_Q6_K = 8, 12, 13, 14
+KQ_CHUNK = 32            # FC_KQ_CHUNK: values per activation scale
+KQ_UNIT = 256            # FC_KQ_UNIT: a super-block, the mma forms' step along a row
+KQ_MAX_VECS = 8          # FC_KQ_MAX_VECS: vectors of one dense launch
+KQ_MAX_SEGS = 4          # FC_KQ_MAX_SEGS: row segments of one weight
+KQ_ROWS_PER_BLOCK = 4    # FC_KQ_ROWS_PER_BLOCK: dp4a forms, a warp per row
+KQ_THREADS = 128         # FC_KQ_THREADS
+KQ_STAGED_THREADS = 512  # FC_KQ_STAGED_THREADS (kquant.cu)
+KQ_MMA_ROWS = 16         # FC_KQ_MMA_ROWS (kquant_mma.cuh): rows of a tile
+KQ_MMA_COLS = 8          # FC_KQ_MMA_COLS: vectors per pass
+KQ_MMA_WARPS = 4         # FC_KQ_MMA_WARPS: the most warps a tile
+KQ_MAX_PAIRS = 256       # FC_KQ_MAX_PAIRS: (token, expert) pairs of one grouped MoE launch
+
+
+class KqSeg(ctypes.Structure):
+    """``struct KqSeg``: rows [row0, row0 + rows) of a launch read at w + i * row_stride as ``type``."""
+
+    _fields_ = [("w", ctypes.c_uint64), ("row_stride", ctypes.c_uint64), ("type", ctypes.c_int32),
+                ("rows", ctypes.c_int32), ("row0", ctypes.c_int32), ("out_col", ctypes.c_int32)]
+
+
+class KqSegs(ctypes.Structure):
+    """``struct KqSegs``, passed by value."""
+
+    _fields_ = [("s", KqSeg * KQ_MAX_SEGS), ("nseg", ctypes.c_int32), ("total_rows", ctypes.c_int32)]
+
+
+_STRUCTS = {"segs": KqSegs}
+
+_KQ_VARIANTS = ("1", "2", "4", "8")  # FC_KQ_DEFINE_GEMV / GEMVS: vectors per launch, at most
+_QUANTIZE = (("x", "ptr"), ("n", "i32"), ("cols", "i32"), ("x_stride", "u64"), ("xq", "ptr"), ("xds", "ptr"))
+KQ_QUANTIZE = Kernel("kq_quantize", _QUANTIZE)
+KQ_QUANTIZE_SILU = Kernel("kq_quantize_silu", _QUANTIZE)  # cols: of the activation, half the [gate | up] row
+KQ_GEMV = Kernel("kq_gemv", (("segs", "segs"), ("xq", "ptr"), ("xds", "ptr"), ("n", "i32"), ("cols", "i32"),
+                             ("out", "ptr"), ("out_stride", "u64")), variants=_KQ_VARIANTS)
+KQ_GEMVS = Kernel("kq_gemvs", (("segs", "segs"), ("x", "ptr"), ("n", "i32"), ("cols", "i32"), ("x_stride", "u64"),
+                               ("out", "ptr"), ("out_stride", "u64")), variants=_KQ_VARIANTS)
+KQ_MMA = Kernel("kq_mma", (("segs", "segs"), ("xq", "ptr"), ("xds", "ptr"), ("n", "i32"), ("cols", "i32"),
+                           ("out", "ptr"), ("out_stride", "u64")))
+_EXPERTS = (("w", "ptr"), ("expert_stride", "u64"), ("row_stride", "u64"), ("type", "i32"), ("rows", "i32"),
+            ("cols", "i32"), ("topk_ids", "ptr"))
+KQ_MOE_UP = Kernel("kq_moe_up", _EXPERTS + (("topk", "i32"), ("xq", "ptr"), ("xds", "ptr"), ("out", "ptr")))
+KQ_MOE_DOWN = Kernel("kq_moe_down", _EXPERTS + (("topk_weights", "ptr"), ("topk", "i32"), ("xq", "ptr"),
+                                                ("xds", "ptr"), ("out", "ptr")))
+_GROUPED = _EXPERTS + (("topk", "i32"), ("pairs", "i32"), ("xq", "ptr"), ("xds", "ptr"), ("out", "ptr"))
+KQ_MOE_MMA_UP = Kernel("kq_moe_mma_up", _GROUPED)
+KQ_MOE_MMA_DOWN = Kernel("kq_moe_mma_down", _GROUPED, typed=False)  # fp32 rows whatever the dtype
+KQ_MOE_SUM = Kernel("kq_moe_sum", (("y", "ptr"), ("topk_ids", "ptr"), ("topk_weights", "ptr"), ("topk", "i32"),
+                                   ("experts", "i32"), ("tokens", "i32"), ("rows", "i32"), ("out", "ptr")))
+KQ_KERNELS = (KQ_QUANTIZE, KQ_QUANTIZE_SILU, KQ_GEMV, KQ_GEMVS, KQ_MMA, KQ_MOE_UP, KQ_MOE_DOWN, KQ_MOE_MMA_UP,
+              KQ_MOE_MMA_DOWN, KQ_MOE_SUM)

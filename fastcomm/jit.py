@@ -18,7 +18,8 @@ SOURCES = ("dtypes.cuh", "common.cuh", "one_shot.cuh", "two_shot.cuh", "two_shot
 ENTRY = "kernels.cu"
 # Compile units: the communication kernels, and the GGUF K-quant decode kernels (used by the vLLM
 # integration only, so a process that never serves a GGUF file never compiles them). unit: (sources, entry).
-UNITS = {"comm": (SOURCES, ENTRY), "kquant": (("dtypes.cuh", "kquant.cuh", "kquant.cu"), "kquant.cu")}
+UNITS = {"comm": (SOURCES, ENTRY),
+         "kquant": (("dtypes.cuh", "kquant.cuh", "kquant_mma.cuh", "kquant.cu"), "kquant.cu")}
 OPTIONS = ("-std=c++17", "-default-device")
 
 

@@ -14,7 +14,10 @@ COMMON = (source_dir() / "common.cuh").read_text()
 # Step ids a kernel family adds for itself live in its own file (two_shot_islands.cuh).
 ALL_SOURCES = "\n".join(p.read_text() for p in sorted(source_dir().glob("*.cu*")))
 KERNELS = (source_dir() / "kernels.cu").read_text()
-_C_TYPES = {"u32": "u32", "u64": "u64", "float": "f32", "unsigned": "u32"}
+KQUANT = (source_dir() / "kquant.cu").read_text()
+KQUANT_HEADERS = (source_dir() / "kquant.cuh").read_text() + (source_dir() / "kquant_mma.cuh").read_text()
+_C_TYPES = {"u32": "u32", "u64": "u64", "float": "f32", "unsigned": "u32", "kq_u64": "u64", "int": "i32",
+            "KqSegs": "segs"}
 
 
 def _define(name: str) -> int:
@@ -23,15 +26,18 @@ def _define(name: str) -> int:
     return int(m.group(1))
 
 
-def _struct_fields(name: str) -> list[str]:
-    body = re.search(rf"struct {name} {{(.*?)\n}};", COMMON, re.S).group(1)
+def _struct_fields(name: str, text: str = COMMON) -> list[str]:
+    body = re.search(rf"struct {name} {{(.*?)\n}};", text, re.S).group(1)
     body = re.sub(r"//[^\n]*", "", body)
     names = []
     for decl in body.split(";"):
         decl = decl.strip()
         if not decl or "(" in decl:  # methods
             continue
-        names.append(re.match(r".*?\**\s*(\w+)\s*(\[|$)", decl).group(1))
+        # `int type, rows, row0` declares three fields
+        first, *more = decl.split(",")
+        names.append(re.match(r".*?\**\s*(\w+)\s*(\[|$)", first.strip()).group(1))
+        names += [m.strip() for m in more]
     return names
 
 
@@ -67,9 +73,9 @@ def test_structs_match_field_for_field(struct, mirror, size):
     assert f"static_assert(sizeof({struct}) == {size}," in COMMON
 
 
-def _signature(symbol_pattern: str) -> list[str]:
-    m = re.search(symbol_pattern + r"\s*\(([^)]*)\)", KERNELS)
-    assert m, f"no kernel matching {symbol_pattern} in kernels.cu"
+def _signature(symbol_pattern: str, text: str = KERNELS) -> list[str]:
+    m = re.search(symbol_pattern + r"\s*\(([^)]*)\)", text)
+    assert m, f"no kernel matching {symbol_pattern}"
     types = []
     for param in m.group(1).replace("\\", " ").split(","):
         param = " ".join(param.replace("const ", "").split())
@@ -110,3 +116,48 @@ def test_island_two_shot_timeouts_name_the_step_and_group():
     assert "island two-shot exchange across islands (cross-island partners" in msg
     rec.step, rec.group = abi.STEP_ISL_AG, abi.ISLAND
     assert "island two-shot all-gather (inside the island) (island," in describe(rec, 3.0)
+
+
+# ---- the K-quant decode kernels (kquant.cuh, kquant_mma.cuh, kquant.cu) -----------------------------------
+
+@pytest.mark.parametrize("name,value", [
+    ("FC_KQ_Q8_0", abi.KQ_Q8_0), ("FC_KQ_Q4_K", abi.KQ_Q4_K), ("FC_KQ_Q5_K", abi.KQ_Q5_K), ("FC_KQ_Q6_K", abi.KQ_Q6_K),
+    ("FC_KQ_CHUNK", abi.KQ_CHUNK), ("FC_KQ_UNIT", abi.KQ_UNIT), ("FC_KQ_MAX_VECS", abi.KQ_MAX_VECS),
+    ("FC_KQ_MAX_SEGS", abi.KQ_MAX_SEGS), ("FC_KQ_ROWS_PER_BLOCK", abi.KQ_ROWS_PER_BLOCK),
+    ("FC_KQ_STAGED_THREADS", abi.KQ_STAGED_THREADS), ("FC_KQ_MMA_ROWS", abi.KQ_MMA_ROWS),
+    ("FC_KQ_MMA_COLS", abi.KQ_MMA_COLS), ("FC_KQ_MMA_WARPS", abi.KQ_MMA_WARPS), ("FC_KQ_MAX_PAIRS", abi.KQ_MAX_PAIRS)])
+def test_kquant_constants_match(name, value):
+    found = re.findall(rf"#define {name} (\d+)", KQUANT_HEADERS + KQUANT)
+    assert found == [str(value)], (name, found)  # defined once, with the mirrored value
+
+
+def test_kquant_threads_match():
+    assert re.search(r"#define FC_KQ_THREADS \(32 \* FC_KQ_ROWS_PER_BLOCK\)", KQUANT_HEADERS)
+    assert abi.KQ_THREADS == 32 * abi.KQ_ROWS_PER_BLOCK
+
+
+@pytest.mark.parametrize("struct,mirror", [("KqSeg", abi.KqSeg), ("KqSegs", abi.KqSegs)])
+def test_kquant_structs_match_field_for_field(struct, mirror):
+    assert _struct_fields(struct, KQUANT_HEADERS) == [f[0] for f in mirror._fields_]
+    # by value in the launch: a pointer, a u64 and four ints per segment, then two ints
+    assert ctypes.sizeof(abi.KqSeg) == 32 and ctypes.sizeof(abi.KqSegs) == abi.KQ_MAX_SEGS * 32 + 8
+
+
+@pytest.mark.parametrize("kernel", abi.KQ_KERNELS, ids=lambda k: k.family)
+def test_kquant_kernel_table_matches_kquant_cu(kernel):
+    variant = r"##N##" if kernel.variants != ("",) else ""
+    name = rf"fc_{kernel.family}{variant}_##NAME" if kernel.typed else rf"fc_{kernel.family}"
+    assert _signature(name, KQUANT) == [t for _, t in kernel.params]
+    assert set(abi.DTYPE_SUFFIX.values()) == set(re.findall(r"FC_KQ_DEFINE\((\w+), Fc", KQUANT))
+    if variant:
+        macro = "FC_KQ_DEFINE_GEMV" if kernel.family == "kq_gemv" else "FC_KQ_DEFINE_GEMVS"
+        assert tuple(re.findall(rf"{macro}\(NAME, D, (\d+)\)", KQUANT)) == kernel.variants
+
+
+def test_pack_takes_a_struct_by_value():
+    segs = abi.KqSegs()
+    segs.nseg, segs.total_rows = 1, 16
+    packed = abi.KQ_MMA.pack(segs, 1, 2, 3, 256, 4, 5)
+    assert packed.values[0] is segs and [v.value for v in packed.values[1:]] == [1, 2, 3, 256, 4, 5]
+    with pytest.raises(TypeError, match="segs must be a KqSegs"):
+        abi.KQ_MMA.pack(7, 1, 2, 3, 256, 4, 5)

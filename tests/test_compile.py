@@ -18,9 +18,7 @@ def test_kernels_compile(arch, tmp_path):
     assert jit.cached_cubin(arch, tmp_path) == path
 
 
-KQUANT_SYMBOLS = [f"fc_kq_{k}_{d}" for d in ("bf16", "f16", "f32")
-                  for k in ("quantize", "gemv1", "gemv2", "gemv4", "gemv8", "moe_up", "moe_down",
-                            "gemvs1", "gemvs2", "gemvs4", "gemvs8", "moe_up_silu", "moe_down_s")]
+KQUANT_SYMBOLS = [sym for kernel in abi.KQ_KERNELS for sym in kernel.symbols()]
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_120"])

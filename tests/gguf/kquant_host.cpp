@@ -1,15 +1,118 @@
 // Host twin of the K-quant decode kernels' chunk math (csrc/kquant.cuh), for tests/gguf/test_kquant_host.py.
-// stdin: int32 type, rows, cols, n; uint8 weights[rows * row_bytes]; float x[n * cols].
-// stdout: float out[n * rows], each row summed as a warp does: lane l holds chunks l, l + 32, ..., and the
-// 32 lane partials meet in the xor tree of kq_warp_sum.
+// stdin: int32 type, rows, cols, n, warps; uint8 weights[rows * row_bytes]; float x[n * cols].
+// stdout: float out[n * rows].
+// warps = 0: the dp4a forms: each row summed as a warp does, lane l holding chunks l, l + 32, ..., the 32
+//   lane partials meeting in the xor tree of kq_warp_sum.
+// warps = W > 0: the mma forms (kquant_mma.cuh) with W warps a tile: every lane's operands from
+//   kq_unit_load / kq_unit_chunk / kq_frag_x, the int8 mma done as PTX defines its fragments (m16n8k32: A regs
+//   0-3 = (row g, k-int t), (g + 8, t), (g, 4 + t), (g + 8, 4 + t); B regs 0-1 = (k-int t, column g), (4 + t, g);
+//   C regs 0-3 = (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1); m16n8k16: A (g, t), (g + 8, t), B (t, g)),
+//   and the kernel's epilogue and warp-order reduction.
+#include <algorithm>
 #include <cstdio>
 #include <vector>
 #include "kquant.cuh"
 
+static int byte_of(kq_u32 w, int i) { return (int)(kq_i8)((w >> (8 * i)) & 0xFF); }
+
+// C[16][8] of one mma over `kints` k-ints (8: m16n8k32, 4: m16n8k16) from the lanes' registers.
+static void mma(int kints, const kq_u32 a[32][4], const kq_u32 b[32][2], int c[32][4]) {
+  int A[16][32] = {}, B[32][8] = {};
+  for (int lane = 0; lane < 32; ++lane) {
+    const int g = lane / 4, t = lane % 4;
+    const int regs = kints == 8 ? 4 : 2;
+    for (int r = 0; r < regs; ++r)
+      for (int i = 0; i < 4; ++i) A[g + 8 * (r & 1)][4 * (t + 4 * (r >> 1)) + i] = byte_of(a[lane][r], i);
+    for (int r = 0; r < kints / 4; ++r)
+      for (int i = 0; i < 4; ++i) B[4 * (t + 4 * r) + i][g] = byte_of(b[lane][r], i);
+  }
+  for (int lane = 0; lane < 32; ++lane) {
+    const int g = lane / 4, t = lane % 4;
+    for (int j = 0; j < 4; ++j) {
+      const int row = g + 8 * (j >> 1), col = 2 * t + (j & 1);
+      int s = 0;
+      for (int k = 0; k < 4 * kints; ++k) s += A[row][k] * B[k][col];
+      c[lane][j] = s;
+    }
+  }
+}
+
+static void mma_forms(int type, const kq_u8* w, long row_bytes, int rows, int cols, int n, int warps,
+                      const std::vector<kq_u32>& xq, const std::vector<float>& xd, const std::vector<float>& xs,
+                      std::vector<float>& out) {
+  const int chunks = cols / FC_KQ_CHUNK, units = cols / FC_KQ_UNIT;
+  for (int r0 = 0; r0 < rows; r0 += 16) {
+    std::vector<float> acc((size_t)warps * 32 * 4, 0.f);
+    for (int wp = 0; wp < warps; ++wp) {
+      for (int u = wp; u < units; u += warps) {
+        for (int m = 0; m < 8; ++m) {
+          const int c = u * 8 + m;
+          KqFrag fa[32], fb[32];
+          kq_u32 b[32][2];
+          float d[32][2][2];  // [lane][column 2t + j][scale, sum]
+          for (int lane = 0; lane < 32; ++lane) {
+            const int g = lane / 4, t = lane % 4;
+            KqUnit ua, ub;
+            kq_unit_load(type, w + (long)std::min(r0 + g, rows - 1) * row_bytes, u, t, &ua);
+            kq_unit_load(type, w + (long)std::min(r0 + g + 8, rows - 1) * row_bytes, u, t, &ub);
+            kq_unit_chunk(type, ua, m, &fa[lane]);
+            kq_unit_chunk(type, ub, m, &fb[lane]);
+            b[lane][0] = b[lane][1] = 0;
+            if (g < n) kq_frag_x(type, &xq[((size_t)g * chunks + c) * 8], t, b[lane]);
+            for (int j = 0; j < 2; ++j) {
+              const int v = 2 * t + j;
+              d[lane][j][0] = v < n ? xd[(size_t)v * chunks + c] : 0.f;
+              d[lane][j][1] = v < n ? xs[(size_t)v * chunks + c] : 0.f;
+            }
+          }
+          float* a = &acc[(size_t)wp * 128];
+          if (type == FC_KQ_Q6_K) {
+            int lo[32][4], hi[32][4];
+            kq_u32 A[32][4], B[32][2];
+            for (int s = 0; s < 2; ++s) {
+              for (int lane = 0; lane < 32; ++lane) {
+                A[lane][0] = fa[lane].q[s], A[lane][1] = fb[lane].q[s];
+                B[lane][0] = b[lane][s];
+              }
+              mma(4, A, B, s == 0 ? lo : hi);
+            }
+            for (int lane = 0; lane < 32; ++lane)
+              for (int j = 0; j < 4; ++j) {
+                const KqFrag& f = j < 2 ? fa[lane] : fb[lane];
+                a[lane * 4 + j] += d[lane][j & 1][0] * (f.mul[0] * (float)lo[lane][j] + f.mul[1] * (float)hi[lane][j]);
+              }
+          } else {
+            int s[32][4];
+            kq_u32 A[32][4];
+            for (int lane = 0; lane < 32; ++lane) {
+              A[lane][0] = fa[lane].q[0], A[lane][1] = fb[lane].q[0], A[lane][2] = fa[lane].q[1], A[lane][3] = fb[lane].q[1];
+            }
+            mma(8, A, b, s);
+            for (int lane = 0; lane < 32; ++lane)
+              for (int j = 0; j < 4; ++j) {
+                const KqFrag& f = j < 2 ? fa[lane] : fb[lane];
+                a[lane * 4 + j] += d[lane][j & 1][0] * (f.mul[0] * (float)s[lane][j]) - f.sub * d[lane][j & 1][1];
+              }
+          }
+        }
+      }
+    }
+    for (int lane = 0; lane < 32; ++lane) {
+      const int g = lane / 4, t = lane % 4;
+      for (int j = 0; j < 4; ++j) {
+        float sum = acc[lane * 4 + j];
+        for (int wp = 1; wp < warps; ++wp) sum += acc[(size_t)wp * 128 + lane * 4 + j];
+        const int r = r0 + g + 8 * (j >> 1), v = 2 * t + (j & 1);
+        if (r < rows && v < n) out[(size_t)v * rows + r] = sum;
+      }
+    }
+  }
+}
+
 int main() {
-  int hdr[4];
-  if (fread(hdr, 4, 4, stdin) != 4) return 2;
-  const int type = hdr[0], rows = hdr[1], cols = hdr[2], n = hdr[3];
+  int hdr[5];
+  if (fread(hdr, 4, 5, stdin) != 5) return 2;
+  const int type = hdr[0], rows = hdr[1], cols = hdr[2], n = hdr[3], warps = hdr[4];
   const long row_bytes = (long)cols / kq_block_values(type) * kq_block_bytes(type);
   std::vector<kq_u8> w((size_t)rows * row_bytes + 16);
   std::vector<float> x((size_t)n * cols);
@@ -23,6 +126,11 @@ int main() {
       kq_quantize_chunk(&x[(size_t)v * cols + c * FC_KQ_CHUNK], &xq[((size_t)v * chunks + c) * 8],
                         &xd[(size_t)v * chunks + c], &xs[(size_t)v * chunks + c]);
   std::vector<float> out((size_t)n * rows);
+  if (warps > 0) {
+    mma_forms(type, w.data(), row_bytes, rows, cols, n, warps, xq, xd, xs, out);
+    fwrite(out.data(), 4, out.size(), stdout);
+    return 0;
+  }
   for (int r = 0; r < rows; ++r) {
     for (int v = 0; v < n; ++v) {
       float lane[32] = {0};

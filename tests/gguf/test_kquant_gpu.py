@@ -3,9 +3,10 @@
 Activations are chosen so int8 chunk quantization represents them exactly (a scale times integers up to
 127, exact in bf16 too): the kernels must then equal dequantized weights times x up to fp32 sums and the
 output dtype's rounding. Random activations are held to the int8 activation error, and to the plugin's own
-CUDA kernels where the plugin is installed. Also: multi-shard weights stored padded (read in place), MoE up
-and down over (token, expert) pairs, NaN, and a CUDA graph replayed with inputs changed between replays; each for the staged (one-launch) forms and
-the quantize-then-product forms.
+CUDA kernels where the plugin is installed. Also: multi-shard weights stored padded (read in place), the MoE
+(grouped by expert on the tensor cores, and per (token, expert) pair) with repeated and out-of-range expert
+ids, NaN, and CUDA graphs replayed with inputs (and routing) changed between replays; each linear test for
+every form (mma, staged, unstaged: kquant.FORMS_LINEAR), each MoE test for both (kquant.FORMS_MOE).
 Needs a GPU, torch, CuPy and gguf (not vLLM).
 """
 import numpy as np
@@ -42,11 +43,17 @@ def check(got: torch.Tensor, want: np.ndarray, terms: np.ndarray, dtype) -> floa
     return worst
 
 
-@pytest.mark.parametrize("staged", [True, False], ids=["staged", "two-launch"])
+LINEAR_FORMS = ("mma", "staged", "unstaged")
+MOE_FORMS = ("grouped", "pairs")
+
+
+@pytest.mark.parametrize("form", LINEAR_FORMS)
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
-def test_gemv_exact_activations(qtype, n, staged):
+def test_gemv_exact_activations(qtype, n, form):
+    """37 rows: the mma form's last tile is partial; 2048 columns: 8 units over its 4 warps."""
     k = kq()
+    assert set(LINEAR_FORMS) == set(k.FORMS_LINEAR)
     rng = np.random.default_rng(n)
     rows, cols = 37, 2048
     stored, truth = weights(qtype, (rows, cols), seed=11)
@@ -54,13 +61,26 @@ def test_gemv_exact_activations(qtype, n, staged):
     w = torch.from_numpy(stored).cuda()
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         xt = torch.from_numpy(x).to(dtype).cuda()
-        got = k.linear(xt, w, (k.Segment(getattr(k, qtype), 0, rows),), staged=staged)
+        got = k.linear(xt, w, (k.Segment(getattr(k, qtype), 0, rows),), form=form)
         want = x.astype(np.float64) @ truth.T
         check(got, want, np.abs(x) @ np.abs(truth).T, dtype)
 
 
+@pytest.mark.parametrize("cols", [256, 768, 1280])
+def test_mma_short_rows_take_fewer_warps(cols):
+    """1, 3 and 5 units a row: one warp, three warps, four warps with an uneven split."""
+    k = kq()
+    rng = np.random.default_rng(cols)
+    stored, truth = weights("Q5_K", (48, cols), seed=19)
+    x = exact_activations(rng, 8, cols)
+    got = k.linear(torch.from_numpy(x).cuda(), torch.from_numpy(stored).cuda(), (k.Segment(k.Q5_K, 0, 48),),
+                   form="mma")
+    check(got, x.astype(np.float64) @ truth.T, np.abs(x) @ np.abs(truth).T, torch.float32)
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 def test_gemv_random_activations_and_the_plugin(qtype):
+    """Every form against float64 and against each other, at 4 tokens (the policy's default form is one)."""
     k = kq()
     rng = np.random.default_rng(5)
     rows, cols = 512, 6144
@@ -68,9 +88,14 @@ def test_gemv_random_activations_and_the_plugin(qtype):
     x = rng.standard_normal((4, cols)).astype(np.float32)
     w = torch.from_numpy(stored).cuda()
     xt = torch.from_numpy(x).to(torch.bfloat16).cuda()
-    got = k.linear(xt, w, (k.Segment(getattr(k, qtype), 0, rows),)).float().cpu().numpy()
     want = xt.float().cpu().numpy().astype(np.float64) @ truth.T
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+    forms = {f: k.linear(xt, w, (k.Segment(getattr(k, qtype), 0, rows),), form=f).float().cpu().numpy()
+             for f in LINEAR_FORMS}
+    for f, out in forms.items():
+        assert np.linalg.norm(out - want) / np.linalg.norm(want) < 1e-2, f
+        # the same int8 activations and integer dots: only fp32 summation order and the bf16 output differ
+        assert np.linalg.norm(out - forms["staged"]) / np.linalg.norm(want) < 4e-3, f
+    got = k.linear(xt, w, (k.Segment(getattr(k, qtype), 0, rows),)).float().cpu().numpy()
     if installed("vllm_gguf_plugin"):
         try:
             from vllm_gguf_plugin import ops
@@ -81,8 +106,8 @@ def test_gemv_random_activations_and_the_plugin(qtype):
             assert np.linalg.norm(got - theirs) / np.linalg.norm(theirs) < 1e-2
 
 
-@pytest.mark.parametrize("staged", [True, False], ids=["staged", "two-launch"])
-def test_padded_shards_of_two_types_read_in_place(staged):
+@pytest.mark.parametrize("form", LINEAR_FORMS)
+def test_padded_shards_of_two_types_read_in_place(form):
     """GLM-5's fused_qkv_a_proj as the plugin stores it: q_a (Q5_K) then kv_a (Q8_0) rows, zero-padded to the
     wider row; one launch, outputs side by side in shard order."""
     k = kq()
@@ -97,22 +122,38 @@ def test_padded_shards_of_two_types_read_in_place(staged):
     segs = k.plan_linear([k.Q5_K, k.Q8_0], [(0, 64, qa.shape[1]), (64, 88, kva.shape[1])], width, cols)
     assert segs is not None
     x = exact_activations(rng, 2, cols)
-    got = k.linear(torch.from_numpy(x).cuda(), torch.from_numpy(padded).cuda(), segs, staged=staged)
+    got = k.linear(torch.from_numpy(x).cuda(), torch.from_numpy(padded).cuda(), segs, form=form)
     both = np.concatenate([qa_t, kva_t])
     check(got, x.astype(np.float64) @ both.T, np.abs(x) @ np.abs(both).T, torch.float32)
 
 
 def _act(up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up as the kernels' fused activation rounds it (and vLLM's silu_and_mul): silu, then the
+    product, each in the dtype."""
     g, u = up.float().chunk(2, dim=-1)
-    return (torch.nn.functional.silu(g) * u).to(up.dtype)
+    s = (g / (1 + torch.exp(-g))).to(up.dtype).float()
+    return (s * u).to(up.dtype)
 
 
-@pytest.mark.parametrize("staged", [True, False], ids=["staged", "five-launch"])
+def _moe_reference(x, ids, wts, w13_t, w2_t, experts):
+    """float64, pair by pair; a pair routed outside [0, experts) adds nothing."""
+    want = np.zeros((x.shape[0], w2_t.shape[1]))
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = ids[t, j]
+            if not 0 <= e < experts:
+                continue
+            g, u = np.split(w13_t[e] @ x[t].astype(np.float64), 2)
+            want[t] += wts[t, j] * (w2_t[e] @ (g / (1 + np.exp(-g)) * u))
+    return want
+
+
+@pytest.mark.parametrize("form", MOE_FORMS)
 @pytest.mark.parametrize("types", [("Q4_K", "Q5_K"), ("Q4_K", "Q6_K"), ("Q8_0", "Q8_0")])
 @pytest.mark.parametrize("tokens", [1, 3, 8])
-def test_moe_up_and_down(types, tokens, staged):
-    """Staged: silu(gate) * up inside the up kernel; five-launch: the same activation from torch between."""
+def test_moe_up_and_down(types, tokens, form):
     k = kq()
+    assert set(MOE_FORMS) == set(k.FORMS_MOE)
     rng = np.random.default_rng(tokens)
     experts, hidden, inter, topk = 6, 512, 256, 4
     w13, w13_t = weights(types[0], (experts, 2 * inter, hidden), seed=15)
@@ -123,15 +164,8 @@ def test_moe_up_and_down(types, tokens, staged):
     xt = torch.from_numpy(x).cuda()
     got = k.moe(xt, torch.from_numpy(w13).cuda(), torch.from_numpy(w2).cuda(), torch.from_numpy(wts).cuda(),
                 torch.from_numpy(ids).cuda(), getattr(k, types[0]), getattr(k, types[1]), _act, silu=True,
-                staged=staged)
-    want = np.zeros((tokens, hidden))
-    for t in range(tokens):
-        for j in range(topk):
-            e = ids[t, j]
-            up = torch.from_numpy(w13_t[e] @ x[t].astype(np.float64))
-            g, u = up.chunk(2)
-            a = (torch.nn.functional.silu(g) * u).numpy()
-            want[t] += wts[t, j] * (w2_t[e] @ a)
+                form=form)
+    want = _moe_reference(x, ids, wts, w13_t, w2_t, experts)
     rel = np.linalg.norm(got.cpu().numpy() - want) / np.linalg.norm(want)
     assert rel < 3e-2, rel  # two int8 activation quantizations (x, then the activation) against float64
     # The same pipeline from the dense kernel (exact-activation tested above): the pairs' routing, the
@@ -148,21 +182,103 @@ def test_moe_up_and_down(types, tokens, staged):
     assert close < 1e-5, float(close)
 
 
-@pytest.mark.parametrize("staged", [True, False], ids=["staged", "two-launch"])
-def test_nan_propagates_and_zeros_stay_zero(staged):
+@pytest.mark.parametrize("form", MOE_FORMS)
+def test_moe_bf16_and_the_activation_hook(form):
+    """bf16, and an activation other than silu handed over by the caller (the unfused path)."""
+    k = kq()
+    rng = np.random.default_rng(21)
+    experts, hidden, inter, topk, tokens = 8, 768, 512, 3, 5
+    w13, w13_t = weights("Q4_K", (experts, 2 * inter, hidden), seed=22)
+    w2, w2_t = weights("Q6_K", (experts, hidden, inter), seed=23)
+    x = (rng.standard_normal((tokens, hidden)) * 0.5).astype(np.float32)
+    ids = np.stack([rng.permutation(experts)[:topk] for _ in range(tokens)]).astype(np.int32)
+    wts = rng.random((tokens, topk)).astype(np.float32)
+    args = (torch.from_numpy(x).to(torch.bfloat16).cuda(), torch.from_numpy(w13).cuda(), torch.from_numpy(w2).cuda(),
+            torch.from_numpy(wts).cuda(), torch.from_numpy(ids).cuda(), k.Q4_K, k.Q6_K)
+    fused = k.moe(*args, _act, silu=True, form=form)
+    hooked = k.moe(*args, _act, silu=False, form=form)
+    assert fused.dtype == torch.bfloat16
+    # the fused silu quantize and the caller's activation then quantize: the same roundings (an exp's last bit
+    # may differ, so an int8 activation may too)
+    assert float((fused.float() - hooked.float()).norm() / hooked.float().norm()) < 2e-3
+    want = _moe_reference(x, ids, wts, w13_t, w2_t, experts)
+    assert np.linalg.norm(fused.float().cpu().numpy() - want) / np.linalg.norm(want) < 3e-2
+
+
+@pytest.mark.parametrize("form", MOE_FORMS)
+def test_moe_repeated_and_foreign_expert_ids(form):
+    """A token routed twice to one expert (16 pairs on expert 0 at 8 tokens: two passes of the grouped tile)
+    counts twice; an id outside [0, experts) (expert parallelism's "not here") adds nothing. vLLM's router
+    gives neither to these kernels, but neither may turn into a wrong sum or a read out of bounds."""
+    k = kq()
+    rng = np.random.default_rng(24)
+    experts, hidden, inter, topk, tokens = 4, 512, 256, 3, 8
+    w13, w13_t = weights("Q4_K", (experts, 2 * inter, hidden), seed=25)
+    w2, w2_t = weights("Q5_K", (experts, hidden, inter), seed=26)
+    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    ids = np.zeros((tokens, topk), np.int32)
+    ids[:, 2] = rng.integers(1, experts, size=tokens)
+    if form == "grouped":
+        ids[3, 2] = -1
+        ids[5, 2] = experts
+    wts = rng.random((tokens, topk)).astype(np.float32)
+    got = k.moe(torch.from_numpy(x).cuda(), torch.from_numpy(w13).cuda(), torch.from_numpy(w2).cuda(),
+                torch.from_numpy(wts).cuda(), torch.from_numpy(ids).cuda(), k.Q4_K, k.Q5_K, _act, silu=True,
+                form=form)
+    want = _moe_reference(x, ids, wts, w13_t, w2_t, experts)
+    assert np.linalg.norm(got.cpu().numpy() - want) / np.linalg.norm(want) < 3e-2
+
+
+def test_moe_graph_replays_with_new_routing():
+    """The grouped form routes on the device: a captured graph replayed with new tokens and new expert ids
+    (tokens moving between experts, experts left empty) stays right."""
+    k = kq()
+    rng = np.random.default_rng(27)
+    experts, hidden, inter, topk, tokens = 8, 512, 256, 2, 4
+    w13, w13_t = weights("Q4_K", (experts, 2 * inter, hidden), seed=28)
+    w2, w2_t = weights("Q5_K", (experts, hidden, inter), seed=29)
+    x = torch.zeros(tokens, hidden, device="cuda")
+    ids = torch.zeros(tokens, topk, dtype=torch.int32, device="cuda")
+    wts = torch.zeros(tokens, topk, device="cuda")
+    w13g, w2g = torch.from_numpy(w13).cuda(), torch.from_numpy(w2).cuda()
+    run = lambda: k.moe(x, w13g, w2g, wts, ids, k.Q4_K, k.Q5_K, _act, silu=True, form="grouped")  # noqa: E731
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for i in range(200):
+        xi = rng.standard_normal((tokens, hidden)).astype(np.float32)
+        idi = np.stack([rng.permutation(experts if i % 2 else 3)[:topk] for _ in range(tokens)]).astype(np.int32)
+        wi = rng.random((tokens, topk)).astype(np.float32)
+        x.copy_(torch.from_numpy(xi))
+        ids.copy_(torch.from_numpy(idi))
+        wts.copy_(torch.from_numpy(wi))
+        graph.replay()
+        if i % 20 == 0 or i == 199:
+            want = _moe_reference(xi, idi, wi, w13_t, w2_t, experts)
+            assert np.linalg.norm(out.cpu().numpy() - want) / np.linalg.norm(want) < 3e-2, i
+
+
+@pytest.mark.parametrize("form", LINEAR_FORMS)
+def test_nan_propagates_and_zeros_stay_zero(form):
     k = kq()
     stored, _ = weights("Q4_K", (8, 256), seed=17)
     w = torch.from_numpy(stored).cuda()
-    x = torch.zeros(3, 256, device="cuda")
+    x = torch.zeros(4, 256, device="cuda")
     x[1] = -0.0
     x[2, 5] = float("nan")
-    got = k.linear(x, w, (k.Segment(k.Q4_K, 0, 8),), staged=staged).cpu()
+    x[3] = 1.0
+    got = k.linear(x, w, (k.Segment(k.Q4_K, 0, 8),), form=form).cpu()
     assert torch.all(got[:2] == 0)
     assert torch.all(torch.isnan(got[2]))
+    assert torch.all(torch.isfinite(got[3]))  # the mma form shares fragments between vectors: NaN stays in its own
 
 
-@pytest.mark.parametrize("staged", [True, False], ids=["staged", "two-launch"])
-def test_cuda_graph_replays_with_changing_inputs(staged):
+@pytest.mark.parametrize("form", LINEAR_FORMS)
+def test_cuda_graph_replays_with_changing_inputs(form):
     k = kq()
     rng = np.random.default_rng(9)
     rows, cols = 96, 2048
@@ -172,11 +288,11 @@ def test_cuda_graph_replays_with_changing_inputs(staged):
     x = torch.zeros(2, cols, dtype=torch.bfloat16, device="cuda")
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
-        k.linear(x, w, segs, staged=staged)  # compile and load outside the capture
+        k.linear(x, w, segs, form=form)  # compile and load outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = k.linear(x, w, segs, staged=staged)
+        out = k.linear(x, w, segs, form=form)
     for i in range(2000):
         xi = exact_activations(rng, 2, cols)
         x.copy_(torch.from_numpy(xi))

@@ -1,7 +1,8 @@
 """The K-quant decode kernels' chunk math (csrc/kquant.cuh) on the CPU, against gguf-py's dequantization.
 
-kquant.cuh's decode, dot and activation quantization are plain C++ with host twins of the few intrinsics;
-kquant_host.cpp builds them with g++ and sums each row as the warp does. Two references:
+kquant.cuh's decode, dot, activation quantization and tensor-core operands are plain C++ with host twins of
+the few intrinsics; kquant_host.cpp builds them with g++ and sums each row as the warp does (the mma forms:
+every lane's operands placed as PTX defines mma.sync's fragments). Two references:
 - activations that int8 quantization represents exactly (each 32-value chunk a scale times integers, max 127):
   the product must equal gguf-py's dequantized weights times x to fp32 rounding (a wrong bit, nibble, scale
   or sub-block in the decode shows up here);
@@ -36,63 +37,72 @@ def host_binary(tmp_path_factory):
     return exe
 
 
-def run(exe, qtype: str, stored: np.ndarray, x: np.ndarray) -> np.ndarray:
+def run(exe, qtype: str, stored: np.ndarray, x: np.ndarray, warps: int = 0) -> np.ndarray:
+    """The product as the dp4a forms make it (warps=0) or the mma forms with ``warps`` warps a tile."""
     import gguf
 
     rows = stored.shape[0]
     n, cols = x.shape
-    header = np.array([int(gguf.GGMLQuantizationType[qtype]), rows, cols, n], np.int32)
+    header = np.array([int(gguf.GGMLQuantizationType[qtype]), rows, cols, n, warps], np.int32)
     out = subprocess.run([str(exe)], input=header.tobytes() + stored.tobytes() + x.astype(np.float32).tobytes(),
                          capture_output=True, check=True).stdout
     return np.frombuffer(out, np.float32).reshape(n, rows)
 
 
+@pytest.mark.parametrize("warps", [0, 1, 3, 4], ids=["dp4a", "mma-1warp", "mma-3warps", "mma-4warps"])
 @pytest.mark.parametrize("qtype", TYPES)
-def test_decode_matches_gguf_py(host_binary, qtype):
+def test_decode_matches_gguf_py(host_binary, qtype, warps):
+    """Rows 37 (a partial last tile of the mma forms), 8 units split over the warps unevenly at 3."""
     rng = np.random.default_rng(1)
     rows, cols = 37, 2048  # odd row count; 8 super-blocks a row, 64 chunks: two per lane
     stored, truth = weights(qtype, (rows, cols), seed=2)
     x = exact_activations(rng, 3, cols)
-    got = run(host_binary, qtype, stored, x).astype(np.float64)
+    got = run(host_binary, qtype, stored, x, warps).astype(np.float64)
     want = x.astype(np.float64) @ truth.T
     scale = np.abs(x).astype(np.float64) @ np.abs(truth).T  # the size of the terms, for a relative bound
     err = np.abs(got - want) / scale
     assert err.max() < 2e-6, (qtype, float(err.max()))
 
 
+@pytest.mark.parametrize("warps", [0, 4], ids=["dp4a", "mma"])
 @pytest.mark.parametrize("qtype", TYPES)
-def test_random_activations_within_int8_error(host_binary, qtype):
+def test_random_activations_within_int8_error(host_binary, qtype, warps):
     rng = np.random.default_rng(3)
     rows, cols = 64, 6144
     stored, truth = weights(qtype, (rows, cols), seed=4)
-    x = rng.standard_normal((2, cols)).astype(np.float32)
-    got = run(host_binary, qtype, stored, x).astype(np.float64)
+    x = rng.standard_normal((8, cols)).astype(np.float32)
+    got = run(host_binary, qtype, stored, x, warps).astype(np.float64)
     want = x.astype(np.float64) @ truth.T
     rel = np.linalg.norm(got - want) / np.linalg.norm(want)
     assert rel < 1e-2, (qtype, rel)
 
 
-def test_activation_quantization_edge_cases(host_binary):
-    """Zeros and -0.0 give exact zeros; a NaN in a chunk makes that product NaN (never a finite lie)."""
+@pytest.mark.parametrize("warps", [0, 4], ids=["dp4a", "mma"])
+def test_activation_quantization_edge_cases(host_binary, warps):
+    """Zeros and -0.0 give exact zeros; a NaN in a chunk makes that product NaN (never a finite lie), and only
+    that vector's: the mma forms share every operand fragment between 8 vectors."""
     rows, cols = 4, 256
     stored, truth = weights("Q4_K", (rows, cols), seed=5)
-    x = np.zeros((3, cols), np.float32)
+    x = np.zeros((4, cols), np.float32)
     x[1] = -0.0
     x[2, 7] = np.nan
-    got = run(host_binary, "Q4_K", stored, x)
+    x[3] = 1.0
+    got = run(host_binary, "Q4_K", stored, x, warps)
     assert np.all(got[:2] == 0.0)
     assert np.all(np.isnan(got[2]))
+    assert np.all(np.isfinite(got[3]))
 
 
-def test_a_wrong_decode_would_be_caught(host_binary):
-    """The exact reference is sharp: the Q4_K weights read as Q5_K bytes' neighbour type differ at once."""
+@pytest.mark.parametrize("warps", [0, 4], ids=["dp4a", "mma"])
+def test_a_wrong_decode_would_be_caught(host_binary, warps):
+    """The exact reference is sharp: one flipped bit of a sub-block's scale is seen at once."""
     rng = np.random.default_rng(6)
     stored, truth = weights("Q4_K", (8, 256), seed=7)
     x = exact_activations(rng, 1, 256)
     flipped = stored.copy()
     flipped[:, 4] ^= 0x01  # one bit of the first sub-block's 6-bit scale
-    good = run(host_binary, "Q4_K", stored, x)
-    bad = run(host_binary, "Q4_K", flipped, x)
+    good = run(host_binary, "Q4_K", stored, x, warps)
+    bad = run(host_binary, "Q4_K", flipped, x, warps)
     want = x.astype(np.float64) @ truth.T
     assert np.allclose(good, want, rtol=1e-5, atol=1e-6)
     assert not np.allclose(bad, want, rtol=1e-3, atol=1e-4)

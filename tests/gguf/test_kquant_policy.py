@@ -1,12 +1,7 @@
-"""Which GGUF products fastcomm's K-quant decode kernels take (fastcomm_vllm.gguf.kquant's pure policy), and
-that the names the host launches are the entries csrc/kquant.cu defines."""
-import ctypes
-import re
-from pathlib import Path
-
+"""Which GGUF products fastcomm's K-quant decode kernels take, and in which form (fastcomm_vllm.gguf.kquant's
+pure policy). The kernels' names, structs and constants are fastcomm.abi's, checked in tests/test_abi.py."""
+from fastcomm import abi
 from fastcomm_vllm.gguf import kquant
-
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
 
 
 def test_glm5_fused_qkv_a_as_the_plugin_stores_it():
@@ -43,19 +38,33 @@ def test_staged_launch_shape():
     assert kquant.staged_grid(0, 132) == 1
 
 
-def test_constants_mirror_the_cuda_side():
-    text = (CSRC / "kquant.cuh").read_text()
-    defines = dict(re.findall(r"#define (FC_KQ_\w+) (\d+)", text))
-    assert int(defines["FC_KQ_MAX_VECS"]) == kquant.MAX_TOKENS
-    assert int(defines["FC_KQ_MAX_SEGS"]) == kquant.MAX_SEGS
-    assert int(defines["FC_KQ_ROWS_PER_BLOCK"]) == kquant.ROWS_PER_BLOCK
-    assert int(defines["FC_KQ_CHUNK"]) == kquant.CHUNK
-    launch_defines = dict(re.findall(r"#define (FC_KQ_\w+) (\d+)", (CSRC / "kquant.cu").read_text()))
-    assert int(launch_defines["FC_KQ_STAGED_THREADS"]) == kquant.STAGED_THREADS
-    for name, value in kquant.NAMES.items():
-        assert int(defines[f"FC_KQ_{value}"]) == name
-    launch = (CSRC / "kquant.cu").read_text()
-    assert set(kquant.GEMV_VARIANTS) == {int(v) for v in re.findall(r"FC_KQ_DEFINE_GEMV\(NAME, D, (\d+)\)", launch)}
-    assert set(kquant.DTYPES.values()) == set(re.findall(r"FC_KQ_DEFINE\((\w+), Fc", launch))
-    # struct KqSegs as the kernels take it by value: 4 x (pointer, u64, 4 ints) then two ints
-    assert ctypes.sizeof(kquant._Seg) == 32 and ctypes.sizeof(kquant._Segs) == kquant.MAX_SEGS * 32 + 8
+def test_the_mma_form_reads_whole_units_and_tiles_of_one_type():
+    glm5 = kquant.plan_linear([kquant.Q5_K, kquant.Q8_0], [(0, 2048, 4224), (2048, 2624, 6528)], 6528, 6144)
+    assert kquant.mma_ok(glm5, 6144)                                   # 2048 rows: the Q8_0 tiles start at 128
+    assert not kquant.mma_ok(glm5, 6144 - 32)                          # not a whole 256-value unit
+    assert kquant.mma_ok((kquant.Segment(kquant.Q4_K, 0, 37),), 256)   # one segment: a last partial tile is fine
+    odd = (kquant.Segment(kquant.Q5_K, 0, 24), kquant.Segment(kquant.Q8_0, 24, 8))
+    assert not kquant.mma_ok(odd, 256)                                 # a tile would straddle two types
+    assert [kquant.mma_warps(c) for c in (256, 512, 768, 1024, 16384)] == [1, 2, 3, 4, 4]
+    assert [kquant.tiles(r) for r in (1, 16, 17, 154880)] == [1, 1, 2, 9680]
+
+
+def test_form_choice():
+    assert kquant.linear_form(kquant.MMA_MIN_TOKENS, True, True) == "mma"
+    assert kquant.linear_form(8, False, True) == "staged"
+    assert kquant.linear_form(8, False, False) == "unstaged"
+    if kquant.MMA_MIN_TOKENS > 1:
+        assert kquant.linear_form(1, True, True) == "staged"
+    assert kquant.moe_form(8, 8, 6144, 2048) == "grouped"
+    assert kquant.moe_form(8, 8, 6144, 2048 + 32) == "pairs"           # the grouped tiles step 256 values
+    assert kquant.moe_form(8, abi.KQ_MAX_PAIRS // 8 + 1, 6144, 2048) == "pairs"  # more pairs than its route table
+    assert set(kquant.FORMS_LINEAR) == {"mma", "staged", "unstaged"} and set(kquant.FORMS_MOE) == {"grouped", "pairs"}
+
+
+def test_segment_tables_are_built_once_per_weight():
+    segs = (kquant.Segment(kquant.Q5_K, 0, 2048), kquant.Segment(kquant.Q8_0, 2048, 576))
+    table = kquant._segs_table(1 << 20, 6528, segs)
+    assert kquant._segs_table(1 << 20, 6528, segs) is table
+    assert (table.nseg, table.total_rows) == (2, 2624)
+    assert (table.s[1].w, table.s[1].row0, table.s[1].out_col, table.s[1].type) == ((1 << 20) + 2048 * 6528, 2048,
+                                                                                    2048, kquant.Q8_0)

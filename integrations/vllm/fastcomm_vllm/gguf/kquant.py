@@ -2,42 +2,46 @@
 
 vllm-gguf-plugin's CUDA GEMV and MoE-GEMV kernels serve a decode step's 1-8 tokens at about a quarter of an
 H200's memory bandwidth (19.6 ms for the 24.7 GB of one GLM-5-shaped step's products; bench/RESULTS.md), and
-above 2 tokens its large linears switch to a GEMM kernel that costs 3x more. For those token counts and for the types a UD-Q4_K_XL file mixes (Q4_K, Q5_K, Q6_K, Q8_0), a linear layer's product and a
-MoE layer's two expert products go through csrc/kquant.cu instead; everything else (prefill, other types)
-stays with the plugin. A multi-shard weight the plugin stores padded (shards of different types: GLM-5's
+above 2 tokens its large linears switch to a GEMM kernel that costs 3x more. For those token counts and for
+the types a UD-Q4_K_XL file mixes (Q4_K, Q5_K, Q6_K, Q8_0), a linear layer's product and a MoE layer's two
+expert products go through csrc/kquant.cu instead; everything else (prefill, other types) stays with the
+plugin. A multi-shard weight the plugin stores padded (shards of different types: GLM-5's
 ``fused_qkv_a_proj`` is Q5_K + Q8_0) is read in place, one launch for all shards, where the plugin copies
 each shard out on every call.
 
-Layers: ``plan_linear`` / ``moe_types_ok`` / ``decode_tokens_ok`` / ``staged_grid`` are pure policy;
-``linear`` / ``moe`` run the kernels on torch tensors (the current stream, so CUDA-graph capture records
-them); kquant_vllm.py wires them into the plugin's layers.
+Forms (bench/gguf_kernels.py times each): a linear layer's product runs as ``mma`` (tensor cores, 16-row
+tiles: the activations quantized by one launch, the product by another), ``staged`` (dp4a, one launch that
+quantizes the activations into shared memory) or ``unstaged`` (dp4a, quantize then product); the MoE as
+``grouped`` (tensor cores, each routed expert read once for all its tokens) or ``pairs`` (dp4a, once per
+(token, expert) pair). ``linear_form`` / ``moe_form`` choose.
+
+Layers: ``plan_linear`` / ``moe_types_ok`` / ``decode_tokens_ok`` / ``*_form`` / ``staged_grid`` are pure
+policy; ``linear`` / ``moe`` run the kernels on torch tensors (the current stream, so CUDA-graph capture
+records them); kquant_vllm.py wires them into the plugin's layers. Structs, constants and kernel signatures
+are fastcomm.abi's (the one mirror of csrc).
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
 
-# ggml type ids (gguf.GGMLQuantizationType) csrc/kquant.cuh reads, with (values, bytes) per block.
-Q8_0, Q4_K, Q5_K, Q6_K = 8, 12, 13, 14
+from fastcomm import abi
+
+# ggml type ids csrc/kquant.cuh reads, with (values, bytes) per block.
+Q8_0, Q4_K, Q5_K, Q6_K = abi.KQ_Q8_0, abi.KQ_Q4_K, abi.KQ_Q5_K, abi.KQ_Q6_K
 BLOCKS = {Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
 NAMES = {Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
-MAX_TOKENS = 8      # FC_KQ_MAX_VECS: a decode step's batch, an MTP verify of up to 7 drafts
-MAX_SEGS = 4        # FC_KQ_MAX_SEGS
-ROWS_PER_BLOCK = 4  # FC_KQ_ROWS_PER_BLOCK
-THREADS = 128       # FC_KQ_THREADS
-CHUNK = 32          # FC_KQ_CHUNK
-GEMV_VARIANTS = (1, 2, 4, 8)
+MAX_TOKENS = abi.KQ_MAX_VECS  # a decode step's batch, an MTP verify of up to 7 drafts
+GEMV_VARIANTS = tuple(int(v) for v in abi.KQ_GEMV.variants)
 QUANTIZE_THREADS = 256
-STAGED_THREADS = 512  # FC_KQ_STAGED_THREADS
 STAGED_BLOCKS_PER_SM = 2
 STAGE_BYTES_PER_CHUNK = 40  # two 16-byte halves and a (scale, sum) float2, per 32 values of a row
-# Which form serves by default, from bench/gguf_kernels.py on an H200 (bench/RESULTS.md): the staged linear
-# is faster for nearly every GLM-5 product at 1-8 tokens (it saves a launch, the small ones gain most); the
-# staged MoE was slower at every token count (82 against 78 us at 1 token, 605 against 472 at 8: a warp makes
-# the gate and the up row one after the other), so the MoE keeps its five launches.
-LINEAR_STAGED, MOE_STAGED = True, False
-DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
+FORMS_LINEAR = ("mma", "staged", "unstaged")
+FORMS_MOE = ("grouped", "pairs")
+# Which form serves, from bench/gguf_kernels.py on an H200 (bench/RESULTS.md). The staged MoE (one launch
+# quantizing into shared memory) measured slower than the five-launch one at every token count and is gone.
+MMA_MIN_TOKENS = 2          # linears: the tensor-core form from this many tokens, below it the staged dp4a
+MOE_GROUPED_MIN_TOKENS = 1  # MoE: grouped by expert from this many tokens
 # 16-byte loads read Q4_K/Q5_K rows; Q6_K/Q8_0 blocks are only 2-byte aligned and are read by words.
 ROW_ALIGN = {Q4_K: 16, Q5_K: 16, Q6_K: 2, Q8_0: 2}
 
@@ -57,7 +61,7 @@ def plan_linear(types: list[int], offsets: list[tuple[int, int, int]], row_strid
     """The segments of a linear layer's weight for the decode kernels, or None where they cannot read it
     (then the plugin's kernels serve every call). ``offsets``: per shard (start row, end row, bytes used of a
     row), in output order; ``row_stride``: bytes between rows of the stored tensor; ``cols``: input features."""
-    if not types or len(types) != len(offsets) or len(types) > MAX_SEGS or cols % CHUNK:
+    if not types or len(types) != len(offsets) or len(types) > abi.KQ_MAX_SEGS or cols % abi.KQ_CHUNK:
         return None
     segs = []
     for t, (start, end, used) in zip(types, offsets):
@@ -70,6 +74,25 @@ def plan_linear(types: list[int], offsets: list[tuple[int, int, int]], row_strid
     return tuple(segs)
 
 
+def mma_ok(segments: tuple[Segment, ...], cols: int) -> bool:
+    """Can the tensor-core form read these segments? Its step along a row is a 256-value unit, and a 16-row
+    tile must lie in one segment (one type), so every segment but the last starts on a tile boundary."""
+    if cols % abi.KQ_UNIT:
+        return False
+    out_row = 0
+    for s in segments:
+        if out_row % abi.KQ_MMA_ROWS:
+            return False
+        out_row += s.rows
+    return True
+
+
+def linear_form(tokens: int, mma: bool, staged_fits: bool) -> str:
+    if mma and tokens >= MMA_MIN_TOKENS:
+        return "mma"
+    return "staged" if staged_fits else "unstaged"
+
+
 def moe_types_ok(t13: int, t2: int, hidden: int, inter: int, row13: int, row2: int) -> bool:
     """Can the MoE kernels read these expert weights ([E, 2 inter, row13] and [E, hidden, row2] bytes)?"""
     for t, cols, row in ((t13, hidden, row13), (t2, inter, row2)):
@@ -79,15 +102,32 @@ def moe_types_ok(t13: int, t2: int, hidden: int, inter: int, row13: int, row2: i
     return True
 
 
+def moe_form(tokens: int, topk: int, hidden: int, inter: int) -> str:
+    """``grouped`` where its tiles and route table hold the shapes, else ``pairs``."""
+    if (tokens >= MOE_GROUPED_MIN_TOKENS and tokens * topk <= abi.KQ_MAX_PAIRS
+            and hidden % abi.KQ_UNIT == 0 and inter % abi.KQ_UNIT == 0):
+        return "grouped"
+    return "pairs"
+
+
+def mma_warps(cols: int) -> int:
+    """Warps splitting a tile's 256-value units (no idle warp on a short row)."""
+    return max(1, min(abi.KQ_MMA_WARPS, cols // abi.KQ_UNIT))
+
+
+def tiles(rows: int) -> int:
+    return (rows + abi.KQ_MMA_ROWS - 1) // abi.KQ_MMA_ROWS
+
+
 def stage_bytes(rows: int, cols: int) -> int:
     """Shared memory a staged kernel needs for ``rows`` activation rows of ``cols`` values."""
-    return rows * (cols // CHUNK) * STAGE_BYTES_PER_CHUNK
+    return rows * (cols // abi.KQ_CHUNK) * STAGE_BYTES_PER_CHUNK
 
 
 def staged_grid(items: int, sms: int) -> int:
     """Blocks of a staged launch: enough for every item's warp, at most STAGED_BLOCKS_PER_SM per SM (each
     block quantizes the activations again, so more blocks cost L2 reads and gain nothing)."""
-    warps = STAGED_THREADS // 32
+    warps = abi.KQ_STAGED_THREADS // 32
     return max(1, min((items + warps - 1) // warps, sms * STAGED_BLOCKS_PER_SM))
 
 
@@ -101,26 +141,16 @@ def gemv_variant(tokens: int) -> int:
 
 # ---- launching ------------------------------------------------------------------------------------------
 
-class _Seg(ctypes.Structure):
-    _fields_ = [("w", ctypes.c_uint64), ("row_stride", ctypes.c_uint64), ("type", ctypes.c_int32),
-                ("rows", ctypes.c_int32), ("row0", ctypes.c_int32), ("out_col", ctypes.c_int32)]
+_MAX_DYNAMIC_SMEM_ATTR = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
-class _Segs(ctypes.Structure):
-    _fields_ = [("s", _Seg * MAX_SEGS), ("nseg", ctypes.c_int32), ("total_rows", ctypes.c_int32)]
-
-
-def _launch(device: int, symbol: str, grid: tuple[int, int], block: int, stream: int, values: list,
-            smem: int = 0) -> None:
+def _launch(device: int, kernel: abi.Kernel, dtype: str | None, grid: tuple[int, int], block: int, stream: int,
+            args: tuple, variant: str = "", smem: int = 0) -> None:
     from cupy_backends.cuda.api import driver
 
-    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-    driver.launchKernel(_function(device, symbol), grid[0], grid[1], 1, block, 1, 1, smem, stream,
-                        ctypes.addressof(params), 0)
-
-
-_MAX_DYNAMIC_SMEM_ATTR = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-STAGED_SYMBOLS = ("fc_kq_gemvs", "fc_kq_moe_up_silu_", "fc_kq_moe_down_s_")
+    packed = kernel.pack(*args)
+    symbol = kernel.symbol(dtype, variant) if kernel.typed else kernel.symbol()
+    driver.launchKernel(_function(device, symbol), grid[0], grid[1], 1, block, 1, 1, smem, stream, packed.address, 0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,7 +161,7 @@ def _function(device: int, symbol: str) -> int:
     from fastcomm.config import read
 
     fn = jit.function(device, read("FASTCOMM_CACHE_DIR"), symbol, unit="kquant")
-    if symbol.startswith(STAGED_SYMBOLS):
+    if symbol.startswith("fc_" + abi.KQ_GEMVS.family):
         driver.funcSetAttribute(fn, _MAX_DYNAMIC_SMEM_ATTR, _device(device)[1])  # staged: above 48 KB on request
     return fn
 
@@ -149,25 +179,43 @@ def staged_fits(device: int, rows: int, cols: int) -> bool:
     return stage_bytes(rows, cols) <= _device(device)[1]
 
 
+@functools.lru_cache(maxsize=4096)
+def _segs_table(base: int, stride: int, segments: tuple[Segment, ...]) -> abi.KqSegs:
+    """A weight's segment table, built once per (weight, segments): a layer's eager calls (the LM head runs
+    outside vLLM's graphs) reuse it. Nothing in it goes stale: it holds only the address and the layout."""
+    table = abi.KqSegs()
+    col = 0
+    for i, s in enumerate(segments):
+        table.s[i] = abi.KqSeg(base + s.start * stride, stride, s.type, s.rows, col, col)
+        col += s.rows
+    table.nseg, table.total_rows = len(segments), col
+    return table
+
+
 def _stream(t) -> int:
     import torch
 
     return torch.cuda.current_stream(t.device).cuda_stream
 
 
-def quantize(x):
-    """int8 chunks (as int32 words) and (scale, sum) pairs of ``x`` [n, cols] (rows 16-byte aligned)."""
+def _dt(x) -> str:
+    return str(x.dtype).split(".")[-1]
+
+
+def quantize(x, silu: bool = False):
+    """int8 chunks (as int32 words) and (scale, sum) pairs of ``x`` [n, cols] (rows 16-byte aligned), or with
+    ``silu`` of silu(gate) * up for rows [gate | up] of 2 cols."""
     import torch
 
-    n, cols = x.shape
-    chunks = cols // CHUNK
+    n, width = x.shape
+    cols = width // 2 if silu else width
+    chunks = cols // abi.KQ_CHUNK
     xq = torch.empty(n * chunks * 8, dtype=torch.int32, device=x.device)
     xds = torch.empty(n * chunks, 2, dtype=torch.float32, device=x.device)
     total = n * chunks
-    _launch(x.device.index, f"fc_kq_quantize_{_dt(x)}",
+    _launch(x.device.index, abi.KQ_QUANTIZE_SILU if silu else abi.KQ_QUANTIZE, _dt(x),
             ((total + QUANTIZE_THREADS - 1) // QUANTIZE_THREADS, 1), QUANTIZE_THREADS, _stream(x),
-            [ctypes.c_uint64(x.data_ptr()), ctypes.c_int32(n), ctypes.c_int32(cols), ctypes.c_uint64(x.stride(0)),
-             ctypes.c_uint64(xq.data_ptr()), ctypes.c_uint64(xds.data_ptr())])
+            (x.data_ptr(), n, cols, x.stride(0), xq.data_ptr(), xds.data_ptr()))
     return xq, xds
 
 
@@ -178,48 +226,45 @@ def _aligned(x):
     return x
 
 
-def _dt(x) -> str:
-    return DTYPES[str(x.dtype).split(".")[-1]]
-
-
-def linear(x, qweight, segments: tuple[Segment, ...], staged: bool = LINEAR_STAGED):
+def linear(x, qweight, segments: tuple[Segment, ...], form: str | None = None):
     """x [n, cols] (n <= 8) times the segments' rows of ``qweight`` (uint8 [rows, row_stride]): [n, sum rows].
-    ``staged``: the one-launch form where its shared memory fits (else the quantize + GEMV pair)."""
+    ``form``: one of FORMS_LINEAR (None: ``linear_form``'s choice)."""
     import torch
 
     x = _aligned(x)
     n, cols = x.shape
-    dev, dt = x.device.index, _dt(x)
-    total = sum(s.rows for s in segments)
+    dev, dt, stream = x.device.index, _dt(x), _stream(x)
+    table = _segs_table(qweight.data_ptr(), qweight.stride(0) * qweight.element_size(), segments)
+    total = table.total_rows
     out = torch.empty(n, total, dtype=x.dtype, device=x.device)
-    table = _Segs()
-    col = 0
-    base, stride = qweight.data_ptr(), qweight.stride(0) * qweight.element_size()
-    for i, s in enumerate(segments):
-        table.s[i] = _Seg(base + s.start * stride, stride, s.type, s.rows, col, col)
-        col += s.rows
-    table.nseg, table.total_rows = len(segments), total
-    variant = gemv_variant(n)
-    if staged and staged_fits(dev, n, cols):
-        _launch(dev, f"fc_kq_gemvs{variant}_{dt}", (staged_grid(total, _device(dev)[0]), 1), STAGED_THREADS,
-                _stream(x), [table, ctypes.c_uint64(x.data_ptr()), ctypes.c_int32(n), ctypes.c_int32(cols),
-                             ctypes.c_uint64(x.stride(0)), ctypes.c_uint64(out.data_ptr()), ctypes.c_uint64(total)],
+    fits = staged_fits(dev, n, cols)
+    form = form or linear_form(n, mma_ok(segments, cols), fits)
+    if form == "mma":
+        if not mma_ok(segments, cols):
+            raise ValueError(f"the mma form cannot read these segments ({segments}, {cols} columns)")
+        xq, xds = quantize(x)
+        _launch(dev, abi.KQ_MMA, dt, (tiles(total), 1), 32 * mma_warps(cols), stream,
+                (table, xq.data_ptr(), xds.data_ptr(), n, cols, out.data_ptr(), total))
+        return out
+    variant = str(gemv_variant(n))
+    if form == "staged" and fits:
+        _launch(dev, abi.KQ_GEMVS, dt, (staged_grid(total, _device(dev)[0]), 1), abi.KQ_STAGED_THREADS, stream,
+                (table, x.data_ptr(), n, cols, x.stride(0), out.data_ptr(), total), variant=variant,
                 smem=stage_bytes(n, cols))
         return out
     xq, xds = quantize(x)
-    _launch(dev, f"fc_kq_gemv{variant}_{dt}", ((total + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK, 1), THREADS,
-            _stream(x), [table, ctypes.c_uint64(xq.data_ptr()), ctypes.c_uint64(xds.data_ptr()), ctypes.c_int32(n),
-                         ctypes.c_int32(cols), ctypes.c_uint64(out.data_ptr()), ctypes.c_uint64(total)])
+    _launch(dev, abi.KQ_GEMV, dt, ((total + abi.KQ_ROWS_PER_BLOCK - 1) // abi.KQ_ROWS_PER_BLOCK, 1),
+            abi.KQ_THREADS, stream, (table, xq.data_ptr(), xds.data_ptr(), n, cols, out.data_ptr(), total),
+            variant=variant)
     return out
 
 
 def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu: bool = False,
-        staged: bool = MOE_STAGED):
+        form: str | None = None):
     """The routed experts of 1-8 tokens: x [T, hidden], w13 [E, 2 inter, row13], w2 [E, hidden, row2] (uint8
     blocks); returns [T, hidden], each token's experts summed in their top-k order, router weights applied.
     ``activation`` maps [pairs, 2 inter] to [pairs, inter]; ``silu``: it is vLLM's silu_and_mul, which the
-    staged up kernel applies itself (``staged``: two launches in all where the shared memory fits, else
-    five: quantize, up, activation, quantize, down)."""
+    activations' quantize launch then applies itself. ``form``: one of FORMS_MOE (None: ``moe_form``'s)."""
     import torch
 
     x = _aligned(x)
@@ -228,42 +273,34 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu:
     pairs = tokens * topk
     ids = topk_ids.to(torch.int32).contiguous()
     weights = topk_weights.to(torch.float32).contiguous()
-    rows13 = w13.shape[1]
+    experts, rows13 = w13.shape[0], w13.shape[1]
     inter = rows13 // 2
     dt, dev, stream = _dt(x), x.device.index, _stream(x)
     e13, r13 = w13.stride(0) * w13.element_size(), w13.stride(1) * w13.element_size()
     e2, r2 = w2.stride(0) * w2.element_size(), w2.stride(1) * w2.element_size()
-    sms = _device(dev)[0]
-    if staged and silu and staged_fits(dev, tokens, hidden):
-        act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-        _launch(dev, f"fc_kq_moe_up_silu_{dt}", (staged_grid(pairs * inter, sms), 1), STAGED_THREADS, stream,
-                [ctypes.c_uint64(w13.data_ptr()), ctypes.c_uint64(e13), ctypes.c_uint64(r13), ctypes.c_int32(t13),
-                 ctypes.c_int32(inter), ctypes.c_int32(hidden), ctypes.c_uint64(ids.data_ptr()), ctypes.c_int32(topk),
-                 ctypes.c_int32(tokens), ctypes.c_uint64(x.data_ptr()), ctypes.c_uint64(x.stride(0)),
-                 ctypes.c_uint64(act.data_ptr())], smem=stage_bytes(tokens, hidden))
+    form = form or moe_form(tokens, topk, hidden, inter)
+    xq, xds = quantize(x)
+    up = torch.empty(pairs, rows13, dtype=x.dtype, device=x.device)
+    grouped = form == "grouped"
+    if grouped:
+        _launch(dev, abi.KQ_MOE_MMA_UP, dt, (tiles(rows13), experts), 32 * mma_warps(hidden), stream,
+                (w13.data_ptr(), e13, r13, t13, rows13, hidden, ids.data_ptr(), topk, pairs, xq.data_ptr(),
+                 xds.data_ptr(), up.data_ptr()))
     else:
-        xq, xds = quantize(x)
-        up = torch.empty(pairs, rows13, dtype=x.dtype, device=x.device)
-        _launch(dev, f"fc_kq_moe_up_{dt}", ((rows13 + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK, pairs), THREADS,
-                stream, [ctypes.c_uint64(w13.data_ptr()), ctypes.c_uint64(e13), ctypes.c_uint64(r13),
-                         ctypes.c_int32(t13), ctypes.c_int32(rows13), ctypes.c_int32(hidden),
-                         ctypes.c_uint64(ids.data_ptr()), ctypes.c_int32(topk), ctypes.c_uint64(xq.data_ptr()),
-                         ctypes.c_uint64(xds.data_ptr()), ctypes.c_uint64(up.data_ptr())])
-        act = activation(up)  # [pairs, inter]
+        _launch(dev, abi.KQ_MOE_UP, dt, ((rows13 + abi.KQ_ROWS_PER_BLOCK - 1) // abi.KQ_ROWS_PER_BLOCK, pairs),
+                abi.KQ_THREADS, stream, (w13.data_ptr(), e13, r13, t13, rows13, hidden, ids.data_ptr(), topk,
+                                         xq.data_ptr(), xds.data_ptr(), up.data_ptr()))
+    aq, ads = quantize(up, silu=True) if silu else quantize(_aligned(activation(up)))
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
-    if staged and staged_fits(dev, pairs, inter):
-        act = _aligned(act)
-        _launch(dev, f"fc_kq_moe_down_s_{dt}", (staged_grid(tokens * hidden, sms), 1), STAGED_THREADS, stream,
-                [ctypes.c_uint64(w2.data_ptr()), ctypes.c_uint64(e2), ctypes.c_uint64(r2), ctypes.c_int32(t2),
-                 ctypes.c_int32(hidden), ctypes.c_int32(inter), ctypes.c_uint64(ids.data_ptr()),
-                 ctypes.c_uint64(weights.data_ptr()), ctypes.c_int32(topk), ctypes.c_int32(tokens),
-                 ctypes.c_uint64(act.data_ptr()), ctypes.c_uint64(act.stride(0)), ctypes.c_uint64(out.data_ptr())],
-                smem=stage_bytes(pairs, inter))
+    if grouped:
+        y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+        _launch(dev, abi.KQ_MOE_MMA_DOWN, None, (tiles(hidden), experts), 32 * mma_warps(inter), stream,
+                (w2.data_ptr(), e2, r2, t2, hidden, inter, ids.data_ptr(), topk, pairs, aq.data_ptr(),
+                 ads.data_ptr(), y.data_ptr()))
+        _launch(dev, abi.KQ_MOE_SUM, dt, ((tokens * hidden + 255) // 256, 1), 256, stream,
+                (y.data_ptr(), ids.data_ptr(), weights.data_ptr(), topk, experts, tokens, hidden, out.data_ptr()))
         return out
-    aq, ads = quantize(act)
-    _launch(dev, f"fc_kq_moe_down_{dt}", ((hidden + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK, tokens), THREADS, stream,
-            [ctypes.c_uint64(w2.data_ptr()), ctypes.c_uint64(e2), ctypes.c_uint64(r2), ctypes.c_int32(t2),
-             ctypes.c_int32(hidden), ctypes.c_int32(inter), ctypes.c_uint64(ids.data_ptr()),
-             ctypes.c_uint64(weights.data_ptr()), ctypes.c_int32(topk), ctypes.c_uint64(aq.data_ptr()),
-             ctypes.c_uint64(ads.data_ptr()), ctypes.c_uint64(out.data_ptr())])
+    _launch(dev, abi.KQ_MOE_DOWN, dt, ((hidden + abi.KQ_ROWS_PER_BLOCK - 1) // abi.KQ_ROWS_PER_BLOCK, tokens),
+            abi.KQ_THREADS, stream, (w2.data_ptr(), e2, r2, t2, hidden, inter, ids.data_ptr(), weights.data_ptr(),
+                                     topk, aq.data_ptr(), ads.data_ptr(), out.data_ptr()))
     return out
