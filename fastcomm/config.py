@@ -136,7 +136,7 @@ class Var:
 TRANSPORTS = ("auto", "p2p", "host")
 ALGOS = ("auto", "one_shot", "two_shot", "two_shot_ll", "pull", "two_shot_islands")
 FUSED_CLUSTER_SETTINGS = ("auto", "on", "off")
-GGUF_KERNEL_SETTINGS = ("auto", "plugin")
+GGUF_KERNEL_SETTINGS = ("auto", "dp4a", "plugin")
 LOG_LEVELS = ("debug", "info", "warning", "error", "off")
 
 VARIABLES: tuple[Var, ...] = (
@@ -170,9 +170,10 @@ VARIABLES: tuple[Var, ...] = (
     Var("FASTCOMM_VLLM_FUSION", "vllm_fusion", "0", "1 also fuses all-reduce + RMSNorm in vLLM (compile pass and "
         "GLM-5 helper routing). Opt-in until an end-to-end run shows it faster than the all-reduce alone "
         "(bench/RESULTS.md).", _bool),
-    Var("FASTCOMM_GGUF_KERNELS", "gguf_kernels", "auto", "auto | plugin: GGUF products of 1-8 tokens (decode, MTP "
-        "verify) through fastcomm's K-quant kernels (csrc/kquant.cu; Q4_K, Q5_K, Q6_K, Q8_0 weights), the rest "
-        "through vllm-gguf-plugin's; plugin: all through the plugin's.", _choice(*GGUF_KERNEL_SETTINGS)),
+    Var("FASTCOMM_GGUF_KERNELS", "gguf_kernels", "auto", "auto | dp4a | plugin: GGUF products of 1-8 tokens "
+        "(decode, MTP verify) through fastcomm's K-quant kernels (csrc/kquant.cu; Q4_K, Q5_K, Q6_K, Q8_0 weights), "
+        "the rest through vllm-gguf-plugin's; dp4a: fastcomm's without the tensor-core forms; plugin: all "
+        "through the plugin's.", _choice(*GGUF_KERNEL_SETTINGS)),
     Var("FASTCOMM_LOG", "log_level", "warning", "debug | info | warning | error | off: level of the 'fastcomm' "
         "logger; info prints the transport and policy each workspace chose (like NCCL_DEBUG=INFO).",
         _choice(*LOG_LEVELS)),

@@ -58,6 +58,7 @@ def test_form_choice():
     assert kquant.moe_form(8, 8, 6144, 2048) == "grouped"
     assert kquant.moe_form(8, 8, 6144, 2048 + 32) == "pairs"           # the grouped tiles step 256 values
     assert kquant.moe_form(8, abi.KQ_MAX_PAIRS // 8 + 1, 6144, 2048) == "pairs"  # more pairs than its route table
+    assert kquant.moe_form(8, 8, 6144, 2048, tensor_cores=False) == "pairs"  # FASTCOMM_GGUF_KERNELS=dp4a
     assert set(kquant.FORMS_LINEAR) == {"mma", "staged", "unstaged"} and set(kquant.FORMS_MOE) == {"grouped", "pairs"}
 
 

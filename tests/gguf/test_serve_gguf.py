@@ -154,8 +154,12 @@ def test_dry_run_says_which_kernels_take_the_products(capsys, tiny, monkeypatch)
     monkeypatch.setenv("FASTCOMM_GGUF_KERNELS", "plugin")
     _, _, err = dry(capsys, [str(tiny[0]), "--gpus", "1"])
     assert "GGUF products: vllm-gguf-plugin's kernels at every token count" in err
+    monkeypatch.setenv("FASTCOMM_GGUF_KERNELS", "dp4a")
+    _, _, err = dry(capsys, [str(tiny[0]), "--gpus", "1"])
+    assert "fastcomm's K-quant kernels (dp4a forms only: FASTCOMM_GGUF_KERNELS=dp4a)" in err
     monkeypatch.setenv("FASTCOMM_GGUF_KERNELS", "fast")
-    assert error(capsys, [str(tiny[0]), "--gpus", "1"]).endswith("FASTCOMM_GGUF_KERNELS='fast': must be one of auto, plugin")
+    assert error(capsys, [str(tiny[0]), "--gpus", "1"]).endswith(
+        "FASTCOMM_GGUF_KERNELS='fast': must be one of auto, dp4a, plugin")
 
 
 def test_served_under_the_files_own_name(capsys, tiny, monkeypatch):

@@ -216,3 +216,17 @@ def test_hooks_for_vllm_025_mtp_over_a_gguf(tiny):
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["probe"] == {} and got["gguf"] is True
     assert got["plain"] != "AttributeError"  # a plain embedding still goes through vLLM's own method
+
+
+def test_the_dp4a_setting_keeps_the_products_off_the_tensor_cores(monkeypatch):
+    """FASTCOMM_GGUF_KERNELS=dp4a: the plugin hook installs fastcomm's kernels with the tensor-core forms off
+    (the form each product then takes is kquant's pure policy, tested in test_kquant_policy.py)."""
+    from fastcomm_vllm.gguf import kquant_vllm, plugin
+
+    try:
+        for setting, want in (("dp4a", False), ("auto", True)):
+            monkeypatch.setenv("FASTCOMM_GGUF_KERNELS", setting)
+            plugin._decode_kernels()
+            assert kquant_vllm._FORMS["tensor_cores"] is want, setting
+    finally:
+        kquant_vllm._FORMS["tensor_cores"] = True

@@ -400,8 +400,10 @@ def _decode_kernels_note() -> str:
     if setting == "plugin":
         return "GGUF products: vllm-gguf-plugin's kernels at every token count (FASTCOMM_GGUF_KERNELS=plugin)"
     types = "/".join(kquant.NAMES[t] for t in sorted(kquant.NAMES))
+    forms = " (dp4a forms only: FASTCOMM_GGUF_KERNELS=dp4a)" if setting == "dp4a" else ""
     return (f"GGUF products of 1-{kquant.MAX_TOKENS} tokens (decode, MTP verify) of {types} weights: fastcomm's "
-            "K-quant kernels; prefill and other types: the plugin's (FASTCOMM_GGUF_KERNELS=plugin: all the plugin's)")
+            f"K-quant kernels{forms}; prefill and other types: the plugin's (FASTCOMM_GGUF_KERNELS=plugin: all the "
+            "plugin's)")
 
 
 def _entry_points() -> list[str]:

@@ -88,6 +88,7 @@ def mma_ok(segments: tuple[Segment, ...], cols: int) -> bool:
 
 
 def linear_form(tokens: int, mma: bool, staged_fits: bool) -> str:
+    """``mma``: the tensor-core form can read the weight and is allowed (FASTCOMM_GGUF_KERNELS=dp4a forbids it)."""
     if mma and tokens >= MMA_MIN_TOKENS:
         return "mma"
     return "staged" if staged_fits else "unstaged"
@@ -102,9 +103,9 @@ def moe_types_ok(t13: int, t2: int, hidden: int, inter: int, row13: int, row2: i
     return True
 
 
-def moe_form(tokens: int, topk: int, hidden: int, inter: int) -> str:
-    """``grouped`` where its tiles and route table hold the shapes, else ``pairs``."""
-    if (tokens >= MOE_GROUPED_MIN_TOKENS and tokens * topk <= abi.KQ_MAX_PAIRS
+def moe_form(tokens: int, topk: int, hidden: int, inter: int, tensor_cores: bool = True) -> str:
+    """``grouped`` where allowed and its tiles and route table hold the shapes, else ``pairs``."""
+    if (tensor_cores and tokens >= MOE_GROUPED_MIN_TOKENS and tokens * topk <= abi.KQ_MAX_PAIRS
             and hidden % abi.KQ_UNIT == 0 and inter % abi.KQ_UNIT == 0):
         return "grouped"
     return "pairs"
@@ -226,9 +227,9 @@ def _aligned(x):
     return x
 
 
-def linear(x, qweight, segments: tuple[Segment, ...], form: str | None = None):
+def linear(x, qweight, segments: tuple[Segment, ...], form: str | None = None, tensor_cores: bool = True):
     """x [n, cols] (n <= 8) times the segments' rows of ``qweight`` (uint8 [rows, row_stride]): [n, sum rows].
-    ``form``: one of FORMS_LINEAR (None: ``linear_form``'s choice)."""
+    ``form``: one of FORMS_LINEAR (None: ``linear_form``'s choice, the mma form only with ``tensor_cores``)."""
     import torch
 
     x = _aligned(x)
@@ -238,7 +239,7 @@ def linear(x, qweight, segments: tuple[Segment, ...], form: str | None = None):
     total = table.total_rows
     out = torch.empty(n, total, dtype=x.dtype, device=x.device)
     fits = staged_fits(dev, n, cols)
-    form = form or linear_form(n, mma_ok(segments, cols), fits)
+    form = form or linear_form(n, tensor_cores and mma_ok(segments, cols), fits)
     if form == "mma":
         if not mma_ok(segments, cols):
             raise ValueError(f"the mma form cannot read these segments ({segments}, {cols} columns)")
@@ -260,11 +261,12 @@ def linear(x, qweight, segments: tuple[Segment, ...], form: str | None = None):
 
 
 def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu: bool = False,
-        form: str | None = None):
+        form: str | None = None, tensor_cores: bool = True):
     """The routed experts of 1-8 tokens: x [T, hidden], w13 [E, 2 inter, row13], w2 [E, hidden, row2] (uint8
     blocks); returns [T, hidden], each token's experts summed in their top-k order, router weights applied.
     ``activation`` maps [pairs, 2 inter] to [pairs, inter]; ``silu``: it is vLLM's silu_and_mul, which the
-    activations' quantize launch then applies itself. ``form``: one of FORMS_MOE (None: ``moe_form``'s)."""
+    activations' quantize launch then applies itself. ``form``: one of FORMS_MOE (None: ``moe_form``'s, the
+    grouped form only with ``tensor_cores``)."""
     import torch
 
     x = _aligned(x)
@@ -278,7 +280,7 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu:
     dt, dev, stream = _dt(x), x.device.index, _stream(x)
     e13, r13 = w13.stride(0) * w13.element_size(), w13.stride(1) * w13.element_size()
     e2, r2 = w2.stride(0) * w2.element_size(), w2.stride(1) * w2.element_size()
-    form = form or moe_form(tokens, topk, hidden, inter)
+    form = form or moe_form(tokens, topk, hidden, inter, tensor_cores)
     xq, xds = quantize(x)
     up = torch.empty(pairs, rows13, dtype=x.dtype, device=x.device)
     grouped = form == "grouped"

@@ -5,7 +5,8 @@
 ``kquant.moe_types_ok``, decided once per layer) calls a torch custom op that takes fastcomm's kernels for
 1-8 tokens and the plugin's own function otherwise, so a CUDA graph of a decode batch records fastcomm's
 kernels and a prefill runs exactly as the plugin would. Layers the kernels cannot read keep the plugin's
-``apply``. Idempotent.
+``apply``. Idempotent. ``install(tensor_cores=False)`` (FASTCOMM_GGUF_KERNELS=dp4a) keeps the products on
+the dp4a forms.
 """
 import functools
 
@@ -14,6 +15,7 @@ import torch
 from . import kquant
 
 _PLAN = "_fastcomm_kq_plan"  # per layer: the segments (linear), True (MoE), or None (the plugin's path)
+_FORMS = {"tensor_cores": True}  # set once by install(), from FASTCOMM_GGUF_KERNELS, before any layer runs
 
 
 def _linear_fn(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts: list[int],
@@ -22,7 +24,7 @@ def _linear_fn(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts:
 
     if kquant.decode_tokens_ok(x.shape[0]) and qweight.data_ptr() % 16 == 0:
         segs = tuple(kquant.Segment(t, s, r) for t, s, r in zip(types, starts, rows))
-        return kquant.linear(x, qweight, segs)
+        return kquant.linear(x, qweight, segs, tensor_cores=_FORMS["tensor_cores"])
     # Bytes of a row a segment uses (its shard's type over x's columns; the stored rows are padded to the widest).
     used = [kquant.BLOCKS[t][1] * (x.shape[1] // kquant.BLOCKS[t][0]) for t in types]
     if len(types) == 1 and used[0] == qweight.shape[1] and rows[0] == qweight.shape[0]:
@@ -56,7 +58,7 @@ def _moe_fn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: 
 
     if kquant.decode_tokens_ok(x.shape[0]) and w13.data_ptr() % 16 == 0 and w2.data_ptr() % 16 == 0:
         return kquant.moe(x, w13, w2, topk_weights, topk_ids, t13, t2, _activation(activation),
-                          silu=activation == "silu")
+                          silu=activation == "silu", tensor_cores=_FORMS["tensor_cores"])
     return pmoe._fused_moe_gguf(x, w13, w2, topk_weights, topk_ids, t13, t2, activation)
 
 
@@ -120,12 +122,13 @@ def _after_loading(original, plan):
     return process
 
 
-def install() -> bool:
+def install(tensor_cores: bool = True) -> bool:
     """Wrap the plugin's methods (once); False when the plugin is not importable here."""
     try:
         from vllm_gguf_plugin.quantization import fused_moe as pmoe, linear as plin
     except ImportError:
         return False
+    _FORMS["tensor_cores"] = tensor_cores
     if getattr(plin.GGUFLinearMethod.apply, "_fastcomm", False):
         return True
     register_ops()

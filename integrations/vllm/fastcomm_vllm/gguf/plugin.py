@@ -11,8 +11,8 @@ in each worker, after or before the plugin's own ``gguf`` entry point (both orde
   end: the MTP draft's config is parsed from the GGUF path, with no --hf-config-path to point elsewhere);
 - vLLM <= 0.25 asks transformers for the image processor of every model, the MTP draft's too, whose model is
   the GGUF file: transformers takes a file path for a Hub repo id and raises. A GGUF file has none: {};
-- (FASTCOMM_GGUF_KERNELS=auto, the default) the plugin's linear and MoE methods take fastcomm's K-quant
-  kernels for 1-8 tokens (kquant_vllm.py);
+- (FASTCOMM_GGUF_KERNELS=auto, the default, or dp4a) the plugin's linear and MoE methods take fastcomm's
+  K-quant kernels for 1-8 tokens (kquant_vllm.py);
 - vLLM's MTP drafter shares the target's embedding, but first reads its ``.weight``, which a GGUF-quantized
   embedding does not have (its data is ``qweight``): for an MTP draft over such an embedding it shares it
   directly (GLM-5's nextn.embed_tokens is a copy of token_embd, so nothing is lost).
@@ -66,9 +66,10 @@ def _decode_kernels() -> None:
         return
     from . import kquant_vllm
 
-    if kquant_vllm.install():
-        logger.info("fastcomm: GGUF products of 1-%d tokens through fastcomm's K-quant kernels "
-                    "(FASTCOMM_GGUF_KERNELS=plugin: the plugin's)", kquant_vllm.kquant.MAX_TOKENS)
+    if kquant_vllm.install(tensor_cores=setting != "dp4a"):
+        logger.info("fastcomm: GGUF products of 1-%d tokens through fastcomm's K-quant kernels%s "
+                    "(FASTCOMM_GGUF_KERNELS=plugin: the plugin's)", kquant_vllm.kquant.MAX_TOKENS,
+                    " (dp4a forms only)" if setting == "dp4a" else "")
 
 
 def _teach_replicated_linear() -> None:
