@@ -204,10 +204,10 @@ kquant() {   # fastcomm's K-quant decode kernels: GPU test, then plugin-vs-fastc
   exec > >(tee "$out/kquant.log") 2>&1
   install || return 1
   export FASTCOMM_CACHE_DIR=${FASTCOMM_CACHE_DIR:-/tmp/fastcomm-cache}
-  timeout 300 python -m pytest -q -p no:cacheprovider tests/gguf/test_kquant_gpu.py 2>&1 | tail -n 25
+  timeout 280 python -m pytest -q -p no:cacheprovider --durations=8 tests/gguf/test_kquant_gpu.py 2>&1 | tail -n 40
   local rc=${PIPESTATUS[0]}
   echo "== kquant GPU test exit $rc"
-  timeout 240 python -m fastcomm_bench.gguf_kernels --json "$out/gguf-kernels.json" || rc=1
+  timeout 270 python -m fastcomm_bench.gguf_kernels --json "$out/gguf-kernels.json" || rc=1
   return $rc
 }
 
