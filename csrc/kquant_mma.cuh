@@ -10,14 +10,16 @@
 //
 // Work: a block of W warps (blockDim.x = 32 W, W <= FC_KQ_MMA_WARPS) owns one 16-row tile; warp w takes the
 // 256-value units w, w + W, ... of the rows, and warp 0 adds the warps' partial sums in warp order, so every
-// output is summed in one fixed order whatever the vectors are. Operands: kq_unit_load / kq_unit_chunk /
+// output is summed in one fixed order whatever the vectors are. The host picks W per shape
+// (kquant.mma_warps): a weight of few tiles spreads each tile's units over more warps, so that the GPU still
+// has enough warps streaming weights (GLM-5's fused_qkv_a: 164 tiles). Operands: kq_unit_load / kq_unit_chunk /
 // kq_frag_x (kquant.cuh), activations quantized first (fc_kq_quantize), as the dp4a two-launch form does.
 #pragma once
 #include "kquant.cuh"
 
 #define FC_KQ_MMA_ROWS 16    // rows of a tile: the mma's M
 #define FC_KQ_MMA_COLS 8     // activation vectors per pass: the mma's N
-#define FC_KQ_MMA_WARPS 4    // the most warps splitting a tile's units
+#define FC_KQ_MMA_WARPS 16   // the most warps splitting a tile's units (few tiles: more warps a tile)
 #define FC_KQ_MAX_PAIRS 256  // (token, expert) pairs a grouped MoE launch routes
 
 __device__ __forceinline__ void kq_mma_k32(const kq_u32 a[4], const kq_u32 b[2], int c[4]) {
@@ -41,41 +43,62 @@ struct KqCols {
 
 // One warp's share of a tile: rows g (at ra) and g + 8 (at rb), against the vectors of `col`. acc: row g
 // with vectors 2t and 2t + 1, then row g + 8 with the same.
+// Per unit, every load is issued before any use and none sits behind a branch (a zero vector loads vector 0's
+// words and selects zeros), so the activations' L2 round trips overlap the weights' DRAM ones instead of
+// following each other chunk by chunk.
 template <int T>
 __device__ __forceinline__ void kq_mma_tile(const kq_u8* ra, const kq_u8* rb, int units, const KqCols& col,
                                             const kq_u32* xq, const float2* xds, int chunks, float acc[4]) {
+  constexpr bool mins = T == FC_KQ_Q4_K || T == FC_KQ_Q5_K;  // the types with a term times the chunk's sum
   const int t = threadIdx.x & 3, W = blockDim.x >> 5;
-  const float2 zero = make_float2(0.f, 0.f);
+  const bool opv = col.op >= 0, v0 = col.d0 >= 0, v1 = col.d1 >= 0;
+  const kq_u32* xop = xq + (kq_u64)(opv ? col.op : 0) * chunks * 8;
+  const float2* x0 = xds + (kq_u64)(v0 ? col.d0 : 0) * chunks;
+  const float2* x1 = xds + (kq_u64)(v1 ? col.d1 : 0) * chunks;
   for (int u = threadIdx.x >> 5; u < units; u += W) {
     KqUnit ua, ub;
     kq_unit_load(T, ra, u, t, &ua);
     kq_unit_load(T, rb, u, t, &ub);
+    kq_u32 b[8][2];
+    float2 d0[8], d1[8];
 #pragma unroll
     for (int m = 0; m < 8; ++m) {
       const int c = u * 8 + m;
+      kq_frag_x(T, xop + (kq_u64)c * 8, t, b[m]);
+      d0[m] = __ldg(x0 + c);
+      d1[m] = __ldg(x1 + c);
+    }
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
       KqFrag fa, fb;
       kq_unit_chunk(T, ua, m, &fa);
       kq_unit_chunk(T, ub, m, &fb);
-      kq_u32 b[2] = {0u, 0u};
-      if (col.op >= 0) kq_frag_x(T, xq + ((kq_u64)col.op * chunks + c) * 8, t, b);
-      const float2 d0 = col.d0 >= 0 ? __ldg(xds + (kq_u64)col.d0 * chunks + c) : zero;
-      const float2 d1 = col.d1 >= 0 ? __ldg(xds + (kq_u64)col.d1 * chunks + c) : zero;
+      const kq_u32 b0 = opv ? b[m][0] : 0u, b1 = opv ? b[m][1] : 0u;
+      const float s0 = v0 ? d0[m].x : 0.f, s1 = v1 ? d1[m].x : 0.f;
       if (T == FC_KQ_Q6_K) {
         int lo[4], hi[4];
-        kq_mma_k16(fa.q[0], fb.q[0], b[0], lo);
-        kq_mma_k16(fa.q[1], fb.q[1], b[1], hi);
-        acc[0] += d0.x * (fa.mul[0] * (float)lo[0] + fa.mul[1] * (float)hi[0]);
-        acc[1] += d1.x * (fa.mul[0] * (float)lo[1] + fa.mul[1] * (float)hi[1]);
-        acc[2] += d0.x * (fb.mul[0] * (float)lo[2] + fb.mul[1] * (float)hi[2]);
-        acc[3] += d1.x * (fb.mul[0] * (float)lo[3] + fb.mul[1] * (float)hi[3]);
+        kq_mma_k16(fa.q[0], fb.q[0], b0, lo);
+        kq_mma_k16(fa.q[1], fb.q[1], b1, hi);
+        acc[0] += s0 * (fa.mul[0] * (float)lo[0] + fa.mul[1] * (float)hi[0]);
+        acc[1] += s1 * (fa.mul[0] * (float)lo[1] + fa.mul[1] * (float)hi[1]);
+        acc[2] += s0 * (fb.mul[0] * (float)lo[2] + fb.mul[1] * (float)hi[2]);
+        acc[3] += s1 * (fb.mul[0] * (float)lo[3] + fb.mul[1] * (float)hi[3]);
       } else {
         const kq_u32 a[4] = {fa.q[0], fb.q[0], fa.q[1], fb.q[1]};
-        int s[4];
-        kq_mma_k32(a, b, s);
-        acc[0] += d0.x * (fa.mul[0] * (float)s[0]) - fa.sub * d0.y;
-        acc[1] += d1.x * (fa.mul[0] * (float)s[1]) - fa.sub * d1.y;
-        acc[2] += d0.x * (fb.mul[0] * (float)s[2]) - fb.sub * d0.y;
-        acc[3] += d1.x * (fb.mul[0] * (float)s[3]) - fb.sub * d1.y;
+        const kq_u32 bb[2] = {b0, b1};
+        int r[4];
+        kq_mma_k32(a, bb, r);
+        acc[0] += s0 * (fa.mul[0] * (float)r[0]);
+        acc[1] += s1 * (fa.mul[0] * (float)r[1]);
+        acc[2] += s0 * (fb.mul[0] * (float)r[2]);
+        acc[3] += s1 * (fb.mul[0] * (float)r[3]);
+        if (mins) {
+          const float m0 = v0 ? d0[m].y : 0.f, m1 = v1 ? d1[m].y : 0.f;
+          acc[0] -= fa.sub * m0;
+          acc[1] -= fa.sub * m1;
+          acc[2] -= fb.sub * m0;
+          acc[3] -= fb.sub * m1;
+        }
       }
     }
   }

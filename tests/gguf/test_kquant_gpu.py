@@ -66,9 +66,10 @@ def test_gemv_exact_activations(qtype, n, form):
         check(got, want, np.abs(x) @ np.abs(truth).T, dtype)
 
 
-@pytest.mark.parametrize("cols", [256, 768, 1280])
-def test_mma_short_rows_take_fewer_warps(cols):
-    """1, 3 and 5 units a row: one warp, three warps, four warps with an uneven split."""
+@pytest.mark.parametrize("cols", [256, 768, 1280, 4352, 6144])
+def test_mma_warp_splits(cols):
+    """3 tiles of 1, 3, 5, 17 and 24 units: 1, 3, 5, 9 (eight warps of 2 units, one of 1) and 12 warps a tile
+    (kquant.mma_warps), each summing its units and warp 0 adding the partials."""
     k = kq()
     rng = np.random.default_rng(cols)
     stored, truth = weights("Q5_K", (48, cols), seed=19)

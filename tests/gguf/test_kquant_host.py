@@ -49,7 +49,7 @@ def run(exe, qtype: str, stored: np.ndarray, x: np.ndarray, warps: int = 0) -> n
     return np.frombuffer(out, np.float32).reshape(n, rows)
 
 
-@pytest.mark.parametrize("warps", [0, 1, 3, 4], ids=["dp4a", "mma-1warp", "mma-3warps", "mma-4warps"])
+@pytest.mark.parametrize("warps", [0, 1, 3, 4, 8], ids=["dp4a", "mma-1warp", "mma-3warps", "mma-4warps", "mma-8warps"])
 @pytest.mark.parametrize("qtype", TYPES)
 def test_decode_matches_gguf_py(host_binary, qtype, warps):
     """Rows 37 (a partial last tile of the mma forms), 8 units split over the warps unevenly at 3."""

@@ -45,7 +45,13 @@ def test_the_mma_form_reads_whole_units_and_tiles_of_one_type():
     assert kquant.mma_ok((kquant.Segment(kquant.Q4_K, 0, 37),), 256)   # one segment: a last partial tile is fine
     odd = (kquant.Segment(kquant.Q5_K, 0, 24), kquant.Segment(kquant.Q8_0, 24, 8))
     assert not kquant.mma_ok(odd, 256)                                 # a tile would straddle two types
-    assert [kquant.mma_warps(c) for c in (256, 512, 768, 1024, 16384)] == [1, 2, 3, 4, 4]
+    # warps a tile: enough warps on 132 SMs, no more than the units, an even split
+    assert kquant.mma_warps(6144, 164, 132) == 12     # fused_qkv_a: 24 units, 2 a warp
+    assert kquant.mma_warps(2048, 1024, 132) == 3     # q_b: 8 units over 3 warps (3, 3, 2)
+    assert kquant.mma_warps(16384, 384, 132) == 6     # o_proj: 64 units, 11 a warp
+    assert kquant.mma_warps(6144, 9680, 132) == 1     # the LM head has tiles enough
+    assert [kquant.mma_warps(c, 3, 132) for c in (256, 768, 1280, 4352, 6144)] == [1, 3, 5, 9, 12]
+    assert max(kquant.mma_warps(c, 1, 1000) for c in range(256, 65536, 256)) == abi.KQ_MMA_WARPS
     assert [kquant.tiles(r) for r in (1, 16, 17, 154880)] == [1, 1, 2, 9680]
 
 

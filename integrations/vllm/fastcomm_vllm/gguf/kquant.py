@@ -40,8 +40,8 @@ FORMS_LINEAR = ("mma", "staged", "unstaged")
 FORMS_MOE = ("grouped", "pairs")
 # Which form serves, from bench/gguf_kernels.py on an H200 (bench/RESULTS.md). The staged MoE (one launch
 # quantizing into shared memory) measured slower than the five-launch one at every token count and is gone.
-MMA_MIN_TOKENS = 2          # linears: the tensor-core form from this many tokens, below it the staged dp4a
-MOE_GROUPED_MIN_TOKENS = 1  # MoE: grouped by expert from this many tokens
+MMA_MIN_TOKENS = 4          # linears: the tensor-core form from this many tokens, below it the staged dp4a
+MOE_GROUPED_MIN_TOKENS = 3  # MoE: grouped by expert from this many tokens, below it per pair
 # 16-byte loads read Q4_K/Q5_K rows; Q6_K/Q8_0 blocks are only 2-byte aligned and are read by words.
 ROW_ALIGN = {Q4_K: 16, Q5_K: 16, Q6_K: 2, Q8_0: 2}
 
@@ -111,9 +111,17 @@ def moe_form(tokens: int, topk: int, hidden: int, inter: int, tensor_cores: bool
     return "pairs"
 
 
-def mma_warps(cols: int) -> int:
-    """Warps splitting a tile's 256-value units (no idle warp on a short row)."""
-    return max(1, min(abi.KQ_MMA_WARPS, cols // abi.KQ_UNIT))
+MMA_WARPS_PER_SM = 16  # warps streaming weights an SM should have (about what ~100 registers a thread allow)
+
+
+def mma_warps(cols: int, tiles: int, sms: int) -> int:
+    """Warps splitting each of ``tiles`` tiles' 256-value units: enough for MMA_WARPS_PER_SM on every SM,
+    no more than the units (no idle warp) and split evenly (the slowest warp sets the tile's time)."""
+    units = max(1, cols // abi.KQ_UNIT)
+    want = -(-sms * MMA_WARPS_PER_SM // max(1, tiles))
+    w = max(1, min(abi.KQ_MMA_WARPS, units, want))
+    per = -(-units // w)
+    return -(-units // per)
 
 
 def tiles(rows: int) -> int:
@@ -244,8 +252,8 @@ def linear(x, qweight, segments: tuple[Segment, ...], form: str | None = None, t
         if not mma_ok(segments, cols):
             raise ValueError(f"the mma form cannot read these segments ({segments}, {cols} columns)")
         xq, xds = quantize(x)
-        _launch(dev, abi.KQ_MMA, dt, (tiles(total), 1), 32 * mma_warps(cols), stream,
-                (table, xq.data_ptr(), xds.data_ptr(), n, cols, out.data_ptr(), total))
+        warps = mma_warps(cols, tiles(total), _device(dev)[0])
+        _launch(dev, abi.KQ_MMA, dt, (tiles(total), 1), 32 * warps, stream, (table, xq.data_ptr(), xds.data_ptr(), n, cols, out.data_ptr(), total))
         return out
     variant = str(gemv_variant(n))
     if form == "staged" and fits:
@@ -281,11 +289,14 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu:
     e13, r13 = w13.stride(0) * w13.element_size(), w13.stride(1) * w13.element_size()
     e2, r2 = w2.stride(0) * w2.element_size(), w2.stride(1) * w2.element_size()
     form = form or moe_form(tokens, topk, hidden, inter, tensor_cores)
+    busy = min(experts, pairs)  # experts a grouped launch's blocks can find work for
+    sms = _device(dev)[0]
     xq, xds = quantize(x)
     up = torch.empty(pairs, rows13, dtype=x.dtype, device=x.device)
     grouped = form == "grouped"
     if grouped:
-        _launch(dev, abi.KQ_MOE_MMA_UP, dt, (tiles(rows13), experts), 32 * mma_warps(hidden), stream,
+        warps = mma_warps(hidden, tiles(rows13) * busy, sms)
+        _launch(dev, abi.KQ_MOE_MMA_UP, dt, (tiles(rows13), experts), 32 * warps, stream,
                 (w13.data_ptr(), e13, r13, t13, rows13, hidden, ids.data_ptr(), topk, pairs, xq.data_ptr(),
                  xds.data_ptr(), up.data_ptr()))
     else:
@@ -296,7 +307,8 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu:
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     if grouped:
         y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-        _launch(dev, abi.KQ_MOE_MMA_DOWN, None, (tiles(hidden), experts), 32 * mma_warps(inter), stream,
+        warps = mma_warps(inter, tiles(hidden) * busy, sms)
+        _launch(dev, abi.KQ_MOE_MMA_DOWN, None, (tiles(hidden), experts), 32 * warps, stream,
                 (w2.data_ptr(), e2, r2, t2, hidden, inter, ids.data_ptr(), topk, pairs, aq.data_ptr(),
                  ads.data_ptr(), y.data_ptr()))
         _launch(dev, abi.KQ_MOE_SUM, dt, ((tokens * hidden + 255) // 256, 1), 256, stream,
