@@ -38,9 +38,13 @@ STAGED_BLOCKS_PER_SM = 2
 STAGE_BYTES_PER_CHUNK = 40  # two 16-byte halves and a (scale, sum) float2, per 32 values of a row
 FORMS_LINEAR = ("mma", "staged", "unstaged")
 FORMS_MOE = ("grouped", "pairs")
-# Which form serves, from bench/gguf_kernels.py on an H200 (bench/RESULTS.md). The staged MoE (one launch
-# quantizing into shared memory) measured slower than the five-launch one at every token count and is gone.
-MMA_MIN_TOKENS = 4          # linears: the tensor-core form from this many tokens, below it the staged dp4a
+# Which form serves, from bench/gguf_kernels.py on an H200 (bench/RESULTS.md, run b3b4269): up to 4 tokens the
+# staged dp4a form beats the tensor-core one at nearly every GLM-5 shape (the mma form pays a quantize launch
+# and reads its 16-row tiles at ~1.7 TB/s where the staged one reaches ~2.6), at 8 the tensor cores win at every
+# shape (the dp4a cost grows with the vectors: o_proj 90 against 54 us); the MoE grouped by expert wins from 4
+# tokens (192 against 239 us) and loses at 1-2 (119 / 175 against 79 / 131). 5-7 and 3 tokens lie between.
+# The staged MoE (one launch quantizing into shared memory) measured slower than the five-launch one and is gone.
+MMA_MIN_TOKENS = 5          # linears: the tensor-core form from this many tokens, below it the staged dp4a
 MOE_GROUPED_MIN_TOKENS = 3  # MoE: grouped by expert from this many tokens, below it per pair
 # 16-byte loads read Q4_K/Q5_K rows; Q6_K/Q8_0 blocks are only 2-byte aligned and are read by words.
 ROW_ALIGN = {Q4_K: 16, Q5_K: 16, Q6_K: 2, Q8_0: 2}
