@@ -17,8 +17,9 @@ It is a model, labelled as one; every input is named in its output:
   measured on the H200 -- if it is bound by per-token launches, which TP does not shrink. Both are shown.
 - the draft: its cost as a share of a plain step, measured on the H200 (the MTP record: a 3-draft run whose
   random weights accept nothing, so each step is 3 drafts plus a 4-token verify; the 4-request step of the
-  sweep stands for the verify, the rest is the drafts), else estimated as one decoder layer's share plus the
-  LM head it reads; plus its three all-reduces; the acceptance length L of published GLM-5 MTP runs (2.2-2.8 at 3 draft tokens), turned into
+  sweep stands for the verify, the rest is the drafts; the record must come from the same kernels as the
+  sweep), given (--draft-share), else estimated as one decoder layer's share plus the LM head it reads; plus
+  its three all-reduces; the acceptance length L of published GLM-5 MTP runs (2.2-2.8 at 3 draft tokens), turned into
   a per-draft acceptance rate a with L = (1 - a^(k+1)) / (1 - a), so other k follow from the same a.
 """
 from __future__ import annotations
@@ -32,7 +33,10 @@ from pathlib import Path
 from . import pcie_model
 from .pcie_model import ALLREDUCES_PER_STEP, DECODE_BYTES, LAYERS, WORLD
 
-RECORD = Path(__file__).resolve().parent / "results" / "2026-12-01-h200x1-gguf-78L-tp1-decode.json"
+# The current kernels' sweep (fastcomm's K-quant kernels, tensor-core forms). No MTP run with them exists yet:
+# the committed MTP record (MTP_RECORD) ran the plugin's kernels and pairs with PLUGIN_RECORD only.
+RECORD = Path(__file__).resolve().parent / "results" / "2026-12-02-h200x1-s6-gguf-78L-tp1-mma-decode.json"
+PLUGIN_RECORD = Path(__file__).resolve().parent / "results" / "2026-12-01-h200x1-gguf-78L-tp1-decode.json"
 MTP_RECORD = Path(__file__).resolve().parent / "results" / "2026-12-01-h200x1-gguf-78L-mtp3-tp1-decode.json"
 
 ALLREDUCES_PER_DRAFT = 3           # the MTP block's two, and its eh_proj's
@@ -125,9 +129,15 @@ def predict(fit: Fit, k: int, length: float, *, scaled: bool, share: float = EST
             "draft_ms": round(k * draft, 2), "step_ms": round(step, 2), "tok_s": round(tokens / step * 1e3, 1)}
 
 
-def table(points: dict[int, float], run: MtpRun | None = None) -> list[str]:
+def table(points: dict[int, float], run: MtpRun | None = None, share: float | None = None) -> list[str]:
+    """The model's table; the draft's share of a plain step from ``run`` (measured), else ``share`` (given),
+    else the estimate."""
     fit = fit_step(points)
-    share = ESTIMATED_DRAFT_SHARE if run is None else draft_share(points, run)
+    given = share is not None and run is None
+    if run is not None:
+        share = draft_share(points, run)
+    elif share is None:
+        share = ESTIMATED_DRAFT_SHARE
     lines = ["# MODEL, not a measurement. H200 step times (ms) by tokens per step: "
              + ", ".join(f"{c}: {points[c]:.1f}" for c in sorted(points))
              + f"; fit over 1-4: {fit.base_ms:.1f} + (c - 1) x {fit.per_token_ms:.1f}",
@@ -142,6 +152,8 @@ def table(points: dict[int, float], run: MtpRun | None = None) -> list[str]:
                         f"plain step ({run.tokens_per_step:.2f} tokens per step); less the {run.k + 1}-token verify "
                         f"({points[run.k + 1]:.1f} ms): {share:.3f} of a plain step per draft (estimate without "
                         f"it: {ESTIMATED_DRAFT_SHARE:.3f})")
+    if given:
+        lines.insert(2, f"# draft cost given: {share:.3f} of a plain step per draft (estimate: {ESTIMATED_DRAFT_SHARE:.3f})")
     for scaled in (True, False):
         label = "bandwidth-scaled (/8, x 4.8/1.79)" if scaled else "as on the H200 (launch-bound)"
         for k in range(PUBLISHED_K + 1):
@@ -163,11 +175,17 @@ def points_from(record: dict) -> dict[int, float]:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m fastcomm_bench.predict_mtp", description=__doc__.split("\n\n")[0])
     p.add_argument("record", nargs="?", default=str(RECORD), help="bench-decode record of the GGUF at TP 1")
-    p.add_argument("--mtp-record", default=str(MTP_RECORD),
-                   help="bench-decode record of the same GGUF with MTP (one request); 'none': estimate the drafts")
+    p.add_argument("--mtp-record", default="none",
+                   help="bench-decode record of the same GGUF with MTP (one request) and the same kernels as the "
+                        f"record (for the plugin's: {MTP_RECORD.name} with {PLUGIN_RECORD.name}); 'none' (the "
+                        "default): --draft-share or the estimate")
+    p.add_argument("--draft-share", type=float, default=None,
+                   help="one draft's cost as a share of a plain step, instead of the estimate")
     a = p.parse_args(argv)
+    if a.mtp_record != "none" and a.draft_share is not None:
+        p.error("--mtp-record and --draft-share both set the draft's cost: give one")
     run = None if a.mtp_record == "none" else mtp_run_from(json.loads(Path(a.mtp_record).read_text()))
-    print("\n".join(table(points_from(json.loads(Path(a.record).read_text())), run)))
+    print("\n".join(table(points_from(json.loads(Path(a.record).read_text())), run, a.draft_share)))
 
 
 if __name__ == "__main__":

@@ -58,6 +58,21 @@ def test_measured_mtp_step_sets_the_draft_cost():
         M.draft_share({1: 24.8, 2: 36.2}, run)
 
 
+def test_a_given_draft_share_replaces_the_estimate():
+    points = {1: 17.8, 2: 23.7, 3: 27.4, 4: 27.6}
+    estimated, given = M.table(points), M.table(points, share=0.115)
+    assert any(line.startswith("# draft cost given: 0.115 of a plain step") for line in given)
+    rate = lambda lines: float(lines[-1].rsplit("|", 2)[1])  # noqa: E731  (k = 3, L = 2.8, launch-bound)
+    assert rate(given) < rate(estimated)
+
+
+def test_the_default_record_is_the_current_kernels_and_the_mtp_record_pairs_with_the_plugins():
+    import json
+
+    assert json.loads(M.RECORD.read_text())["meta"]["fastcomm_commit"] == "b3b4269"
+    assert sorted(M.points_from(json.loads(M.PLUGIN_RECORD.read_text()))) == [1, 2, 3, 4, 8]
+
+
 def test_committed_mtp_record_is_a_three_draft_step():
     run = M.mtp_run_from(__import__("json").loads(M.MTP_RECORD.read_text()))
     assert run.k == 3 and run.step_ms > 0 and run.tokens_per_step >= 1.0
