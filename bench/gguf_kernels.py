@@ -8,10 +8,11 @@ the plugin's path (as its ``apply`` runs it: per-shard copies for a mixed-type f
 ``mmvq_safe`` batch, else its MMQ GEMM; MoE through ``ggml_moe_a8_vec``), fastcomm's in every form (linears:
 ``mma`` on the tensor cores, ``staged`` and ``unstaged`` dp4a; MoE: ``grouped`` by expert on the tensor cores,
 ``pairs`` dp4a per (token, expert) pair; kquant.FORMS_*), the form its policy takes marked (kquant.linear_form /
-moe_form, whose thresholds come from this table), and a bf16 cuBLAS matmul of the same shape for scale. Each timing is a CUDA graph of 16 calls replayed (launch overhead out, as
-in vLLM's decode graphs), over enough copies of the weight that no call finds it in L2. Also checks that
-fastcomm's result matches the plugin's (relative error), and prints a per-step sum: 75 MoE layers, 3 dense
-layers and the LM head, as in one decode step of the 78-layer model.
+moe_form, whose thresholds come from this table), and a bf16 cuBLAS matmul of the same shape for scale. Each
+timing is a CUDA graph of 16 calls replayed (launch overhead out, as in vLLM's decode graphs), over enough
+copies of the weight that no call finds it in L2. Also checks that fastcomm's result matches the plugin's
+(relative error), and prints a per-step sum: 75 MoE layers, 3 dense layers and the LM head, as in one decode
+step of the 78-layer model.
 Needs a GPU, vLLM and vllm-gguf-plugin with its CUDA extension.
 """
 from __future__ import annotations

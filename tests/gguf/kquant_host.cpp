@@ -85,7 +85,8 @@ static void mma_forms(int type, const kq_u8* w, long row_bytes, int rows, int co
             int s[32][4];
             kq_u32 A[32][4];
             for (int lane = 0; lane < 32; ++lane) {
-              A[lane][0] = fa[lane].q[0], A[lane][1] = fb[lane].q[0], A[lane][2] = fa[lane].q[1], A[lane][3] = fb[lane].q[1];
+              A[lane][0] = fa[lane].q[0], A[lane][1] = fb[lane].q[0];
+              A[lane][2] = fa[lane].q[1], A[lane][3] = fb[lane].q[1];
             }
             mma(8, A, b, s);
             for (int lane = 0; lane < 32; ++lane)

@@ -257,7 +257,8 @@ def linear(x, qweight, segments: tuple[Segment, ...], form: str | None = None, t
             raise ValueError(f"the mma form cannot read these segments ({segments}, {cols} columns)")
         xq, xds = quantize(x)
         warps = mma_warps(cols, tiles(total), _device(dev)[0])
-        _launch(dev, abi.KQ_MMA, dt, (tiles(total), 1), 32 * warps, stream, (table, xq.data_ptr(), xds.data_ptr(), n, cols, out.data_ptr(), total))
+        _launch(dev, abi.KQ_MMA, dt, (tiles(total), 1), 32 * warps, stream,
+                (table, xq.data_ptr(), xds.data_ptr(), n, cols, out.data_ptr(), total))
         return out
     variant = str(gemv_variant(n))
     if form == "staged" and fits:
