@@ -113,7 +113,7 @@ def bench_linear(name, shards, cols, tokens, rng):
             return lambda: torch.cat([plin._fused_mul_mat_gguf(x, w[s:e, :u].contiguous(), t)
                                       for t, (s, e, u) in zip(types, offsets)], dim=1)
 
-        default = kquant.linear_form(n, kquant.mma_ok(segs, cols), kquant.staged_fits(0, n, cols))
+        default = kquant.linear_form(n, kquant.mma_ok(segs, cols), kquant.staged_fits(x.device.index, n, cols))
         row = {"op": name, "tokens": n, "weight_MB": round(nbytes / 1e6, 2),
                "plugin_us": round(_graph_time_us([plugin(w) for w in ws]), 2), "default": default}
         for form in kquant.FORMS_LINEAR:

@@ -46,6 +46,7 @@ FORMS_MOE = ("grouped", "pairs")
 # The staged MoE (one launch quantizing into shared memory) measured slower than the five-launch one and is gone.
 MMA_MIN_TOKENS = 5          # linears: the tensor-core form from this many tokens, below it the staged dp4a
 MOE_GROUPED_MIN_TOKENS = 3  # MoE: grouped by expert from this many tokens, below it per pair
+MMA_WARPS_PER_SM = 16       # warps streaming weights an SM should have (about what ~100 registers a thread allow)
 # 16-byte loads read Q4_K/Q5_K rows; Q6_K/Q8_0 blocks are only 2-byte aligned and are read by words.
 ROW_ALIGN = {Q4_K: 16, Q5_K: 16, Q6_K: 2, Q8_0: 2}
 
@@ -78,6 +79,7 @@ def plan_linear(types: list[int], offsets: list[tuple[int, int, int]], row_strid
     return tuple(segs)
 
 
+@functools.lru_cache(maxsize=4096)  # a per-layer fact, asked on every eager call (the LM head's)
 def mma_ok(segments: tuple[Segment, ...], cols: int) -> bool:
     """Can the tensor-core form read these segments? Its step along a row is a 256-value unit, and a 16-row
     tile must lie in one segment (one type), so every segment but the last starts on a tile boundary."""
@@ -115,14 +117,11 @@ def moe_form(tokens: int, topk: int, hidden: int, inter: int, tensor_cores: bool
     return "pairs"
 
 
-MMA_WARPS_PER_SM = 16  # warps streaming weights an SM should have (about what ~100 registers a thread allow)
-
-
-def mma_warps(cols: int, tiles: int, sms: int) -> int:
-    """Warps splitting each of ``tiles`` tiles' 256-value units: enough for MMA_WARPS_PER_SM on every SM,
+def mma_warps(cols: int, ntiles: int, sms: int) -> int:
+    """Warps splitting each of ``ntiles`` tiles' 256-value units: enough for MMA_WARPS_PER_SM on every SM,
     no more than the units (no idle warp) and split evenly (the slowest warp sets the tile's time)."""
     units = max(1, cols // abi.KQ_UNIT)
-    want = -(-sms * MMA_WARPS_PER_SM // max(1, tiles))
+    want = -(-sms * MMA_WARPS_PER_SM // max(1, ntiles))
     w = max(1, min(abi.KQ_MMA_WARPS, units, want))
     per = -(-units // w)
     return -(-units // per)
