@@ -1,6 +1,7 @@
 """GGUF decode products at GLM-5's shapes: vllm-gguf-plugin's CUDA kernels against fastcomm's (csrc/kquant.cu).
 
     python -m fastcomm_bench.gguf_kernels [--tokens 1,2,4,8] [--json OUT]
+    python -m fastcomm_bench.gguf_kernels --suggest OUT    # the token thresholds a saved run suggests
 
 Every product of one GLM-5 decoder layer at full width (the 78-layer benchmark model's shapes and UD-Q4_K_XL
 types, bench/glm5_gguf.py), the LM head, and the routed experts (16 experts, top 8): GPU time per call for
@@ -13,7 +14,7 @@ timing is a CUDA graph of 16 calls replayed (launch overhead out, as in vLLM's d
 copies of the weight that no call finds it in L2. Also checks that fastcomm's result matches the plugin's
 (relative error), and prints a per-step sum: 75 MoE layers, 3 dense layers and the LM head, as in one decode
 step of the 78-layer model.
-Needs a GPU, vLLM and vllm-gguf-plugin with its CUDA extension.
+Needs a GPU; the plugin's rows need vllm-gguf-plugin with its CUDA extension (without it they read '-').
 """
 from __future__ import annotations
 
@@ -81,12 +82,30 @@ def _default_us(r) -> float:
     return r[f"{r['default']}_us"]
 
 
+def _plugin(module: str):
+    """The plugin's module, or None where it is not installed (then its rows read '-')."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"vllm_gguf_plugin.quantization.{module}")
+    except ImportError:
+        return None
+
+
+def _silu_and_mul(up):
+    import torch
+
+    half = up.shape[-1] // 2
+    return (torch.nn.functional.silu(up[..., :half]) * up[..., half:]).contiguous()
+
+
 def bench_linear(name, shards, cols, tokens, rng):
     import gguf
     import torch
-    from vllm_gguf_plugin.quantization import linear as plin
 
     from fastcomm_vllm.gguf import kquant
+
+    plin = _plugin("linear")
 
     stored = [_blocks(rng, t, (r,), cols) for t, r in shards]
     width = max(s.shape[1] for s in stored)
@@ -115,13 +134,15 @@ def bench_linear(name, shards, cols, tokens, rng):
 
         default = kquant.linear_form(n, kquant.mma_ok(segs, cols), kquant.staged_fits(x.device.index, n, cols))
         row = {"op": name, "tokens": n, "weight_MB": round(nbytes / 1e6, 2),
-               "plugin_us": round(_graph_time_us([plugin(w) for w in ws]), 2), "default": default}
+               "plugin_us": round(_graph_time_us([plugin(w) for w in ws]), 2) if plin else None, "default": default}
         for form in kquant.FORMS_LINEAR:
             row[f"{form}_us"] = round(_graph_time_us([lambda w=w, f=form: kquant.linear(x, w, segs, form=f)
                                                       for w in ws]), 2)
-        mine, theirs = kquant.linear(x, ws[0], segs).float(), plugin(ws[0])().float()
         row["bf16_cublas_us"] = round(_graph_time_us([lambda d=d: x @ d.T for d in dense]), 2)
-        row["rel_diff_vs_plugin"] = round(float((mine - theirs).norm() / theirs.norm()), 5)
+        row["rel_diff_vs_plugin"] = None
+        if plin:
+            mine, theirs = kquant.linear(x, ws[0], segs).float(), plugin(ws[0])().float()
+            row["rel_diff_vs_plugin"] = round(float((mine - theirs).norm() / theirs.norm()), 5)
         rowsout.append(row)
     return rowsout
 
@@ -129,10 +150,10 @@ def bench_linear(name, shards, cols, tokens, rng):
 def bench_moe(tokens, rng):
     import gguf
     import torch
-    from vllm_gguf_plugin.quantization import fused_moe as pmoe
 
     from fastcomm_vllm.gguf import kquant
-    from fastcomm_vllm.gguf.kquant_vllm import _activation
+
+    pmoe = _plugin("fused_moe")
 
     name, experts, topk, hidden, inter, t13, t2, _ = MOE
     w13 = _blocks(rng, t13, (experts, 2 * inter), hidden)
@@ -142,7 +163,7 @@ def bench_moe(tokens, rng):
     w13s = [torch.from_numpy(w13).cuda() for _ in range(copies)]
     w2s = [torch.from_numpy(w2).cuda() for _ in range(copies)]
     q13, q2 = int(gguf.GGMLQuantizationType[t13]), int(gguf.GGMLQuantizationType[t2])
-    act = _activation("silu")
+    act = _silu_and_mul  # unused: silu=True quantizes silu(gate) * up itself
     out = []
     for n in tokens:
         x = torch.randn(n, hidden, dtype=torch.bfloat16, device="cuda") * 0.1
@@ -152,12 +173,16 @@ def bench_moe(tokens, rng):
         # the bytes of the distinct experts this routing reads (the grouped form reads each once)
         distinct = len(set(ids.flatten().tolist()))
         row = {"op": name, "tokens": n, "weight_MB_read": round(nbytes * distinct / experts / 1e6, 1),
-               "plugin_us": round(_graph_time_us(plugin), 2), "default": kquant.moe_form(n, topk, hidden, inter)}
+               "plugin_us": round(_graph_time_us(plugin), 2) if pmoe else None,
+               "default": kquant.moe_form(n, topk, hidden, inter)}
         for form in kquant.FORMS_MOE:
             row[f"{form}_us"] = round(_graph_time_us([lambda a=a, b=b, f=form: kquant.moe(
                 x, a, b, wts, ids, q13, q2, act, silu=True, form=f) for a, b in zip(w13s, w2s)]), 2)
-        mine, theirs = kquant.moe(x, w13s[0], w2s[0], wts, ids, q13, q2, act, silu=True).float(), plugin[0]().float()
-        row["rel_diff_vs_plugin"] = round(float((mine - theirs).norm() / theirs.norm()), 5)
+        row["rel_diff_vs_plugin"] = None
+        if pmoe:
+            mine = kquant.moe(x, w13s[0], w2s[0], wts, ids, q13, q2, act, silu=True).float()
+            theirs = plugin[0]().float()
+            row["rel_diff_vs_plugin"] = round(float((mine - theirs).norm() / theirs.norm()), 5)
         out.append(row)
     return out
 
@@ -180,14 +205,17 @@ def report(rows: list[dict], tokens: list[int]) -> tuple[str, dict]:
     for r in rows:
         mb = r.get("weight_MB", r.get("weight_MB_read"))
         forms = ", ".join(f"{f} {r[f'{f}_us']}" for f in _forms(r))
-        lines.append(f"| {r['op']} | {r['tokens']} | {mb} | {r['plugin_us']} | {_default_us(r)} ({r['default']}) | "
-                     f"{r['plugin_us'] / _default_us(r):.2f}x | {forms} | {r.get('bf16_cublas_us', '-')} | "
-                     f"{r['rel_diff_vs_plugin']} |")
+        plugin = r["plugin_us"]
+        lines.append(f"| {r['op']} | {r['tokens']} | {mb} | {plugin if plugin else '-'} | {_default_us(r)} "
+                     f"({r['default']}) | {f'{plugin / _default_us(r):.2f}x' if plugin else '-'} | {forms} | "
+                     f"{r.get('bf16_cublas_us', '-')} | {r['rel_diff_vs_plugin'] or '-'} |")
     steps = {}
     for n in tokens:
         sel = [r for r in rows if r["tokens"] == n]
         weigh = lambda us: round(sum(us(r) * per_layer[r["op"]] for r in sel) / 1000, 2)  # noqa: E731
-        steps[n] = {"plugin_us": weigh(lambda r: r["plugin_us"]), "fastcomm_default_us": weigh(_default_us),
+        plugin = all(r["plugin_us"] for r in sel)
+        steps[n] = {"plugin_us": weigh(lambda r: r["plugin_us"]) if plugin else None,
+                    "fastcomm_default_us": weigh(_default_us),
                     "fastcomm_best_us": weigh(_best_us)}
         lines.append(f"# per decode step at {n} token(s), these products only (ms): plugin {steps[n]['plugin_us']}, "
                      f"fastcomm {steps[n]['fastcomm_default_us']} (the fastest form of each: "
@@ -195,11 +223,47 @@ def report(rows: list[dict], tokens: list[int]) -> tuple[str, dict]:
     return "\n".join(lines), steps
 
 
+NEVER = 9  # a threshold above every decode batch (FASTCOMM_GGUF_*_MIN_TOKENS=9)
+
+
+def suggest(rows: list[dict]) -> dict[str, int]:
+    """Token thresholds for the tensor-core forms from a run's rows: the fewest measured tokens from which,
+    at every larger measured count too, the per-step sum of the linears in the mma form (of the MoE grouped)
+    beats the dp4a forms' best. As FASTCOMM_GGUF_MMA_MIN_TOKENS / _GROUPED_MIN_TOKENS take them."""
+    per_layer = {name: layers for name, _, _, layers in LINEARS}
+    per_layer[MOE[0]] = MOE[-1]
+
+    def threshold(tensor, dp4a, ops) -> int:
+        tokens = sorted({r["tokens"] for r in rows if r["op"] in ops})
+        wins = {n: sum(tensor(r) * per_layer[r["op"]] for r in rows if r["op"] in ops and r["tokens"] == n)
+                < sum(dp4a(r) * per_layer[r["op"]] for r in rows if r["op"] in ops and r["tokens"] == n)
+                for n in tokens}
+        best = NEVER
+        for n in reversed(tokens):
+            if not wins[n]:
+                break
+            best = n
+        return best
+
+    linears = {name for name, _, _, _ in LINEARS}
+    return {"mma_min_tokens": threshold(lambda r: r["mma_us"], lambda r: min(r["staged_us"], r["unstaged_us"]),
+                                        linears),
+            "grouped_min_tokens": threshold(lambda r: r["grouped_us"], lambda r: r["pairs_us"], {MOE[0]})}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m fastcomm_bench.gguf_kernels", description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="1,2,4,8")
     p.add_argument("--json", default=None)
+    p.add_argument("--suggest", metavar="JSON", default=None,
+                   help="print the thresholds a saved run suggests, as FASTCOMM_GGUF_* settings, and exit")
     args = p.parse_args(argv)
+    if args.suggest:
+        with open(args.suggest) as f:
+            got = suggest(json.load(f)["rows"])
+        print(f"FASTCOMM_GGUF_MMA_MIN_TOKENS={got['mma_min_tokens']} "
+              f"FASTCOMM_GGUF_GROUPED_MIN_TOKENS={got['grouped_min_tokens']}")
+        return 0
     import torch
 
     tokens = [int(t) for t in args.tokens.split(",")]
@@ -212,9 +276,13 @@ def main(argv=None) -> int:
     print(f"# {torch.cuda.get_device_name()}: GPU us per call (CUDA graphs of {CALLS_PER_GRAPH} calls, weights out of L2)")
     text, steps = report(rows, tokens)
     print(text)
+    thresholds = suggest(rows)
+    print(f"# suggested on this GPU: FASTCOMM_GGUF_MMA_MIN_TOKENS={thresholds['mma_min_tokens']} "
+          f"FASTCOMM_GGUF_GROUPED_MIN_TOKENS={thresholds['grouped_min_tokens']}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows, "per_step_ms": steps}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows, "per_step_ms": steps,
+                       "suggested": thresholds}, f, indent=1)
     return 0
 
 

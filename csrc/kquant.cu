@@ -62,9 +62,11 @@ __device__ __forceinline__ void kq_row_any(int type, const kq_u8* row, const kq_
 }
 
 // SILU: the rows are [gate | up] of 2 cols values and the vector is silu(gate) * up, each rounded to the dtype
-// as vLLM's silu_and_mul hands it over (silu, then the product).
+// as vLLM's silu_and_mul hands it over (silu, then the product). mma: in the tensor-core forms' order
+// (kq_mma_x_put; cols a multiple of 256), else chunk by chunk with (scale, sum) pairs (the dp4a forms').
 template <typename D, bool SILU>
-__device__ void kq_quantize(const typename D::raw* x, int n, int cols, kq_u64 x_stride, kq_u32* xq, float2* xds) {
+__device__ void kq_quantize(const typename D::raw* x, int n, int cols, kq_u64 x_stride, kq_u32* xq, float2* xds,
+                            int mma) {
   const int chunks = cols / FC_KQ_CHUNK;
   const kq_u64 i = (kq_u64)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= (kq_u64)n * chunks) return;
@@ -82,6 +84,10 @@ __device__ void kq_quantize(const typename D::raw* x, int n, int cols, kq_u64 x_
   kq_u32 q[8];
   float d, s;
   kq_quantize_chunk(f, q, &d, &s);
+  if (mma) {
+    kq_mma_x_put(c, q, d, s, xq + (kq_u64)v * (cols / 4), reinterpret_cast<float*>(xds) + (kq_u64)v * (cols / 16));
+    return;
+  }
   uint4* dst = reinterpret_cast<uint4*>(xq + i * 8);
   dst[0] = make_uint4(q[0], q[1], q[2], q[3]);
   dst[1] = make_uint4(q[4], q[5], q[6], q[7]);
@@ -276,12 +282,14 @@ __device__ void kq_gemv_s(const KqSegs& segs, const typename D::raw* x, int n, i
 
 #define FC_KQ_DEFINE(NAME, D)                                                                                \
   extern "C" __global__ void __launch_bounds__(256)                                                          \
-      fc_kq_quantize_##NAME(const D::raw* x, int n, int cols, kq_u64 x_stride, kq_u32* xq, float2* xds) {    \
-    kq_quantize<D, false>(x, n, cols, x_stride, xq, xds);                                                    \
+      fc_kq_quantize_##NAME(const D::raw* x, int n, int cols, kq_u64 x_stride, kq_u32* xq, float2* xds,      \
+                            int mma) {                                                                       \
+    kq_quantize<D, false>(x, n, cols, x_stride, xq, xds, mma);                                               \
   }                                                                                                          \
   extern "C" __global__ void __launch_bounds__(256)                                                          \
-      fc_kq_quantize_silu_##NAME(const D::raw* x, int n, int cols, kq_u64 x_stride, kq_u32* xq, float2* xds) { \
-    kq_quantize<D, true>(x, n, cols, x_stride, xq, xds);                                                     \
+      fc_kq_quantize_silu_##NAME(const D::raw* x, int n, int cols, kq_u64 x_stride, kq_u32* xq, float2* xds, \
+                                 int mma) {                                                                  \
+    kq_quantize<D, true>(x, n, cols, x_stride, xq, xds, mma);                                                \
   }                                                                                                          \
   FC_KQ_DEFINE_GEMV(NAME, D, 1)                                                                              \
   FC_KQ_DEFINE_GEMV(NAME, D, 2)                                                                              \
@@ -292,9 +300,9 @@ __device__ void kq_gemv_s(const KqSegs& segs, const typename D::raw* x, int n, i
   FC_KQ_DEFINE_GEMVS(NAME, D, 4)                                                                             \
   FC_KQ_DEFINE_GEMVS(NAME, D, 8)                                                                             \
   extern "C" __global__ void __launch_bounds__(32 * FC_KQ_MMA_WARPS)                                         \
-      fc_kq_mma_##NAME(KqSegs segs, const kq_u32* xq, const float2* xds, int n, int cols, D::raw* out,      \
+      fc_kq_mma_##NAME(KqSegs segs, const kq_u32* xq, const float* xs, int n, int cols, D::raw* out,        \
                        kq_u64 out_stride) {                                                                  \
-    kq_mma_gemv<D>(segs, xq, xds, n, cols, out, out_stride);                                                 \
+    kq_mma_gemv<D>(segs, xq, xs, n, cols, out, out_stride);                                                  \
   }                                                                                                          \
   extern "C" __global__ void __launch_bounds__(FC_KQ_THREADS)                                                \
       fc_kq_moe_up_##NAME(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows,       \
@@ -312,8 +320,8 @@ __device__ void kq_gemv_s(const KqSegs& segs, const typename D::raw* x, int n, i
   extern "C" __global__ void __launch_bounds__(32 * FC_KQ_MMA_WARPS)                                         \
       fc_kq_moe_mma_up_##NAME(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows,   \
                               int cols, const int* topk_ids, int topk, int pairs, const kq_u32* xq,          \
-                              const float2* xds, D::raw* out) {                                              \
-    kq_mma_moe<D, true>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, pairs, xq, xds, out); \
+                              const float* xs, D::raw* out) {                                                \
+    kq_mma_moe<D, true>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, pairs, xq, xs, out);  \
   }                                                                                                          \
   extern "C" __global__ void __launch_bounds__(256)                                                          \
       fc_kq_moe_sum_##NAME(const float* y, const int* topk_ids, const float* topk_weights, int topk,         \
@@ -328,6 +336,6 @@ FC_KQ_DEFINE(f32, FcF32)
 // The down rows' output is fp32 whatever the dtype (kq_moe_sum rounds once), so one entry serves all three.
 extern "C" __global__ void __launch_bounds__(32 * FC_KQ_MMA_WARPS)
     fc_kq_moe_mma_down(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows, int cols,
-                       const int* topk_ids, int topk, int pairs, const kq_u32* xq, const float2* xds, float* out) {
-  kq_mma_moe<FcF32, false>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, pairs, xq, xds, out);
+                       const int* topk_ids, int topk, int pairs, const kq_u32* xq, const float* xs, float* out) {
+  kq_mma_moe<FcF32, false>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, pairs, xq, xs, out);
 }

@@ -96,15 +96,9 @@ FC_KQ_HD kq_u32 kq_funnel_r(kq_u32 lo, kq_u32 hi, int shift) {  // low word of (
 #endif
 }
 
-FC_KQ_HD kq_u32 kq_vsub4(kq_u32 a, kq_u32 b) {  // per byte, modulo 256
-#if defined(__CUDA_ARCH__)
-  return __vsub4(a, b);
-#else
-  kq_u32 r = 0;
-  for (int i = 0; i < 4; ++i) r |= ((((a >> (8 * i)) & 0xFF) - ((b >> (8 * i)) & 0xFF)) & 0xFF) << (8 * i);
-  return r;
-#endif
-}
+// Q6_K's 6-bit values (0-63, a byte each) minus 32 as int8 bytes: + 96 carries out of no byte (at most 159),
+// and flipping the top bit takes 128 off. Two operations where a per-byte subtraction takes several.
+FC_KQ_HD kq_u32 kq_q6_signed(kq_u32 v) { return (v + 0x60606060u) ^ 0x80808080u; }
 
 FC_KQ_HD float kq_half(kq_u32 bits) {  // IEEE half (low 16 bits) to float
 #if defined(__CUDA_ARCH__)
@@ -234,7 +228,7 @@ FC_KQ_HD void kq_decode_chunk(int type, const kq_u8* row, int c, KqChunk* k) {
     kq_load_even<1>(b + 208, d);
     const int nib = (g >> 1) * 4, hs = 2 * g;
     for (int i = 0; i < 8; ++i)
-      k->q[i] = kq_vsub4(((ql[i] >> nib) & 0x0F0F0F0Fu) | (((qh[i] >> hs) & 0x03030303u) << 4), 0x20202020u);
+      k->q[i] = kq_q6_signed(((ql[i] >> nib) & 0x0F0F0F0Fu) | (((qh[i] >> hs) & 0x03030303u) << 4));
     const float dd = kq_half(d[0]);
     k->mul_lo = dd * (float)(kq_i8)(sc[0] & 0xFF);
     k->mul_hi = dd * (float)(kq_i8)((sc[0] >> 8) & 0xFF);
@@ -288,26 +282,33 @@ FC_KQ_HD void kq_quantize_chunk(const float* x, kq_u32 q[8], float* d, float* s)
   *s = sum;
 }
 
-// ---- tensor-core operands: one chunk of a row, the part one thread feeds to mma.sync --------------------
-// The mma forms (kquant_mma.cuh) multiply a 16-row tile by up to 8 activation vectors with int8 mma.sync:
-// m16n8k32 per 32-value chunk for Q4_K / Q5_K / Q8_0 (one scale per chunk), m16n8k16 per 16-value half for
-// Q6_K (a scale per half). Thread (g, t) of a warp (g = lane / 4, t = lane % 4) gives rows g and g + 8 the
-// int8 operands of k-ints t and 4 + t (m16n8k16: k-int t), and vector g's operands at the same k-ints. Which
-// of a chunk's values stand at a k-int is free, so long as the activations make the same choice (an integer
-// dot is exact in any order): words 2t and 2t + 1 of the chunk (values 8t .. 8t + 7), so each thread reads
-// 8 consecutive bytes of a row; Q6_K: word t of each half (values 16 h + 4t .. 16 h + 4t + 3).
+// ---- tensor-core operands: the part of a unit one thread feeds to mma.sync, and its scales --------------
+// The mma forms (kquant_mma.cuh) multiply a 16-row tile by up to 8 activation vectors with int8 mma.sync
+// m16n8k32, one per 32-value chunk. Thread (g, t) of a warp (g = lane / 4, t = lane % 4) gives rows g and
+// g + 8 the int8 operands of k-ints t and 4 + t, and vector g's operands at the same k-ints. Which of a chunk's
+// values stand at a k-int is free, so long as the activations make the same choice (an integer dot is exact in
+// any order): values 8t .. 8t + 7, for every type, so each thread reads one 8-byte piece of a row per chunk.
+// Q6_K has a scale per 16 values: threads 0-1 then hold the chunk's first half and 2-3 its second, and two mma
+// whose activation operands are masked to one half give each half's dot.
+//
+// Why integers as long as possible: the per-chunk work is what limits these kernels (their weights arrive
+// faster than a warp can scale its outputs), so a chunk's dot is scaled by the weight's integer sub-block
+// scale (sc * dot < 2^24 for every type: float-exact), times the activation's scale in fp32, and the
+// super-block's float scales are applied once per 256-value unit.
 struct KqFrag {
-  kq_u32 q[2];     // the two operand words (Q6_K: one per half)
-  float mul[2];    // scale of the integer dot over the words' half (equal unless Q6_K)
-  float sub;       // times the activation chunk's sum (Q4_K / Q5_K mins)
+  kq_u32 q[2];  // the operand words: values 8t .. 8t + 3 and 8t + 4 .. 8t + 7 of the chunk
+  int sc[2];    // integer scale of the dot (Q6_K: of the first and of the second half)
+  int mn;       // Q4_K / Q5_K: the integer min, times the activation chunk's sum
+  float dm;     // Q8_0: the block's scale (no super-block)
 };
 
 // A thread's words of one 256-value unit of a row (a super-block; eight Q8_0 blocks), loaded once per unit
 // so that its 8 chunks decode from registers (a header or a byte group serves several chunks).
 //   Q4_K: header (d, dmin, scales) w[0..3], then per sub-block pair p its qs bytes 8t .. 8t + 7: w[4 + 2p ..]
 //   Q5_K: header w[0..3], qh bytes 8t .. 8t + 7: w[4..5], qs per pair: w[6 + 2p ..]
-//   Q6_K: ql word (half h, odd/even g, 16-value half s): w[4 h + 2 (g % 2) + s]; qh word (h, s): w[8 + 2 h + s];
-//         the 16 int8 scales: w[12..15]; d: w[16]
+//         both: the 6-bit scales of sub-blocks 0-3 and 4-7 as bytes in w[20], w[21], the mins in w[22], w[23]
+//   Q6_K: ql bytes 64 h + 32 a + 8t .. + 7 (half-block h, a = g % 2 of chunk 4 h + g): w[2 (2 h + a) ..];
+//         qh bytes 128 + 32 h + 8t .. + 7: w[8 + 2 h ..]; the 16 int8 scales: w[12..15]; d: w[16]
 //   Q8_0: block m: d w[3 m], bytes 8t .. 8t + 7 of its values w[3 m + 1 ..]
 #define FC_KQ_UNIT_WORDS 24
 struct KqUnit {
@@ -322,13 +323,16 @@ FC_KQ_HD void kq_unit_load(int type, const kq_u8* row, int u, int t, KqUnit* r) 
     const int qs = type == FC_KQ_Q5_K ? 6 : 4;
     if (type == FC_KQ_Q5_K) kq_load8(b + 16 + 8 * t, w + 4);
     for (int p = 0; p < 4; ++p) kq_load8(b + (type == FC_KQ_Q5_K ? 48 : 16) + 32 * p + 8 * t, w + qs + 2 * p);
+    // kq_scale_min_k4 for all 8 sub-blocks at once, a byte each: j < 4 from bytes j of words 1 (scale) and 2
+    // (min); j >= 4 their top 2 bits over the low (scale) or high (min) nibble of byte j - 4 of word 3.
+    w[20] = w[1] & 0x3F3F3F3Fu;
+    w[21] = (w[3] & 0x0F0F0F0Fu) | ((w[1] >> 2) & 0x30303030u);
+    w[22] = w[2] & 0x3F3F3F3Fu;
+    w[23] = ((w[3] >> 4) & 0x0F0F0F0Fu) | ((w[2] >> 2) & 0x30303030u);
   } else if (type == FC_KQ_Q6_K) {
     const kq_u8* b = row + (kq_u64)u * 210;
-    for (int i = 0; i < 8; ++i) {  // i = 4 h + 2 a + s: ql[64 h + 32 a + 16 s + 4t ..]
-      const int h = i >> 2, a = (i >> 1) & 1, s = i & 1;
-      kq_load_even<1>(b + 64 * h + 32 * a + 16 * s + 4 * t, w + i);
-    }
-    for (int i = 0; i < 4; ++i) kq_load_even<1>(b + 128 + 32 * (i >> 1) + 16 * (i & 1) + 4 * t, w + 8 + i);
+    for (int i = 0; i < 4; ++i) kq_load_even<2>(b + 32 * i + 8 * t, w + 2 * i);  // i = 2 h + a: 64 h + 32 a
+    for (int h = 0; h < 2; ++h) kq_load_even<2>(b + 128 + 32 * h + 8 * t, w + 8 + 2 * h);
     kq_load_even<4>(b + 192, w + 12);
     kq_load_even<1>(b + 208, w + 16);
   } else {  // FC_KQ_Q8_0
@@ -345,41 +349,110 @@ FC_KQ_HD void kq_unit_chunk(int type, const KqUnit& r, int m, KqFrag* f) {
   const kq_u32* w = r.w;
   if (type == FC_KQ_Q4_K || type == FC_KQ_Q5_K) {
     // As kq_decode_chunk: sub-block m takes nibble m % 2 of qs[32 (m / 2) + l] (and bit m of qh[l], Q5_K).
-    const int nib = (m & 1) * 4, qs = (type == FC_KQ_Q5_K ? 6 : 4) + 2 * (m >> 1);
+    const int nib = (m & 1) * 4, qs = (type == FC_KQ_Q5_K ? 6 : 4) + 2 * (m >> 1), sh = 8 * (m & 3);
     for (int i = 0; i < 2; ++i) {
       f->q[i] = (w[qs + i] >> nib) & 0x0F0F0F0Fu;
       if (type == FC_KQ_Q5_K) f->q[i] |= ((w[4 + i] >> m) & 0x01010101u) << 4;
     }
-    int sc, mn;
-    kq_scale_min_k4(w, m, &sc, &mn);
-    f->mul[0] = f->mul[1] = kq_half(w[0]) * (float)sc;
-    f->sub = kq_half(w[0] >> 16) * (float)mn;
+    f->sc[0] = f->sc[1] = (int)((w[20 + (m >> 2)] >> sh) & 0xFF);
+    f->mn = (int)((w[22 + (m >> 2)] >> sh) & 0xFF);
+    f->dm = 1.f;
   } else if (type == FC_KQ_Q6_K) {
     // As kq_decode_chunk: value 128 h + 32 g + l from ql[64 h + 32 (g % 2) + l] (nibble g / 2) and qh[32 h + l]
     // (bits 2g), minus 32; scale 8 h + 2 g + l / 16.
-    const int h = m >> 2, g = m & 3, nib = (g >> 1) * 4, hs = 2 * g;
-    const float d = kq_half(w[16]);
-    for (int s = 0; s < 2; ++s) {
-      const kq_u32 ql = w[4 * h + 2 * (g & 1) + s], qh = w[8 + 2 * h + s];
-      f->q[s] = kq_vsub4(((ql >> nib) & 0x0F0F0F0Fu) | (((qh >> hs) & 0x03030303u) << 4), 0x20202020u);
-      const int k = 8 * h + 2 * g + s;
-      f->mul[s] = d * (float)(kq_i8)((w[12 + (k >> 2)] >> (8 * (k & 3))) & 0xFF);
+    const int h = m >> 2, g = m & 3, nib = (g >> 1) * 4, hs = 2 * g, k = 8 * h + 2 * g;
+    for (int i = 0; i < 2; ++i) {
+      const kq_u32 ql = w[2 * (2 * h + (g & 1)) + i], qh = w[8 + 2 * h + i];
+      f->q[i] = kq_q6_signed(((ql >> nib) & 0x0F0F0F0Fu) | (((qh >> hs) & 0x03030303u) << 4));
     }
-    f->sub = 0.f;
+    const kq_u32 sw = w[12 + (k >> 2)];  // k even: both halves' scales in one word
+    f->sc[0] = (int)(kq_i8)((sw >> (8 * (k & 3))) & 0xFF);
+    f->sc[1] = (int)(kq_i8)((sw >> (8 * (k & 3) + 8)) & 0xFF);
+    f->mn = 0;
+    f->dm = 1.f;
   } else {  // FC_KQ_Q8_0
     f->q[0] = w[3 * m + 1];
     f->q[1] = w[3 * m + 2];
-    f->mul[0] = f->mul[1] = kq_half(w[3 * m]);
-    f->sub = 0.f;
+    f->sc[0] = f->sc[1] = 1;
+    f->mn = 0;
+    f->dm = kq_half(w[3 * m]);
   }
 }
 
-// Vector g's operand words for the same k-ints, from its quantized chunk (8 words, 16-byte aligned).
-FC_KQ_HD void kq_frag_x(int type, const kq_u32* xw, int t, kq_u32 b[2]) {
-  if (type == FC_KQ_Q6_K) {
-    b[0] = kq_load_word(reinterpret_cast<const kq_u8*>(xw + t));
-    b[1] = kq_load_word(reinterpret_cast<const kq_u8*>(xw + 4 + t));
-  } else {
-    kq_load8(reinterpret_cast<const kq_u8*>(xw + 2 * t), b);
+// The activations of the mma forms, per vector (cols values): its units in order, each 64 operand words
+// (thread t's 16 at 16 t: word j of chunk m at 16 t + 2 m + j, values 8t + 4j .. + 3 of the chunk, as the
+// weights' k-ints) and, in a second array, 16 floats per unit (the 8 chunks' scales, then their sums). Each
+// thread then reads its unit with 16-byte loads. Written by fc_kq_quantize with mma = 1.
+FC_KQ_HD void kq_mma_x_put(int c, const kq_u32 q[8], float d, float s, kq_u32* xq, float* xs) {
+  const int u = c >> 3, m = c & 7;
+  for (int w = 0; w < 8; ++w) xq[u * 64 + (w >> 1) * 16 + 2 * m + (w & 1)] = q[w];
+  xs[u * 16 + m] = d;
+  xs[u * 16 + 8 + m] = s;
+}
+
+// One thread's activations for unit u: the operand words of vector vop (every chunk's two at b[2 m ..]), and the
+// scales (and, MINS, sums) of vectors v0 and v1, whose outputs it holds.
+struct KqXUnit {
+  kq_u32 b[16];
+  float d[2][8], s[2][8];
+};
+
+FC_KQ_HD void kq_load16f(const float* p, float f[4]) {  // p 16-byte aligned
+#if defined(__CUDA_ARCH__)
+  const float4 v = __ldg(reinterpret_cast<const float4*>(p));
+  f[0] = v.x; f[1] = v.y; f[2] = v.z; f[3] = v.w;
+#else
+  memcpy(f, p, 16);
+#endif
+}
+
+template <bool MINS>
+FC_KQ_HD void kq_xunit_load(const kq_u32* xq, const float* xs, int cols, int u, int vop, int v0, int v1, int t,
+                            KqXUnit* x) {
+  const kq_u8* q = reinterpret_cast<const kq_u8*>(xq + (kq_u64)vop * (cols / 4) + u * 64 + 16 * t);
+  for (int i = 0; i < 4; ++i) kq_load16(q + 16 * i, x->b + 4 * i);
+  const int per = cols / 16;  // floats per vector: (scale, sum) per 32 values
+  const int vs[2] = {v0, v1};
+  for (int j = 0; j < 2; ++j) {
+    const float* p = xs + (kq_u64)vs[j] * per + u * 16;
+    kq_load16f(p, x->d[j]);
+    kq_load16f(p + 4, x->d[j] + 4);
+    if (MINS) {
+      kq_load16f(p + 8, x->s[j]);
+      kq_load16f(p + 12, x->s[j] + 4);
+    }
+  }
+}
+
+// Chunk m's part of the unit's sums: uacc[j] (rows g, g, g + 8, g + 8 by vectors v0, v1, v0, v1, the mma's C
+// layout) from the integer dots r (Q6_K: r of the first half, r2 of the second), umin[j] the mins' part.
+FC_KQ_HD void kq_mma_chunk(int type, const KqFrag& fa, const KqFrag& fb, const int r[4], const int r2[4],
+                           const KqXUnit& x, int m, float uacc[4], float umin[4]) {
+  for (int j = 0; j < 4; ++j) {
+    const KqFrag& f = j < 2 ? fa : fb;
+    const float dx = x.d[j & 1][m];
+    if (type == FC_KQ_Q4_K || type == FC_KQ_Q5_K) {
+      uacc[j] += (float)(f.sc[0] * r[j]) * dx;
+      umin[j] += (float)f.mn * x.s[j & 1][m];
+    } else if (type == FC_KQ_Q6_K) {
+      uacc[j] += (float)(f.sc[0] * r[j] + f.sc[1] * r2[j]) * dx;
+    } else {
+      uacc[j] += (float)r[j] * (f.dm * dx);
+    }
+  }
+}
+
+// The unit's sums into acc, times the rows' super-block scales (d, and dmin for the mins).
+FC_KQ_HD void kq_mma_unit_end(int type, const KqUnit& ua, const KqUnit& ub, const float uacc[4],
+                              const float umin[4], float acc[4]) {
+  for (int j = 0; j < 4; ++j) {
+    const kq_u32* w = (j < 2 ? ua : ub).w;
+    if (type == FC_KQ_Q4_K || type == FC_KQ_Q5_K) {
+      acc[j] += kq_half(w[0]) * uacc[j] - kq_half(w[0] >> 16) * umin[j];
+    } else if (type == FC_KQ_Q6_K) {
+      acc[j] += kq_half(w[16]) * uacc[j];
+    } else {
+      acc[j] += uacc[j];
+    }
   }
 }

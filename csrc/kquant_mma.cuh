@@ -29,90 +29,61 @@ __device__ __forceinline__ void kq_mma_k32(const kq_u32 a[4], const kq_u32 b[2],
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(0), "r"(0), "r"(0), "r"(0));
 }
 
-__device__ __forceinline__ void kq_mma_k16(kq_u32 a0, kq_u32 a1, kq_u32 b, int c[4]) {
-  asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %8, %9, %10};"
-      : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
-      : "r"(a0), "r"(a1), "r"(b), "r"(0), "r"(0), "r"(0), "r"(0));
-}
-
-// The activation rows a thread reads (-1: a zero vector): vector g's operands, and the (scale, sum) of the
-// vectors 2t and 2t + 1 whose outputs it holds (the mma's C layout: rows g and g + 8, columns 2t and 2t + 1).
+// The activation rows a thread reads: vector g's operands, and the scales of the vectors 2t and 2t + 1 whose
+// outputs it holds (the mma's C layout: rows g and g + 8, columns 2t and 2t + 1). A column past the call's
+// vectors reads a real one (its outputs are written nowhere, and an mma's columns do not mix).
 struct KqCols {
   int op, d0, d1;
 };
 
 // One warp's share of a tile: rows g (at ra) and g + 8 (at rb), against the vectors of `col`. acc: row g
 // with vectors 2t and 2t + 1, then row g + 8 with the same.
-// Per unit, every load is issued before any use and none sits behind a branch (a zero vector loads vector 0's
-// words and selects zeros), so the activations' L2 round trips overlap the weights' DRAM ones instead of
-// following each other chunk by chunk.
+// Per unit, every load is issued before any use and none sits behind a branch, so the activations' L2 round
+// trips overlap the weights' DRAM ones.
 template <int T>
-__device__ __forceinline__ void kq_mma_tile(const kq_u8* ra, const kq_u8* rb, int units, const KqCols& col,
-                                            const kq_u32* xq, const float2* xds, int chunks, float acc[4]) {
-  constexpr bool mins = T == FC_KQ_Q4_K || T == FC_KQ_Q5_K;  // the types with a term times the chunk's sum
+__device__ __forceinline__ void kq_mma_tile(const kq_u8* ra, const kq_u8* rb, int units, int cols,
+                                            const KqCols& col, const kq_u32* xq, const float* xs, float acc[4]) {
+  constexpr bool mins = T == FC_KQ_Q4_K || T == FC_KQ_Q5_K;
   const int t = threadIdx.x & 3, W = blockDim.x >> 5;
-  const bool opv = col.op >= 0, v0 = col.d0 >= 0, v1 = col.d1 >= 0;
-  const kq_u32* xop = xq + (kq_u64)(opv ? col.op : 0) * chunks * 8;
-  const float2* x0 = xds + (kq_u64)(v0 ? col.d0 : 0) * chunks;
-  const float2* x1 = xds + (kq_u64)(v1 ? col.d1 : 0) * chunks;
+  const kq_u32 first = t < 2 ? 0xFFFFFFFFu : 0u;  // Q6_K: this thread's values are in the chunk's first half
   for (int u = threadIdx.x >> 5; u < units; u += W) {
     KqUnit ua, ub;
+    KqXUnit x;
     kq_unit_load(T, ra, u, t, &ua);
     kq_unit_load(T, rb, u, t, &ub);
-    kq_u32 b[8][2];
-    float2 d0[8], d1[8];
-#pragma unroll
-    for (int m = 0; m < 8; ++m) {
-      const int c = u * 8 + m;
-      kq_frag_x(T, xop + (kq_u64)c * 8, t, b[m]);
-      d0[m] = __ldg(x0 + c);
-      d1[m] = __ldg(x1 + c);
-    }
+    kq_xunit_load<mins>(xq, xs, cols, u, col.op, col.d0, col.d1, t, &x);
+    float uacc[4] = {0.f, 0.f, 0.f, 0.f}, umin[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int m = 0; m < 8; ++m) {
       KqFrag fa, fb;
       kq_unit_chunk(T, ua, m, &fa);
       kq_unit_chunk(T, ub, m, &fb);
-      const kq_u32 b0 = opv ? b[m][0] : 0u, b1 = opv ? b[m][1] : 0u;
-      const float s0 = v0 ? d0[m].x : 0.f, s1 = v1 ? d1[m].x : 0.f;
+      const kq_u32 a[4] = {fa.q[0], fb.q[0], fa.q[1], fb.q[1]};
+      int r[4], r2[4] = {0, 0, 0, 0};
       if (T == FC_KQ_Q6_K) {
-        int lo[4], hi[4];
-        kq_mma_k16(fa.q[0], fb.q[0], b0, lo);
-        kq_mma_k16(fa.q[1], fb.q[1], b1, hi);
-        acc[0] += s0 * (fa.mul[0] * (float)lo[0] + fa.mul[1] * (float)hi[0]);
-        acc[1] += s1 * (fa.mul[0] * (float)lo[1] + fa.mul[1] * (float)hi[1]);
-        acc[2] += s0 * (fb.mul[0] * (float)lo[2] + fb.mul[1] * (float)hi[2]);
-        acc[3] += s1 * (fb.mul[0] * (float)lo[3] + fb.mul[1] * (float)hi[3]);
+        const kq_u32 lo[2] = {x.b[2 * m] & first, x.b[2 * m + 1] & first};
+        const kq_u32 hi[2] = {x.b[2 * m] & ~first, x.b[2 * m + 1] & ~first};
+        kq_mma_k32(a, lo, r);
+        kq_mma_k32(a, hi, r2);
       } else {
-        const kq_u32 a[4] = {fa.q[0], fb.q[0], fa.q[1], fb.q[1]};
-        const kq_u32 bb[2] = {b0, b1};
-        int r[4];
-        kq_mma_k32(a, bb, r);
-        acc[0] += s0 * (fa.mul[0] * (float)r[0]);
-        acc[1] += s1 * (fa.mul[0] * (float)r[1]);
-        acc[2] += s0 * (fb.mul[0] * (float)r[2]);
-        acc[3] += s1 * (fb.mul[0] * (float)r[3]);
-        if (mins) {
-          const float m0 = v0 ? d0[m].y : 0.f, m1 = v1 ? d1[m].y : 0.f;
-          acc[0] -= fa.sub * m0;
-          acc[1] -= fa.sub * m1;
-          acc[2] -= fb.sub * m0;
-          acc[3] -= fb.sub * m1;
-        }
+        const kq_u32 b[2] = {x.b[2 * m], x.b[2 * m + 1]};
+        kq_mma_k32(a, b, r);
       }
+      kq_mma_chunk(T, fa, fb, r, r2, x, m, uacc, umin);
     }
+    kq_mma_unit_end(T, ua, ub, uacc, umin, acc);
   }
 }
 
 __device__ __forceinline__ void kq_mma_tile_any(int type, const kq_u8* ra, const kq_u8* rb, int cols,
-                                                const KqCols& col, const kq_u32* xq, const float2* xds,
+                                                const KqCols& col, const kq_u32* xq, const float* xs,
                                                 float acc[4]) {
-  const int units = cols / FC_KQ_UNIT, chunks = cols / FC_KQ_CHUNK;
+  const int units = cols / FC_KQ_UNIT;
   switch (type) {  // block-uniform: a tile lies in one segment
-    case FC_KQ_Q4_K: kq_mma_tile<FC_KQ_Q4_K>(ra, rb, units, col, xq, xds, chunks, acc); break;
-    case FC_KQ_Q5_K: kq_mma_tile<FC_KQ_Q5_K>(ra, rb, units, col, xq, xds, chunks, acc); break;
-    case FC_KQ_Q6_K: kq_mma_tile<FC_KQ_Q6_K>(ra, rb, units, col, xq, xds, chunks, acc); break;
-    default: kq_mma_tile<FC_KQ_Q8_0>(ra, rb, units, col, xq, xds, chunks, acc); break;
+    case FC_KQ_Q4_K: kq_mma_tile<FC_KQ_Q4_K>(ra, rb, units, cols, col, xq, xs, acc); break;
+    case FC_KQ_Q5_K: kq_mma_tile<FC_KQ_Q5_K>(ra, rb, units, cols, col, xq, xs, acc); break;
+    case FC_KQ_Q6_K: kq_mma_tile<FC_KQ_Q6_K>(ra, rb, units, cols, col, xq, xs, acc); break;
+    default: kq_mma_tile<FC_KQ_Q8_0>(ra, rb, units, cols, col, xq, xs, acc); break;
   }
 }
 
@@ -136,7 +107,7 @@ __device__ __forceinline__ bool kq_mma_reduce(float acc[4], float (*part)[4][32]
 
 // Dense: rows [16 blockIdx.x, +16) of the segments against vectors 0 .. n - 1 (n <= 8); out as kq_gemv's.
 template <typename D>
-__device__ void kq_mma_gemv(const KqSegs& segs, const kq_u32* xq, const float2* xds, int n, int cols,
+__device__ void kq_mma_gemv(const KqSegs& segs, const kq_u32* xq, const float* xs, int n, int cols,
                             typename D::raw* out, kq_u64 out_stride) {
   __shared__ float part[FC_KQ_MMA_WARPS - 1][4][32];
   const int r0 = blockIdx.x * FC_KQ_MMA_ROWS, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -144,9 +115,9 @@ __device__ void kq_mma_gemv(const KqSegs& segs, const kq_u32* xq, const float2* 
   const int last = segs.total_rows - 1;    // a last partial tile reads its last row again, writes nothing
   const kq_u8* ra = sg.w + (kq_u64)(min(r0 + g, last) - sg.row0) * sg.row_stride;
   const kq_u8* rb = sg.w + (kq_u64)(min(r0 + g + 8, last) - sg.row0) * sg.row_stride;
-  const KqCols col = {g < n ? g : -1, 2 * t < n ? 2 * t : -1, 2 * t + 1 < n ? 2 * t + 1 : -1};
+  const KqCols col = {min(g, n - 1), min(2 * t, n - 1), min(2 * t + 1, n - 1)};
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  kq_mma_tile_any(sg.type, ra, rb, cols, col, xq, xds, acc);
+  kq_mma_tile_any(sg.type, ra, rb, cols, col, xq, xs, acc);
   if (!kq_mma_reduce(acc, part)) return;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -187,7 +158,7 @@ __device__ __forceinline__ int kq_route(const int* topk_ids, int pairs, int e, i
 // by none and read by none.
 template <typename D, bool UP>
 __device__ void kq_mma_moe(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows, int cols,
-                           const int* topk_ids, int topk, int pairs, const kq_u32* xq, const float2* xds,
+                           const int* topk_ids, int topk, int pairs, const kq_u32* xq, const float* xs,
                            void* out) {
   __shared__ float part[FC_KQ_MMA_WARPS - 1][4][32];
   __shared__ int s_pair[FC_KQ_MAX_PAIRS];
@@ -199,10 +170,13 @@ __device__ void kq_mma_moe(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stri
   const kq_u8* rb = ew + (kq_u64)min(r0 + g + 8, rows - 1) * row_stride;
   for (int base = 0; base < count; base += FC_KQ_MMA_COLS) {  // block-uniform; one pass unless > 8 pairs
     const int n = min(count - base, FC_KQ_MMA_COLS);
-    auto vec = [&](int j) { return j >= n ? -1 : UP ? s_pair[base + j] / topk : s_pair[base + j]; };
+    auto vec = [&](int j) {
+      const int p = s_pair[base + min(j, n - 1)];
+      return UP ? p / topk : p;
+    };
     const KqCols col = {vec(g), vec(2 * t), vec(2 * t + 1)};
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    kq_mma_tile_any(type, ra, rb, cols, col, xq, xds, acc);
+    kq_mma_tile_any(type, ra, rb, cols, col, xq, xs, acc);
     if (kq_mma_reduce(acc, part)) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {

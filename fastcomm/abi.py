@@ -211,21 +211,23 @@ class KqSegs(ctypes.Structure):
 _STRUCTS = {"segs": KqSegs}
 
 _KQ_VARIANTS = ("1", "2", "4", "8")  # FC_KQ_DEFINE_GEMV / GEMVS: vectors per launch, at most
-_QUANTIZE = (("x", "ptr"), ("n", "i32"), ("cols", "i32"), ("x_stride", "u64"), ("xq", "ptr"), ("xds", "ptr"))
+# mma = 1: the tensor-core forms' order (kq_mma_x_put), which only they read; 0: the dp4a forms'.
+_QUANTIZE = (("x", "ptr"), ("n", "i32"), ("cols", "i32"), ("x_stride", "u64"), ("xq", "ptr"), ("xds", "ptr"),
+             ("mma", "i32"))
 KQ_QUANTIZE = Kernel("kq_quantize", _QUANTIZE)
 KQ_QUANTIZE_SILU = Kernel("kq_quantize_silu", _QUANTIZE)  # cols: of the activation, half the [gate | up] row
 KQ_GEMV = Kernel("kq_gemv", (("segs", "segs"), ("xq", "ptr"), ("xds", "ptr"), ("n", "i32"), ("cols", "i32"),
                              ("out", "ptr"), ("out_stride", "u64")), variants=_KQ_VARIANTS)
 KQ_GEMVS = Kernel("kq_gemvs", (("segs", "segs"), ("x", "ptr"), ("n", "i32"), ("cols", "i32"), ("x_stride", "u64"),
                                ("out", "ptr"), ("out_stride", "u64")), variants=_KQ_VARIANTS)
-KQ_MMA = Kernel("kq_mma", (("segs", "segs"), ("xq", "ptr"), ("xds", "ptr"), ("n", "i32"), ("cols", "i32"),
+KQ_MMA = Kernel("kq_mma", (("segs", "segs"), ("xq", "ptr"), ("xs", "ptr"), ("n", "i32"), ("cols", "i32"),
                            ("out", "ptr"), ("out_stride", "u64")))
 _EXPERTS = (("w", "ptr"), ("expert_stride", "u64"), ("row_stride", "u64"), ("type", "i32"), ("rows", "i32"),
             ("cols", "i32"), ("topk_ids", "ptr"))
 KQ_MOE_UP = Kernel("kq_moe_up", _EXPERTS + (("topk", "i32"), ("xq", "ptr"), ("xds", "ptr"), ("out", "ptr")))
 KQ_MOE_DOWN = Kernel("kq_moe_down", _EXPERTS + (("topk_weights", "ptr"), ("topk", "i32"), ("xq", "ptr"),
                                                 ("xds", "ptr"), ("out", "ptr")))
-_GROUPED = _EXPERTS + (("topk", "i32"), ("pairs", "i32"), ("xq", "ptr"), ("xds", "ptr"), ("out", "ptr"))
+_GROUPED = _EXPERTS + (("topk", "i32"), ("pairs", "i32"), ("xq", "ptr"), ("xs", "ptr"), ("out", "ptr"))
 KQ_MOE_MMA_UP = Kernel("kq_moe_mma_up", _GROUPED)
 KQ_MOE_MMA_DOWN = Kernel("kq_moe_mma_down", _GROUPED, typed=False)  # fp32 rows whatever the dtype
 KQ_MOE_SUM = Kernel("kq_moe_sum", (("y", "ptr"), ("topk_ids", "ptr"), ("topk_weights", "ptr"), ("topk", "i32"),

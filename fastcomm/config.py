@@ -55,6 +55,13 @@ def _count(text: str) -> int:
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
+def _decode_tokens(text: str) -> int:
+    v = _count(text)
+    if not 1 <= v <= 9:
+        raise ValueError("must be 1-9 (tokens of a decode product; 9: never)")
+    return v
+
+
 def _bool(text: str) -> bool:
     t = text.strip().lower()
     if t in _TRUE:
@@ -174,6 +181,12 @@ VARIABLES: tuple[Var, ...] = (
         "(decode, MTP verify) through fastcomm's K-quant kernels (csrc/kquant.cu; Q4_K, Q5_K, Q6_K, Q8_0 weights), "
         "the rest through vllm-gguf-plugin's; dp4a: fastcomm's without the tensor-core forms; plugin: all "
         "through the plugin's.", _choice(*GGUF_KERNEL_SETTINGS)),
+    Var("FASTCOMM_GGUF_MMA_MIN_TOKENS", "gguf_mma_min_tokens", "", "Tokens from which a GGUF linear layer's product "
+        "takes fastcomm's tensor-core form (unset: kquant.MMA_MIN_TOKENS, set from an H200; 9: never). "
+        "`python -m fastcomm_bench.gguf_kernels` suggests it for the GPU at hand.", _decode_tokens),
+    Var("FASTCOMM_GGUF_GROUPED_MIN_TOKENS", "gguf_grouped_min_tokens", "", "Tokens from which a GGUF MoE layer's "
+        "experts take the tensor-core form grouped by expert (unset: kquant.MOE_GROUPED_MIN_TOKENS; 9: never).",
+        _decode_tokens),
     Var("FASTCOMM_LOG", "log_level", "warning", "debug | info | warning | error | off: level of the 'fastcomm' "
         "logger; info prints the transport and policy each workspace chose (like NCCL_DEBUG=INFO).",
         _choice(*LOG_LEVELS)),
@@ -225,6 +238,8 @@ class Config:
     vllm_enabled: bool = True
     vllm_fusion: bool = False  # opt-in, see FASTCOMM_VLLM_FUSION
     gguf_kernels: str = "auto"  # FASTCOMM_GGUF_KERNELS (fastcomm_vllm.gguf.kquant)
+    gguf_mma_min_tokens: int | None = None      # FASTCOMM_GGUF_MMA_MIN_TOKENS (None: the kquant policy's)
+    gguf_grouped_min_tokens: int | None = None  # FASTCOMM_GGUF_GROUPED_MIN_TOKENS
     log_level: str = "warning"
     test_mode: bool = False
     test_shared_gpu: bool = False

@@ -16,3 +16,32 @@ def test_report_weights_each_product_by_its_layers():
     assert steps[1]["fastcomm_best_us"] == round((4.0 * layers + 80.0 * gk.MOE[-1]) / 1000, 2)
     assert "| 90.0 (grouped) | 1.11x | grouped 90.0, pairs 80.0 |" in text
     assert "| 4.0 (staged) | 2.50x | mma 4.5, staged 4.0, unstaged 5.0 | 3.0 |" in text
+
+
+def _rows(mma: dict[int, float], grouped: dict[int, float]) -> list[dict]:
+    """Every linear at mma_us = mma[n] against staged 4.0 / unstaged 5.0; the MoE grouped[n] against pairs 80."""
+    rows = []
+    for n in mma:
+        rows += [{"op": name, "tokens": n, "mma_us": mma[n], "staged_us": 4.0, "unstaged_us": 5.0}
+                 for name, *_ in gk.LINEARS]
+        rows.append({"op": gk.MOE[0], "tokens": n, "grouped_us": grouped[n], "pairs_us": 80.0})
+    return rows
+
+
+def test_suggest_takes_the_fewest_tokens_from_which_the_tensor_cores_win_at_every_larger_count():
+    got = gk.suggest(_rows({1: 4.5, 2: 3.9, 4: 3.0, 8: 2.0}, {1: 90.0, 2: 70.0, 4: 60.0, 8: 50.0}))
+    assert got == {"mma_min_tokens": 2, "grouped_min_tokens": 2}
+    # a win at 2 but a loss at 4: 2 is no threshold (the form would serve 4 too)
+    got = gk.suggest(_rows({1: 4.5, 2: 3.9, 4: 4.2, 8: 2.0}, {1: 79.0, 2: 70.0, 4: 60.0, 8: 50.0}))
+    assert got == {"mma_min_tokens": 8, "grouped_min_tokens": 1}
+    got = gk.suggest(_rows({1: 4.5, 8: 4.1}, {1: 90.0, 8: 81.0}))
+    assert got == {"mma_min_tokens": gk.NEVER, "grouped_min_tokens": gk.NEVER}
+
+
+def test_suggest_prints_settings_from_a_saved_run(tmp_path, capsys):
+    import json
+
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"rows": _rows({4: 3.0, 8: 2.0}, {4: 90.0, 8: 50.0})}))
+    assert gk.main(["--suggest", str(path)]) == 0
+    assert capsys.readouterr().out.strip() == "FASTCOMM_GGUF_MMA_MIN_TOKENS=4 FASTCOMM_GGUF_GROUPED_MIN_TOKENS=8"

@@ -3,11 +3,12 @@
 // stdout: float out[n * rows].
 // warps = 0: the dp4a forms: each row summed as a warp does, lane l holding chunks l, l + 32, ..., the 32
 //   lane partials meeting in the xor tree of kq_warp_sum.
-// warps = W > 0: the mma forms (kquant_mma.cuh) with W warps a tile: every lane's operands from
-//   kq_unit_load / kq_unit_chunk / kq_frag_x, the int8 mma done as PTX defines its fragments (m16n8k32: A regs
-//   0-3 = (row g, k-int t), (g + 8, t), (g, 4 + t), (g + 8, 4 + t); B regs 0-1 = (k-int t, column g), (4 + t, g);
-//   C regs 0-3 = (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1); m16n8k16: A (g, t), (g + 8, t), B (t, g)),
-//   and the kernel's epilogue and warp-order reduction.
+// warps = W > 0: the mma forms (kquant_mma.cuh) with W warps a tile: the activations in their order
+//   (kq_mma_x_put), every lane's operands from kq_unit_load / kq_unit_chunk / kq_xunit_load, the int8 mma done
+//   as PTX defines its fragments (m16n8k32: A regs 0-3 = (row g, k-int t), (g + 8, t), (g, 4 + t),
+//   (g + 8, 4 + t); B regs 0-1 = (k-int t, column g), (4 + t, g); C regs 0-3 = (g, 2t), (g, 2t + 1), (g + 8, 2t),
+//   (g + 8, 2t + 1)), Q6_K's two half-masked mma, the kernel's per-chunk and per-unit scaling
+//   (kq_mma_chunk / kq_mma_unit_end) and its warp-order reduction.
 #include <algorithm>
 #include <cstdio>
 #include <vector>
@@ -15,15 +16,14 @@
 
 static int byte_of(kq_u32 w, int i) { return (int)(kq_i8)((w >> (8 * i)) & 0xFF); }
 
-// C[16][8] of one mma over `kints` k-ints (8: m16n8k32, 4: m16n8k16) from the lanes' registers.
-static void mma(int kints, const kq_u32 a[32][4], const kq_u32 b[32][2], int c[32][4]) {
+// C[16][8] of one m16n8k32 mma from the lanes' registers.
+static void mma(const kq_u32 a[32][4], const kq_u32 b[32][2], int c[32][4]) {
   int A[16][32] = {}, B[32][8] = {};
   for (int lane = 0; lane < 32; ++lane) {
     const int g = lane / 4, t = lane % 4;
-    const int regs = kints == 8 ? 4 : 2;
-    for (int r = 0; r < regs; ++r)
+    for (int r = 0; r < 4; ++r)
       for (int i = 0; i < 4; ++i) A[g + 8 * (r & 1)][4 * (t + 4 * (r >> 1)) + i] = byte_of(a[lane][r], i);
-    for (int r = 0; r < kints / 4; ++r)
+    for (int r = 0; r < 2; ++r)
       for (int i = 0; i < 4; ++i) B[4 * (t + 4 * r) + i][g] = byte_of(b[lane][r], i);
   }
   for (int lane = 0; lane < 32; ++lane) {
@@ -31,71 +31,57 @@ static void mma(int kints, const kq_u32 a[32][4], const kq_u32 b[32][2], int c[3
     for (int j = 0; j < 4; ++j) {
       const int row = g + 8 * (j >> 1), col = 2 * t + (j & 1);
       int s = 0;
-      for (int k = 0; k < 4 * kints; ++k) s += A[row][k] * B[k][col];
+      for (int k = 0; k < 32; ++k) s += A[row][k] * B[k][col];
       c[lane][j] = s;
     }
   }
 }
 
 static void mma_forms(int type, const kq_u8* w, long row_bytes, int rows, int cols, int n, int warps,
-                      const std::vector<kq_u32>& xq, const std::vector<float>& xd, const std::vector<float>& xs,
-                      std::vector<float>& out) {
-  const int chunks = cols / FC_KQ_CHUNK, units = cols / FC_KQ_UNIT;
+                      const std::vector<kq_u32>& xq, const std::vector<float>& xs, std::vector<float>& out) {
+  const int units = cols / FC_KQ_UNIT;
+  const bool mins = type == FC_KQ_Q4_K || type == FC_KQ_Q5_K;
   for (int r0 = 0; r0 < rows; r0 += 16) {
     std::vector<float> acc((size_t)warps * 32 * 4, 0.f);
     for (int wp = 0; wp < warps; ++wp) {
       for (int u = wp; u < units; u += warps) {
-        for (int m = 0; m < 8; ++m) {
-          const int c = u * 8 + m;
-          KqFrag fa[32], fb[32];
-          kq_u32 b[32][2];
-          float d[32][2][2];  // [lane][column 2t + j][scale, sum]
-          for (int lane = 0; lane < 32; ++lane) {
-            const int g = lane / 4, t = lane % 4;
-            KqUnit ua, ub;
-            kq_unit_load(type, w + (long)std::min(r0 + g, rows - 1) * row_bytes, u, t, &ua);
-            kq_unit_load(type, w + (long)std::min(r0 + g + 8, rows - 1) * row_bytes, u, t, &ub);
-            kq_unit_chunk(type, ua, m, &fa[lane]);
-            kq_unit_chunk(type, ub, m, &fb[lane]);
-            b[lane][0] = b[lane][1] = 0;
-            if (g < n) kq_frag_x(type, &xq[((size_t)g * chunks + c) * 8], t, b[lane]);
-            for (int j = 0; j < 2; ++j) {
-              const int v = 2 * t + j;
-              d[lane][j][0] = v < n ? xd[(size_t)v * chunks + c] : 0.f;
-              d[lane][j][1] = v < n ? xs[(size_t)v * chunks + c] : 0.f;
-            }
-          }
-          float* a = &acc[(size_t)wp * 128];
-          if (type == FC_KQ_Q6_K) {
-            int lo[32][4], hi[32][4];
-            kq_u32 A[32][4], B[32][2];
-            for (int s = 0; s < 2; ++s) {
-              for (int lane = 0; lane < 32; ++lane) {
-                A[lane][0] = fa[lane].q[s], A[lane][1] = fb[lane].q[s];
-                B[lane][0] = b[lane][s];
-              }
-              mma(4, A, B, s == 0 ? lo : hi);
-            }
-            for (int lane = 0; lane < 32; ++lane)
-              for (int j = 0; j < 4; ++j) {
-                const KqFrag& f = j < 2 ? fa[lane] : fb[lane];
-                a[lane * 4 + j] += d[lane][j & 1][0] * (f.mul[0] * (float)lo[lane][j] + f.mul[1] * (float)hi[lane][j]);
-              }
+        static KqUnit ua[32], ub[32];
+        static KqXUnit x[32];
+        float uacc[32][4] = {}, umin[32][4] = {};
+        for (int lane = 0; lane < 32; ++lane) {
+          const int g = lane / 4, t = lane % 4;
+          kq_unit_load(type, w + (long)std::min(r0 + g, rows - 1) * row_bytes, u, t, &ua[lane]);
+          kq_unit_load(type, w + (long)std::min(r0 + g + 8, rows - 1) * row_bytes, u, t, &ub[lane]);
+          const int vop = std::min(g, n - 1), v0 = std::min(2 * t, n - 1), v1 = std::min(2 * t + 1, n - 1);
+          if (mins) {
+            kq_xunit_load<true>(xq.data(), xs.data(), cols, u, vop, v0, v1, t, &x[lane]);
           } else {
-            int s[32][4];
-            kq_u32 A[32][4];
-            for (int lane = 0; lane < 32; ++lane) {
-              A[lane][0] = fa[lane].q[0], A[lane][1] = fb[lane].q[0];
-              A[lane][2] = fa[lane].q[1], A[lane][3] = fb[lane].q[1];
-            }
-            mma(8, A, b, s);
-            for (int lane = 0; lane < 32; ++lane)
-              for (int j = 0; j < 4; ++j) {
-                const KqFrag& f = j < 2 ? fa[lane] : fb[lane];
-                a[lane * 4 + j] += d[lane][j & 1][0] * (f.mul[0] * (float)s[lane][j]) - f.sub * d[lane][j & 1][1];
-              }
+            kq_xunit_load<false>(xq.data(), xs.data(), cols, u, vop, v0, v1, t, &x[lane]);
           }
         }
+        for (int m = 0; m < 8; ++m) {
+          KqFrag fa[32], fb[32];
+          kq_u32 A[32][4], B[32][2], Bh[32][2];
+          for (int lane = 0; lane < 32; ++lane) {
+            const int t = lane % 4;
+            kq_unit_chunk(type, ua[lane], m, &fa[lane]);
+            kq_unit_chunk(type, ub[lane], m, &fb[lane]);
+            A[lane][0] = fa[lane].q[0], A[lane][1] = fb[lane].q[0];
+            A[lane][2] = fa[lane].q[1], A[lane][3] = fb[lane].q[1];
+            const kq_u32 first = type == FC_KQ_Q6_K ? (t < 2 ? 0xFFFFFFFFu : 0u) : 0xFFFFFFFFu;
+            for (int j = 0; j < 2; ++j) {
+              B[lane][j] = x[lane].b[2 * m + j] & first;
+              Bh[lane][j] = x[lane].b[2 * m + j] & ~first;
+            }
+          }
+          int r[32][4], r2[32][4] = {};
+          mma(A, B, r);
+          if (type == FC_KQ_Q6_K) mma(A, Bh, r2);
+          for (int lane = 0; lane < 32; ++lane)
+            kq_mma_chunk(type, fa[lane], fb[lane], r[lane], r2[lane], x[lane], m, uacc[lane], umin[lane]);
+        }
+        for (int lane = 0; lane < 32; ++lane)
+          kq_mma_unit_end(type, ua[lane], ub[lane], uacc[lane], umin[lane], &acc[(size_t)wp * 128 + lane * 4]);
       }
     }
     for (int lane = 0; lane < 32; ++lane) {
@@ -127,8 +113,15 @@ int main() {
       kq_quantize_chunk(&x[(size_t)v * cols + c * FC_KQ_CHUNK], &xq[((size_t)v * chunks + c) * 8],
                         &xd[(size_t)v * chunks + c], &xs[(size_t)v * chunks + c]);
   std::vector<float> out((size_t)n * rows);
-  if (warps > 0) {
-    mma_forms(type, w.data(), row_bytes, rows, cols, n, warps, xq, xd, xs, out);
+  if (warps > 0) {  // the activations as fc_kq_quantize writes them for the mma forms
+    std::vector<kq_u32> mq((size_t)n * cols / 4);
+    std::vector<float> ms((size_t)n * cols / 16);
+    for (int v = 0; v < n; ++v)
+      for (int c = 0; c < chunks; ++c) {
+        const size_t i = (size_t)v * chunks + c;
+        kq_mma_x_put(c, &xq[i * 8], xd[i], xs[i], &mq[(size_t)v * cols / 4], &ms[(size_t)v * cols / 16]);
+      }
+    mma_forms(type, w.data(), row_bytes, rows, cols, n, warps, mq, ms, out);
     fwrite(out.data(), 4, out.size(), stdout);
     return 0;
   }

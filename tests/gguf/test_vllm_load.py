@@ -230,3 +230,23 @@ def test_the_dp4a_setting_keeps_the_products_off_the_tensor_cores(monkeypatch):
             assert kquant_vllm._FORMS["tensor_cores"] is want, setting
     finally:
         kquant_vllm._FORMS["tensor_cores"] = True
+
+
+def test_the_token_thresholds_reach_the_kernels(monkeypatch):
+    """FASTCOMM_GGUF_MMA_MIN_TOKENS / _GROUPED_MIN_TOKENS move the tensor-core forms' thresholds; unset, the
+    policy's constants serve; a bad value is named and the kernels keep their last setting."""
+    from fastcomm_vllm.gguf import kquant, kquant_vllm, plugin
+
+    try:
+        monkeypatch.setenv("FASTCOMM_GGUF_MMA_MIN_TOKENS", "2")
+        monkeypatch.setenv("FASTCOMM_GGUF_GROUPED_MIN_TOKENS", "9")
+        plugin._decode_kernels()
+        assert (kquant_vllm._FORMS["mma_min"], kquant_vllm._FORMS["grouped_min"]) == (2, 9)
+        monkeypatch.delenv("FASTCOMM_GGUF_MMA_MIN_TOKENS")
+        monkeypatch.delenv("FASTCOMM_GGUF_GROUPED_MIN_TOKENS")
+        plugin._decode_kernels()
+        assert (kquant_vllm._FORMS["mma_min"], kquant_vllm._FORMS["grouped_min"]) == (
+            kquant.MMA_MIN_TOKENS, kquant.MOE_GROUPED_MIN_TOKENS)
+    finally:
+        kquant_vllm._FORMS.update(tensor_cores=True, mma_min=kquant.MMA_MIN_TOKENS,
+                                  grouped_min=kquant.MOE_GROUPED_MIN_TOKENS)

@@ -93,9 +93,10 @@ def mma_ok(segments: tuple[Segment, ...], cols: int) -> bool:
     return True
 
 
-def linear_form(tokens: int, mma: bool, staged_fits: bool) -> str:
-    """``mma``: the tensor-core form can read the weight and is allowed (FASTCOMM_GGUF_KERNELS=dp4a forbids it)."""
-    if mma and tokens >= MMA_MIN_TOKENS:
+def linear_form(tokens: int, mma: bool, staged_fits: bool, min_tokens: int = MMA_MIN_TOKENS) -> str:
+    """``mma``: the tensor-core form can read the weight and is allowed (FASTCOMM_GGUF_KERNELS=dp4a forbids it);
+    ``min_tokens``: from how many tokens it serves (FASTCOMM_GGUF_MMA_MIN_TOKENS)."""
+    if mma and tokens >= min_tokens:
         return "mma"
     return "staged" if staged_fits else "unstaged"
 
@@ -109,9 +110,11 @@ def moe_types_ok(t13: int, t2: int, hidden: int, inter: int, row13: int, row2: i
     return True
 
 
-def moe_form(tokens: int, topk: int, hidden: int, inter: int, tensor_cores: bool = True) -> str:
-    """``grouped`` where allowed and its tiles and route table hold the shapes, else ``pairs``."""
-    if (tensor_cores and tokens >= MOE_GROUPED_MIN_TOKENS and tokens * topk <= abi.KQ_MAX_PAIRS
+def moe_form(tokens: int, topk: int, hidden: int, inter: int, tensor_cores: bool = True,
+             min_tokens: int = MOE_GROUPED_MIN_TOKENS) -> str:
+    """``grouped`` where allowed (from ``min_tokens``: FASTCOMM_GGUF_GROUPED_MIN_TOKENS) and its tiles and route
+    table hold the shapes, else ``pairs``."""
+    if (tensor_cores and tokens >= min_tokens and tokens * topk <= abi.KQ_MAX_PAIRS
             and hidden % abi.KQ_UNIT == 0 and inter % abi.KQ_UNIT == 0):
         return "grouped"
     return "pairs"
@@ -214,9 +217,10 @@ def _dt(x) -> str:
     return str(x.dtype).split(".")[-1]
 
 
-def quantize(x, silu: bool = False):
+def quantize(x, silu: bool = False, mma: bool = False):
     """int8 chunks (as int32 words) and (scale, sum) pairs of ``x`` [n, cols] (rows 16-byte aligned), or with
-    ``silu`` of silu(gate) * up for rows [gate | up] of 2 cols."""
+    ``silu`` of silu(gate) * up for rows [gate | up] of 2 cols; ``mma``: in the order the tensor-core forms
+    read (cols a multiple of 256)."""
     import torch
 
     n, width = x.shape
@@ -227,7 +231,7 @@ def quantize(x, silu: bool = False):
     total = n * chunks
     _launch(x.device.index, abi.KQ_QUANTIZE_SILU if silu else abi.KQ_QUANTIZE, _dt(x),
             ((total + QUANTIZE_THREADS - 1) // QUANTIZE_THREADS, 1), QUANTIZE_THREADS, _stream(x),
-            (x.data_ptr(), n, cols, x.stride(0), xq.data_ptr(), xds.data_ptr()))
+            (x.data_ptr(), n, cols, x.stride(0), xq.data_ptr(), xds.data_ptr(), int(mma)))
     return xq, xds
 
 
@@ -238,9 +242,11 @@ def _aligned(x):
     return x
 
 
-def linear(x, qweight, segments: tuple[Segment, ...], form: str | None = None, tensor_cores: bool = True):
+def linear(x, qweight, segments: tuple[Segment, ...], form: str | None = None, tensor_cores: bool = True,
+           mma_min: int = MMA_MIN_TOKENS):
     """x [n, cols] (n <= 8) times the segments' rows of ``qweight`` (uint8 [rows, row_stride]): [n, sum rows].
-    ``form``: one of FORMS_LINEAR (None: ``linear_form``'s choice, the mma form only with ``tensor_cores``)."""
+    ``form``: one of FORMS_LINEAR (None: ``linear_form``'s choice, the mma form only with ``tensor_cores``,
+    from ``mma_min`` tokens)."""
     import torch
 
     x = _aligned(x)
@@ -250,11 +256,11 @@ def linear(x, qweight, segments: tuple[Segment, ...], form: str | None = None, t
     total = table.total_rows
     out = torch.empty(n, total, dtype=x.dtype, device=x.device)
     fits = staged_fits(dev, n, cols)
-    form = form or linear_form(n, tensor_cores and mma_ok(segments, cols), fits)
+    form = form or linear_form(n, tensor_cores and mma_ok(segments, cols), fits, mma_min)
     if form == "mma":
         if not mma_ok(segments, cols):
             raise ValueError(f"the mma form cannot read these segments ({segments}, {cols} columns)")
-        xq, xds = quantize(x)
+        xq, xds = quantize(x, mma=True)
         warps = mma_warps(cols, tiles(total), _device(dev)[0])
         _launch(dev, abi.KQ_MMA, dt, (tiles(total), 1), 32 * warps, stream,
                 (table, xq.data_ptr(), xds.data_ptr(), n, cols, out.data_ptr(), total))
@@ -273,12 +279,12 @@ def linear(x, qweight, segments: tuple[Segment, ...], form: str | None = None, t
 
 
 def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu: bool = False,
-        form: str | None = None, tensor_cores: bool = True):
+        form: str | None = None, tensor_cores: bool = True, grouped_min: int = MOE_GROUPED_MIN_TOKENS):
     """The routed experts of 1-8 tokens: x [T, hidden], w13 [E, 2 inter, row13], w2 [E, hidden, row2] (uint8
     blocks); returns [T, hidden], each token's experts summed in their top-k order, router weights applied.
     ``activation`` maps [pairs, 2 inter] to [pairs, inter]; ``silu``: it is vLLM's silu_and_mul, which the
     activations' quantize launch then applies itself. ``form``: one of FORMS_MOE (None: ``moe_form``'s, the
-    grouped form only with ``tensor_cores``)."""
+    grouped form only with ``tensor_cores``, from ``grouped_min`` tokens)."""
     import torch
 
     x = _aligned(x)
@@ -292,12 +298,12 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu:
     dt, dev, stream = _dt(x), x.device.index, _stream(x)
     e13, r13 = w13.stride(0) * w13.element_size(), w13.stride(1) * w13.element_size()
     e2, r2 = w2.stride(0) * w2.element_size(), w2.stride(1) * w2.element_size()
-    form = form or moe_form(tokens, topk, hidden, inter, tensor_cores)
+    form = form or moe_form(tokens, topk, hidden, inter, tensor_cores, grouped_min)
     busy = min(experts, pairs)  # experts a grouped launch's blocks can find work for
     sms = _device(dev)[0]
-    xq, xds = quantize(x)
-    up = torch.empty(pairs, rows13, dtype=x.dtype, device=x.device)
     grouped = form == "grouped"
+    xq, xds = quantize(x, mma=grouped)
+    up = torch.empty(pairs, rows13, dtype=x.dtype, device=x.device)
     if grouped:
         warps = mma_warps(hidden, tiles(rows13) * busy, sms)
         _launch(dev, abi.KQ_MOE_MMA_UP, dt, (tiles(rows13), experts), 32 * warps, stream,
@@ -307,7 +313,7 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu:
         _launch(dev, abi.KQ_MOE_UP, dt, ((rows13 + abi.KQ_ROWS_PER_BLOCK - 1) // abi.KQ_ROWS_PER_BLOCK, pairs),
                 abi.KQ_THREADS, stream, (w13.data_ptr(), e13, r13, t13, rows13, hidden, ids.data_ptr(), topk,
                                          xq.data_ptr(), xds.data_ptr(), up.data_ptr()))
-    aq, ads = quantize(up, silu=True) if silu else quantize(_aligned(activation(up)))
+    aq, ads = quantize(up, silu=True, mma=grouped) if silu else quantize(_aligned(activation(up)), mma=grouped)
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     if grouped:
         y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)

@@ -6,7 +6,8 @@
 1-8 tokens and the plugin's own function otherwise, so a CUDA graph of a decode batch records fastcomm's
 kernels and a prefill runs exactly as the plugin would. Layers the kernels cannot read keep the plugin's
 ``apply``. Idempotent. ``install(tensor_cores=False)`` (FASTCOMM_GGUF_KERNELS=dp4a) keeps the products on
-the dp4a forms.
+the dp4a forms; ``mma_min`` / ``grouped_min`` move the tensor-core forms' token thresholds
+(FASTCOMM_GGUF_MMA_MIN_TOKENS / FASTCOMM_GGUF_GROUPED_MIN_TOKENS).
 """
 import functools
 
@@ -15,7 +16,8 @@ import torch
 from . import kquant
 
 _PLAN = "_fastcomm_kq_plan"  # per layer: the segments (linear), True (MoE), or None (the plugin's path)
-_FORMS = {"tensor_cores": True}  # set once by install(), from FASTCOMM_GGUF_KERNELS, before any layer runs
+# Set once by install(), from the FASTCOMM_GGUF_* settings, before any layer runs.
+_FORMS = {"tensor_cores": True, "mma_min": kquant.MMA_MIN_TOKENS, "grouped_min": kquant.MOE_GROUPED_MIN_TOKENS}
 
 
 def _linear_fn(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts: list[int],
@@ -24,7 +26,7 @@ def _linear_fn(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts:
 
     if kquant.decode_tokens_ok(x.shape[0]) and qweight.data_ptr() % 16 == 0:
         segs = tuple(kquant.Segment(t, s, r) for t, s, r in zip(types, starts, rows))
-        return kquant.linear(x, qweight, segs, tensor_cores=_FORMS["tensor_cores"])
+        return kquant.linear(x, qweight, segs, tensor_cores=_FORMS["tensor_cores"], mma_min=_FORMS["mma_min"])
     # Bytes of a row a segment uses (its shard's type over x's columns; the stored rows are padded to the widest).
     used = [kquant.BLOCKS[t][1] * (x.shape[1] // kquant.BLOCKS[t][0]) for t in types]
     if len(types) == 1 and used[0] == qweight.shape[1] and rows[0] == qweight.shape[0]:
@@ -58,7 +60,8 @@ def _moe_fn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: 
 
     if kquant.decode_tokens_ok(x.shape[0]) and w13.data_ptr() % 16 == 0 and w2.data_ptr() % 16 == 0:
         return kquant.moe(x, w13, w2, topk_weights, topk_ids, t13, t2, _activation(activation),
-                          silu=activation == "silu", tensor_cores=_FORMS["tensor_cores"])
+                          silu=activation == "silu", tensor_cores=_FORMS["tensor_cores"],
+                          grouped_min=_FORMS["grouped_min"])
     return pmoe._fused_moe_gguf(x, w13, w2, topk_weights, topk_ids, t13, t2, activation)
 
 
@@ -122,13 +125,15 @@ def _after_loading(original, plan):
     return process
 
 
-def install(tensor_cores: bool = True) -> bool:
+def install(tensor_cores: bool = True, mma_min: int | None = None, grouped_min: int | None = None) -> bool:
     """Wrap the plugin's methods (once); False when the plugin is not importable here."""
     try:
         from vllm_gguf_plugin.quantization import fused_moe as pmoe, linear as plin
     except ImportError:
         return False
     _FORMS["tensor_cores"] = tensor_cores
+    _FORMS["mma_min"] = mma_min or kquant.MMA_MIN_TOKENS
+    _FORMS["grouped_min"] = grouped_min or kquant.MOE_GROUPED_MIN_TOKENS
     if getattr(plin.GGUFLinearMethod.apply, "_fastcomm", False):
         return True
     register_ops()
