@@ -125,28 +125,32 @@ FC_KQ_HD float kq_half(kq_u32 bits) {  // IEEE half (low 16 bits) to float
 #endif
 }
 
-// Four aligned words from a 16-byte aligned address (read-only path on the GPU).
-FC_KQ_HD void kq_load16(const kq_u8* p, kq_u32 w[4]) {
+// Loads: SHARED = false reads global memory by the read-only path (__ldg); true reads through a generic
+// pointer (the mma forms' weights, staged in shared memory, where __ldg must not go).
+template <bool SHARED = false>
+FC_KQ_HD void kq_load16(const kq_u8* p, kq_u32 w[4]) {  // p 16-byte aligned
 #if defined(__CUDA_ARCH__)
-  uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+  const uint4 v = SHARED ? *reinterpret_cast<const uint4*>(p) : __ldg(reinterpret_cast<const uint4*>(p));
   w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
 #else
   memcpy(w, p, 16);
 #endif
 }
 
+template <bool SHARED = false>
 FC_KQ_HD void kq_load8(const kq_u8* p, kq_u32 w[2]) {  // p 8-byte aligned
 #if defined(__CUDA_ARCH__)
-  const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+  const uint2 v = SHARED ? *reinterpret_cast<const uint2*>(p) : __ldg(reinterpret_cast<const uint2*>(p));
   w[0] = v.x; w[1] = v.y;
 #else
   memcpy(w, p, 8);
 #endif
 }
 
+template <bool SHARED = false>
 FC_KQ_HD kq_u32 kq_load_word(const kq_u8* p) {  // p 4-byte aligned
 #if defined(__CUDA_ARCH__)
-  return __ldg(reinterpret_cast<const unsigned int*>(p));
+  return SHARED ? *reinterpret_cast<const unsigned int*>(p) : __ldg(reinterpret_cast<const unsigned int*>(p));
 #else
   kq_u32 w;
   memcpy(&w, p, 4);
@@ -157,14 +161,14 @@ FC_KQ_HD kq_u32 kq_load_word(const kq_u8* p) {  // p 4-byte aligned
 // N words starting at a 2-byte aligned address (Q6_K's 210-byte and Q8_0's 34-byte blocks are no better
 // aligned): N + 1 aligned word loads and a funnel shift. The extra word never leaves the 4-byte word that
 // holds the last byte asked for.
-template <int N>
+template <int N, bool SHARED = false>
 FC_KQ_HD void kq_load_even(const kq_u8* p, kq_u32 w[N]) {
   const kq_u64 a = (kq_u64)p;
   const kq_u8* base = p - (a & 3);
   const int shift = (int)(a & 3) * 8;
-  kq_u32 lo = kq_load_word(base);
+  kq_u32 lo = kq_load_word<SHARED>(base);
   for (int i = 0; i < N; ++i) {
-    const kq_u32 hi = (shift || i + 1 < N) ? kq_load_word(base + 4 * (i + 1)) : 0u;
+    const kq_u32 hi = (shift || i + 1 < N) ? kq_load_word<SHARED>(base + 4 * (i + 1)) : 0u;
     w[i] = shift ? kq_funnel_r(lo, hi, shift) : lo;
     lo = hi;
   }
@@ -315,36 +319,45 @@ struct KqUnit {
   kq_u32 w[FC_KQ_UNIT_WORDS];
 };
 
+// `row`: the unit's row (global memory on the host, the kernel's shared-memory stage on the GPU).
 FC_KQ_HD void kq_unit_load(int type, const kq_u8* row, int u, int t, KqUnit* r) {
   kq_u32* w = r->w;
   if (type == FC_KQ_Q4_K || type == FC_KQ_Q5_K) {
     const kq_u8* b = row + (kq_u64)u * kq_block_bytes(type);
-    kq_load16(b, w);
+    kq_load16<true>(b, w);
     const int qs = type == FC_KQ_Q5_K ? 6 : 4;
-    if (type == FC_KQ_Q5_K) kq_load8(b + 16 + 8 * t, w + 4);
-    for (int p = 0; p < 4; ++p) kq_load8(b + (type == FC_KQ_Q5_K ? 48 : 16) + 32 * p + 8 * t, w + qs + 2 * p);
+    if (type == FC_KQ_Q5_K) kq_load8<true>(b + 16 + 8 * t, w + 4);
+    for (int p = 0; p < 4; ++p) kq_load8<true>(b + (type == FC_KQ_Q5_K ? 48 : 16) + 32 * p + 8 * t, w + qs + 2 * p);
+  } else if (type == FC_KQ_Q6_K) {
+    const kq_u8* b = row + (kq_u64)u * 210;
+    for (int i = 0; i < 4; ++i) kq_load_even<2, true>(b + 32 * i + 8 * t, w + 2 * i);  // i = 2 h + a: 64 h + 32 a
+    for (int h = 0; h < 2; ++h) kq_load_even<2, true>(b + 128 + 32 * h + 8 * t, w + 8 + 2 * h);
+    kq_load_even<4, true>(b + 192, w + 12);
+    kq_load_even<1, true>(b + 208, w + 16);
+  } else {  // FC_KQ_Q8_0
+    for (int m = 0; m < 8; ++m) {
+      const kq_u8* b = row + (kq_u64)(u * 8 + m) * 34;
+      kq_load_even<1, true>(b, w + 3 * m);
+      kq_load_even<2, true>(b + 2 + 8 * t, w + 3 * m + 1);
+    }
+  }
+}
+
+// What a unit's chunks share, from its loaded words; apart from kq_unit_load so that a unit loaded ahead (the
+// next one, while this one computes) is not waited for until it is used.
+FC_KQ_HD void kq_unit_prep(int type, KqUnit* r) {
+  kq_u32* w = r->w;
+  if (type == FC_KQ_Q4_K || type == FC_KQ_Q5_K) {
     // kq_scale_min_k4 for all 8 sub-blocks at once, a byte each: j < 4 from bytes j of words 1 (scale) and 2
     // (min); j >= 4 their top 2 bits over the low (scale) or high (min) nibble of byte j - 4 of word 3.
     w[20] = w[1] & 0x3F3F3F3Fu;
     w[21] = (w[3] & 0x0F0F0F0Fu) | ((w[1] >> 2) & 0x30303030u);
     w[22] = w[2] & 0x3F3F3F3Fu;
     w[23] = ((w[3] >> 4) & 0x0F0F0F0Fu) | ((w[2] >> 2) & 0x30303030u);
-  } else if (type == FC_KQ_Q6_K) {
-    const kq_u8* b = row + (kq_u64)u * 210;
-    for (int i = 0; i < 4; ++i) kq_load_even<2>(b + 32 * i + 8 * t, w + 2 * i);  // i = 2 h + a: 64 h + 32 a
-    for (int h = 0; h < 2; ++h) kq_load_even<2>(b + 128 + 32 * h + 8 * t, w + 8 + 2 * h);
-    kq_load_even<4>(b + 192, w + 12);
-    kq_load_even<1>(b + 208, w + 16);
-  } else {  // FC_KQ_Q8_0
-    for (int m = 0; m < 8; ++m) {
-      const kq_u8* b = row + (kq_u64)(u * 8 + m) * 34;
-      kq_load_even<1>(b, w + 3 * m);
-      kq_load_even<2>(b + 2 + 8 * t, w + 3 * m + 1);
-    }
   }
 }
 
-// Chunk m (0-7) of the unit, decoded from the thread's words.
+// Chunk m (0-7) of the unit (after kq_unit_prep), decoded from the thread's words.
 FC_KQ_HD void kq_unit_chunk(int type, const KqUnit& r, int m, KqFrag* f) {
   const kq_u32* w = r.w;
   if (type == FC_KQ_Q4_K || type == FC_KQ_Q5_K) {

@@ -19,8 +19,9 @@
 
 #define FC_KQ_MMA_ROWS 16    // rows of a tile: the mma's M
 #define FC_KQ_MMA_COLS 8     // activation vectors per pass: the mma's N
-#define FC_KQ_MMA_WARPS 16   // the most warps splitting a tile's units (few tiles: more warps a tile)
+#define FC_KQ_MMA_WARPS 8    // the most warps splitting a tile's units (few tiles: more warps a tile)
 #define FC_KQ_MAX_PAIRS 256  // (token, expert) pairs a grouped MoE launch routes
+#define FC_KQ_MMA_STAGES 3   // units of a warp's rows in flight (its shared-memory ring)
 
 __device__ __forceinline__ void kq_mma_k32(const kq_u32 a[4], const kq_u32 b[2], int c[4]) {
   asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -36,22 +37,74 @@ struct KqCols {
   int op, d0, d1;
 };
 
-// One warp's share of a tile: rows g (at ra) and g + 8 (at rb), against the vectors of `col`. acc: row g
-// with vectors 2t and 2t + 1, then row g + 8 with the same.
-// Per unit, every load is issued before any use and none sits behind a branch, so the activations' L2 round
-// trips overlap the weights' DRAM ones.
+// The weights reach the tensor cores through shared memory: each warp keeps FC_KQ_MMA_STAGES units of its
+// 16 rows in flight with cp.async, a ring of stages. Why: loaded into registers, a unit's weights were
+// waited for before its compute and the compiler sank any load issued ahead to the end of the loop, so a warp
+// had one DRAM round trip in flight at a time and the kernels streamed at a third of the memory's rate
+// (ncu: DRAM 27 %, 70 % of stalls on loads). A copy has no register to hold, so nothing moves it.
+// A stage row is the 16-byte-aligned span that holds the row's unit (Q6_K / Q8_0 units are 2-byte aligned):
+// chunks past the unit's last byte are not copied, so nothing is read past the weight's end.
+__device__ constexpr int kq_mma_unit_bytes(int T) {
+  return T == FC_KQ_Q4_K ? 144 : T == FC_KQ_Q5_K ? 176 : T == FC_KQ_Q6_K ? 210 : 8 * 34;
+}
+__device__ constexpr int kq_mma_span(int T) { return (kq_mma_unit_bytes(T) + 15 + 15) / 16 * 16; }
+
+__device__ __forceinline__ void kq_cp_async16(void* smem, const void* gmem) {
+  unsigned long long s;
+  asm("cvta.to.shared.u64 %0, %1;" : "=l"(s) : "l"(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void kq_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void kq_cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// Unit u of the tile's rows (row i at tile + min(i, rows - 1) * row_stride) into a stage, by the warp's lanes.
 template <int T>
-__device__ __forceinline__ void kq_mma_tile(const kq_u8* ra, const kq_u8* rb, int units, int cols,
+__device__ __forceinline__ void kq_mma_copy(const kq_u8* tile, kq_u64 row_stride, int rows, int u, kq_u8* stage) {
+  constexpr int UB = kq_mma_unit_bytes(T), NC = kq_mma_span(T) / 16;
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int k = 0; k < (FC_KQ_MMA_ROWS * NC + 31) / 32; ++k) {
+    const int i = lane + 32 * k, row = i / NC, c = i - row * NC;
+    const kq_u64 a = (kq_u64)(tile + (kq_u64)min(row, rows - 1) * row_stride) + (kq_u64)u * UB;
+    if (i < FC_KQ_MMA_ROWS * NC && 16 * c < (int)(a & 15) + UB)
+      kq_cp_async16(stage + row * kq_mma_span(T) + 16 * c, reinterpret_cast<const void*>((a & ~15ull) + 16 * c));
+  }
+}
+
+// One warp's share of a tile: rows g and g + 8 of the tile (rows past `rows` read its last row again), against
+// the vectors of `col`. acc: row g with vectors 2t and 2t + 1, then row g + 8 with the same. The activations
+// (L2) are loaded at the top of each unit.
+template <int T>
+__device__ __forceinline__ void kq_mma_tile(const kq_u8* tile, kq_u64 row_stride, int rows, int units, int cols,
                                             const KqCols& col, const kq_u32* xq, const float* xs, float acc[4]) {
   constexpr bool mins = T == FC_KQ_Q4_K || T == FC_KQ_Q5_K;
-  const int t = threadIdx.x & 3, W = blockDim.x >> 5;
+  constexpr int UB = kq_mma_unit_bytes(T), STAGE = FC_KQ_MMA_ROWS * kq_mma_span(T), S = FC_KQ_MMA_STAGES;
+  extern __shared__ __align__(16) kq_u8 kq_mma_ring[];
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, w = threadIdx.x >> 5, W = blockDim.x >> 5;
+  kq_u8* ring = kq_mma_ring + w * S * STAGE;
+  const kq_u64 ra = (kq_u64)(tile + (kq_u64)min(g, rows - 1) * row_stride);
+  const kq_u64 rb = (kq_u64)(tile + (kq_u64)min(g + 8, rows - 1) * row_stride);
   const kq_u32 first = t < 2 ? 0xFFFFFFFFu : 0u;  // Q6_K: this thread's values are in the chunk's first half
-  for (int u = threadIdx.x >> 5; u < units; u += W) {
-    KqUnit ua, ub;
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) {
+    if (w + s * W < units) kq_mma_copy<T>(tile, row_stride, rows, w + s * W, ring + s * STAGE);
+    kq_cp_commit();
+  }
+  int k = 0;
+  for (int u = w; u < units; u += W, ++k) {
+    if (u + (S - 1) * W < units) kq_mma_copy<T>(tile, row_stride, rows, u + (S - 1) * W, ring + (k + S - 1) % S * STAGE);
+    kq_cp_commit();
     KqXUnit x;
-    kq_unit_load(T, ra, u, t, &ua);
-    kq_unit_load(T, rb, u, t, &ub);
     kq_xunit_load<mins>(xq, xs, cols, u, col.op, col.d0, col.d1, t, &x);
+    kq_cp_wait<S - 1>();  // this lane's copies of unit u have landed; the warp's, after the sync
+    __syncwarp();
+    const kq_u8* stage = ring + k % S * STAGE;
+    KqUnit ua, ub;
+    kq_unit_load(T, stage + g * kq_mma_span(T) + ((ra + (kq_u64)u * UB) & 15), 0, t, &ua);
+    kq_unit_load(T, stage + (g + 8) * kq_mma_span(T) + ((rb + (kq_u64)u * UB) & 15), 0, t, &ub);
+    kq_unit_prep(T, &ua);
+    kq_unit_prep(T, &ub);
     float uacc[4] = {0.f, 0.f, 0.f, 0.f}, umin[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int m = 0; m < 8; ++m) {
@@ -72,18 +125,20 @@ __device__ __forceinline__ void kq_mma_tile(const kq_u8* ra, const kq_u8* rb, in
       kq_mma_chunk(T, fa, fb, r, r2, x, m, uacc, umin);
     }
     kq_mma_unit_end(T, ua, ub, uacc, umin, acc);
+    __syncwarp();  // every lane has read this stage before a later copy refills it
   }
+  kq_cp_wait<0>();  // no copy outlives the warp's loop (the last units' groups are empty or already waited)
 }
 
-__device__ __forceinline__ void kq_mma_tile_any(int type, const kq_u8* ra, const kq_u8* rb, int cols,
+__device__ __forceinline__ void kq_mma_tile_any(int type, const kq_u8* tile, kq_u64 row_stride, int rows, int cols,
                                                 const KqCols& col, const kq_u32* xq, const float* xs,
                                                 float acc[4]) {
   const int units = cols / FC_KQ_UNIT;
   switch (type) {  // block-uniform: a tile lies in one segment
-    case FC_KQ_Q4_K: kq_mma_tile<FC_KQ_Q4_K>(ra, rb, units, cols, col, xq, xs, acc); break;
-    case FC_KQ_Q5_K: kq_mma_tile<FC_KQ_Q5_K>(ra, rb, units, cols, col, xq, xs, acc); break;
-    case FC_KQ_Q6_K: kq_mma_tile<FC_KQ_Q6_K>(ra, rb, units, cols, col, xq, xs, acc); break;
-    default: kq_mma_tile<FC_KQ_Q8_0>(ra, rb, units, cols, col, xq, xs, acc); break;
+    case FC_KQ_Q4_K: kq_mma_tile<FC_KQ_Q4_K>(tile, row_stride, rows, units, cols, col, xq, xs, acc); break;
+    case FC_KQ_Q5_K: kq_mma_tile<FC_KQ_Q5_K>(tile, row_stride, rows, units, cols, col, xq, xs, acc); break;
+    case FC_KQ_Q6_K: kq_mma_tile<FC_KQ_Q6_K>(tile, row_stride, rows, units, cols, col, xq, xs, acc); break;
+    default: kq_mma_tile<FC_KQ_Q8_0>(tile, row_stride, rows, units, cols, col, xq, xs, acc); break;
   }
 }
 
@@ -113,11 +168,10 @@ __device__ void kq_mma_gemv(const KqSegs& segs, const kq_u32* xq, const float* x
   const int r0 = blockIdx.x * FC_KQ_MMA_ROWS, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const KqSeg sg = kq_segment(segs, r0);  // the host keeps segment starts on tile boundaries
   const int last = segs.total_rows - 1;    // a last partial tile reads its last row again, writes nothing
-  const kq_u8* ra = sg.w + (kq_u64)(min(r0 + g, last) - sg.row0) * sg.row_stride;
-  const kq_u8* rb = sg.w + (kq_u64)(min(r0 + g + 8, last) - sg.row0) * sg.row_stride;
   const KqCols col = {min(g, n - 1), min(2 * t, n - 1), min(2 * t + 1, n - 1)};
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  kq_mma_tile_any(sg.type, ra, rb, cols, col, xq, xs, acc);
+  kq_mma_tile_any(sg.type, sg.w + (kq_u64)(r0 - sg.row0) * sg.row_stride, sg.row_stride, min(FC_KQ_MMA_ROWS, last + 1 - r0),
+                  cols, col, xq, xs, acc);
   if (!kq_mma_reduce(acc, part)) return;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -165,9 +219,7 @@ __device__ void kq_mma_moe(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stri
   __shared__ unsigned s_mask[FC_KQ_MAX_PAIRS / 32];
   const int count = kq_route(topk_ids, pairs, blockIdx.y, s_pair, s_mask);
   const int r0 = blockIdx.x * FC_KQ_MMA_ROWS, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const kq_u8* ew = w + (kq_u64)blockIdx.y * expert_stride;
-  const kq_u8* ra = ew + (kq_u64)min(r0 + g, rows - 1) * row_stride;
-  const kq_u8* rb = ew + (kq_u64)min(r0 + g + 8, rows - 1) * row_stride;
+  const kq_u8* tile = w + (kq_u64)blockIdx.y * expert_stride + (kq_u64)r0 * row_stride;
   for (int base = 0; base < count; base += FC_KQ_MMA_COLS) {  // block-uniform; one pass unless > 8 pairs
     const int n = min(count - base, FC_KQ_MMA_COLS);
     auto vec = [&](int j) {
@@ -176,7 +228,7 @@ __device__ void kq_mma_moe(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stri
     };
     const KqCols col = {vec(g), vec(2 * t), vec(2 * t + 1)};
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    kq_mma_tile_any(type, ra, rb, cols, col, xq, xs, acc);
+    kq_mma_tile_any(type, tile, row_stride, min(FC_KQ_MMA_ROWS, rows - r0), cols, col, xq, xs, acc);
     if (kq_mma_reduce(acc, part)) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {

@@ -191,7 +191,8 @@ KQ_THREADS = 128         # FC_KQ_THREADS
 KQ_STAGED_THREADS = 512  # FC_KQ_STAGED_THREADS (kquant.cu)
 KQ_MMA_ROWS = 16         # FC_KQ_MMA_ROWS (kquant_mma.cuh): rows of a tile
 KQ_MMA_COLS = 8          # FC_KQ_MMA_COLS: vectors per pass
-KQ_MMA_WARPS = 16        # FC_KQ_MMA_WARPS: the most warps a tile
+KQ_MMA_WARPS = 8         # FC_KQ_MMA_WARPS: the most warps a tile
+KQ_MMA_STAGES = 3        # FC_KQ_MMA_STAGES: units of a warp's rows in flight (its shared-memory ring)
 KQ_MAX_PAIRS = 256       # FC_KQ_MAX_PAIRS: (token, expert) pairs of one grouped MoE launch
 
 

@@ -68,7 +68,7 @@ def test_gemv_exact_activations(qtype, n, form):
 
 @pytest.mark.parametrize("cols", [256, 768, 1280, 4352, 6144])
 def test_mma_warp_splits(cols):
-    """3 tiles of 1, 3, 5, 17 and 24 units: 1, 3, 5, 9 (eight warps of 2 units, one of 1) and 12 warps a tile
+    """3 tiles of 1, 3, 5, 17 and 24 units: 1, 3, 5, 6 (3, 3, 3, 3, 3, 2 units) and 8 warps a tile
     (kquant.mma_warps), each summing its units and warp 0 adding the partials."""
     k = kq()
     rng = np.random.default_rng(cols)
@@ -76,6 +76,21 @@ def test_mma_warp_splits(cols):
     x = exact_activations(rng, 8, cols)
     got = k.linear(torch.from_numpy(x).cuda(), torch.from_numpy(stored).cuda(), (k.Segment(k.Q5_K, 0, 48),),
                    form="mma")
+    check(got, x.astype(np.float64) @ truth.T, np.abs(x) @ np.abs(truth).T, torch.float32)
+
+
+@pytest.mark.parametrize("warps", [1, 7])
+@pytest.mark.parametrize("qtype", TYPES)
+def test_mma_ring_wraps(qtype, warps):
+    """24 units a row through each warp's 3-stage ring: 24 units on one warp, or 4, 4, 4, 3, 3, 3, 3 on seven;
+    Q6_K / Q8_0 units start 2-byte aligned, at every offset of their 16-byte spans in turn."""
+    k = kq()
+    rng = np.random.default_rng(23)
+    rows, cols = 40, 6144
+    stored, truth = weights(qtype, (rows, cols), seed=29)
+    x = exact_activations(rng, 5, cols)
+    got = k.linear(torch.from_numpy(x).cuda(), torch.from_numpy(stored).cuda(),
+                   (k.Segment(getattr(k, qtype), 0, rows),), form="mma", warps=warps)
     check(got, x.astype(np.float64) @ truth.T, np.abs(x) @ np.abs(truth).T, torch.float32)
 
 

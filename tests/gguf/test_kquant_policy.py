@@ -46,12 +46,17 @@ def test_the_mma_form_reads_whole_units_and_tiles_of_one_type():
     odd = (kquant.Segment(kquant.Q5_K, 0, 24), kquant.Segment(kquant.Q8_0, 24, 8))
     assert not kquant.mma_ok(odd, 256)                                 # a tile would straddle two types
     # warps a tile: enough warps on 132 SMs, no more than the units, an even split
-    assert kquant.mma_warps(6144, 164, 132) == 12     # fused_qkv_a: 24 units, 2 a warp
-    assert kquant.mma_warps(2048, 1024, 132) == 3     # q_b: 8 units over 3 warps (3, 3, 2)
-    assert kquant.mma_warps(16384, 384, 132) == 6     # o_proj: 64 units, 11 a warp
-    assert kquant.mma_warps(6144, 9680, 132) == 1     # the LM head has tiles enough
-    assert [kquant.mma_warps(c, 3, 132) for c in (256, 768, 1280, 4352, 6144)] == [1, 3, 5, 9, 12]
-    assert max(kquant.mma_warps(c, 1, 1000) for c in range(256, 65536, 256)) == abi.KQ_MMA_WARPS
+    res = (16, 16, 5, 4, 3, 2, 2, 1)  # blocks of 1..8 warps an SM holds (registers, rings)
+    assert kquant.mma_warps(6144, 164, 132, res) == 6     # fused_qkv_a: 7 fit one wave, 24 units even at 6
+    assert kquant.mma_warps(2048, 1024, 132, res) == 2    # q_b: 1024 tiles fit one wave at 2 warps (16 a SM)
+    assert kquant.mma_warps(16384, 384, 132, res) == 5    # o_proj: 3 blocks a SM at 5 warps; 6 would take 2 waves
+    assert kquant.mma_warps(6144, 9680, 132, res) == 1    # the LM head: no split fits one wave
+    assert [kquant.mma_warps(c, 3, 132, res) for c in (256, 768, 1280, 4352, 6144)] == [1, 3, 5, 6, 8]
+    assert kquant.mma_warps(6144, 3, 132, (4, 2, 1, 0, 0, 0, 0, 0)) == 3  # no block of 4 warps fits an SM
+    assert max(kquant.mma_warps(c, 1, 1000, res) for c in range(256, 65536, 256)) == abi.KQ_MMA_WARPS
+    # the ring: KQ_MMA_STAGES units of 16 rows, each row the 16-byte span of the widest type's unit
+    assert kquant.mma_ring_bytes([kquant.Q4_K]) == abi.KQ_MMA_STAGES * 16 * 160
+    assert kquant.mma_ring_bytes([kquant.Q5_K, kquant.Q8_0]) == abi.KQ_MMA_STAGES * 16 * 288
     assert [kquant.tiles(r) for r in (1, 16, 17, 154880)] == [1, 1, 2, 9680]
 
 

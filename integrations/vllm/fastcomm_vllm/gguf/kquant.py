@@ -46,7 +46,6 @@ FORMS_MOE = ("grouped", "pairs")
 # The staged MoE (one launch quantizing into shared memory) measured slower than the five-launch one and is gone.
 MMA_MIN_TOKENS = 5          # linears: the tensor-core form from this many tokens, below it the staged dp4a
 MOE_GROUPED_MIN_TOKENS = 3  # MoE: grouped by expert from this many tokens, below it per pair
-MMA_WARPS_PER_SM = 16       # warps streaming weights an SM should have (about what ~100 registers a thread allow)
 # 16-byte loads read Q4_K/Q5_K rows; Q6_K/Q8_0 blocks are only 2-byte aligned and are read by words.
 ROW_ALIGN = {Q4_K: 16, Q5_K: 16, Q6_K: 2, Q8_0: 2}
 
@@ -120,14 +119,26 @@ def moe_form(tokens: int, topk: int, hidden: int, inter: int, tensor_cores: bool
     return "pairs"
 
 
-def mma_warps(cols: int, ntiles: int, sms: int) -> int:
-    """Warps splitting each of ``ntiles`` tiles' 256-value units: enough for MMA_WARPS_PER_SM on every SM,
-    no more than the units (no idle warp) and split evenly (the slowest warp sets the tile's time)."""
+def mma_warps(cols: int, ntiles: int, sms: int, resident: tuple[int, ...]) -> int:
+    """Warps splitting each of ``ntiles`` tiles' 256-value units: the most for which every tile's block is
+    resident at once (one wave: a second wave of a few blocks would double the time), no more than the units
+    (no idle warp), split evenly (the slowest warp sets the tile's time). ``resident[w - 1]``: blocks of w warps
+    one SM holds (registers and shared memory; the CUDA occupancy calculator's answer). One warp a tile where no
+    split fits in one wave (the LM head's 9680 tiles)."""
     units = max(1, cols // abi.KQ_UNIT)
-    want = -(-sms * MMA_WARPS_PER_SM // max(1, ntiles))
-    w = max(1, min(abi.KQ_MMA_WARPS, units, want))
+    w = 1
+    for warps in range(1, min(abi.KQ_MMA_WARPS, units, len(resident)) + 1):
+        if ntiles <= sms * resident[warps - 1]:
+            w = warps
     per = -(-units // w)
     return -(-units // per)
+
+
+def mma_ring_bytes(types) -> int:
+    """Shared memory one warp of the mma forms holds: KQ_MMA_STAGES stages of 16 rows, a row the
+    16-byte-aligned span of one unit of the widest of ``types`` (kq_mma_span)."""
+    span = max((BLOCKS[t][1] * (abi.KQ_UNIT // BLOCKS[t][0]) + 30) // 16 * 16 for t in types)
+    return abi.KQ_MMA_STAGES * abi.KQ_MMA_ROWS * span
 
 
 def tiles(rows: int) -> int:
@@ -176,9 +187,36 @@ def _function(device: int, symbol: str) -> int:
     from fastcomm.config import read
 
     fn = jit.function(device, read("FASTCOMM_CACHE_DIR"), symbol, unit="kquant")
-    if symbol.startswith("fc_" + abi.KQ_GEMVS.family):
-        driver.funcSetAttribute(fn, _MAX_DYNAMIC_SMEM_ATTR, _device(device)[1])  # staged: above 48 KB on request
+    if symbol.startswith(tuple("fc_" + k.family for k in (abi.KQ_GEMVS, abi.KQ_MMA, abi.KQ_MOE_MMA_UP,
+                                                           abi.KQ_MOE_MMA_DOWN))):
+        # above 48 KB of dynamic shared memory on request: the staged activations, the mma forms' rings
+        driver.funcSetAttribute(fn, _MAX_DYNAMIC_SMEM_ATTR, _device(device)[1] - _static_smem(fn))
     return fn
+
+
+def _static_smem(fn: int) -> int:
+    from cupy_backends.cuda.api import driver
+
+    return driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, fn)
+
+
+@functools.lru_cache(maxsize=None)
+def _resident(device: int, symbol: str, ring: int) -> tuple[int, ...]:
+    """Blocks of 1 .. KQ_MMA_WARPS warps (``ring`` bytes of shared memory each) one SM of ``device`` holds."""
+    from cupy_backends.cuda.api import driver
+
+    fn = _function(device, symbol)
+    return tuple(driver.occupancyMaxActiveBlocksPerMultiprocessor(fn, 32 * w, w * ring)
+                 for w in range(1, abi.KQ_MMA_WARPS + 1))
+
+
+def _mma_launch(dev: int, kernel: abi.Kernel, dtype: str | None, tiles_x: int, grid_y: int, busy_tiles: int,
+                cols: int, types, stream: int, args: tuple, warps: int | None = None) -> None:
+    """An mma-form launch: warps a tile from the occupancy of its symbol (or as given), a ring per warp."""
+    ring = mma_ring_bytes(types)
+    symbol = kernel.symbol(dtype) if kernel.typed else kernel.symbol()
+    warps = warps or mma_warps(cols, busy_tiles, _device(dev)[0], _resident(dev, symbol, ring))
+    _launch(dev, kernel, dtype, (tiles_x, grid_y), 32 * warps, stream, args, smem=warps * ring)
 
 
 @functools.lru_cache(maxsize=None)
@@ -243,10 +281,10 @@ def _aligned(x):
 
 
 def linear(x, qweight, segments: tuple[Segment, ...], form: str | None = None, tensor_cores: bool = True,
-           mma_min: int = MMA_MIN_TOKENS):
+           mma_min: int = MMA_MIN_TOKENS, warps: int | None = None):
     """x [n, cols] (n <= 8) times the segments' rows of ``qweight`` (uint8 [rows, row_stride]): [n, sum rows].
     ``form``: one of FORMS_LINEAR (None: ``linear_form``'s choice, the mma form only with ``tensor_cores``,
-    from ``mma_min`` tokens)."""
+    from ``mma_min`` tokens); ``warps``: the mma form's warps a tile (None: ``mma_warps``')."""
     import torch
 
     x = _aligned(x)
@@ -261,9 +299,8 @@ def linear(x, qweight, segments: tuple[Segment, ...], form: str | None = None, t
         if not mma_ok(segments, cols):
             raise ValueError(f"the mma form cannot read these segments ({segments}, {cols} columns)")
         xq, xds = quantize(x, mma=True)
-        warps = mma_warps(cols, tiles(total), _device(dev)[0])
-        _launch(dev, abi.KQ_MMA, dt, (tiles(total), 1), 32 * warps, stream,
-                (table, xq.data_ptr(), xds.data_ptr(), n, cols, out.data_ptr(), total))
+        _mma_launch(dev, abi.KQ_MMA, dt, tiles(total), 1, tiles(total), cols, [s.type for s in segments], stream,
+                    (table, xq.data_ptr(), xds.data_ptr(), n, cols, out.data_ptr(), total), warps)
         return out
     variant = str(gemv_variant(n))
     if form == "staged" and fits:
@@ -300,15 +337,13 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu:
     e2, r2 = w2.stride(0) * w2.element_size(), w2.stride(1) * w2.element_size()
     form = form or moe_form(tokens, topk, hidden, inter, tensor_cores, grouped_min)
     busy = min(experts, pairs)  # experts a grouped launch's blocks can find work for
-    sms = _device(dev)[0]
     grouped = form == "grouped"
     xq, xds = quantize(x, mma=grouped)
     up = torch.empty(pairs, rows13, dtype=x.dtype, device=x.device)
     if grouped:
-        warps = mma_warps(hidden, tiles(rows13) * busy, sms)
-        _launch(dev, abi.KQ_MOE_MMA_UP, dt, (tiles(rows13), experts), 32 * warps, stream,
-                (w13.data_ptr(), e13, r13, t13, rows13, hidden, ids.data_ptr(), topk, pairs, xq.data_ptr(),
-                 xds.data_ptr(), up.data_ptr()))
+        _mma_launch(dev, abi.KQ_MOE_MMA_UP, dt, tiles(rows13), experts, tiles(rows13) * busy, hidden, [t13], stream,
+                    (w13.data_ptr(), e13, r13, t13, rows13, hidden, ids.data_ptr(), topk, pairs, xq.data_ptr(),
+                     xds.data_ptr(), up.data_ptr()))
     else:
         _launch(dev, abi.KQ_MOE_UP, dt, ((rows13 + abi.KQ_ROWS_PER_BLOCK - 1) // abi.KQ_ROWS_PER_BLOCK, pairs),
                 abi.KQ_THREADS, stream, (w13.data_ptr(), e13, r13, t13, rows13, hidden, ids.data_ptr(), topk,
@@ -317,10 +352,9 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu:
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     if grouped:
         y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-        warps = mma_warps(inter, tiles(hidden) * busy, sms)
-        _launch(dev, abi.KQ_MOE_MMA_DOWN, None, (tiles(hidden), experts), 32 * warps, stream,
-                (w2.data_ptr(), e2, r2, t2, hidden, inter, ids.data_ptr(), topk, pairs, aq.data_ptr(),
-                 ads.data_ptr(), y.data_ptr()))
+        _mma_launch(dev, abi.KQ_MOE_MMA_DOWN, None, tiles(hidden), experts, tiles(hidden) * busy, inter, [t2], stream,
+                    (w2.data_ptr(), e2, r2, t2, hidden, inter, ids.data_ptr(), topk, pairs, aq.data_ptr(),
+                     ads.data_ptr(), y.data_ptr()))
         _launch(dev, abi.KQ_MOE_SUM, dt, ((tokens * hidden + 255) // 256, 1), 256, stream,
                 (y.data_ptr(), ids.data_ptr(), weights.data_ptr(), topk, experts, tokens, hidden, out.data_ptr()))
         return out
