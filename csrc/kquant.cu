@@ -7,8 +7,8 @@
 //   fc_kq_mma_<dt>                the same on the tensor cores: 16-row tiles, up to 8 vectors
 //   fc_kq_moe_up_<dt>             one row of an expert per (token, expert) pair (dp4a)
 //   fc_kq_moe_down_<dt>           per token: the router-weighted sum over its experts (dp4a)
-//   fc_kq_moe_mma_up<T>_<dt>      grouped by expert on the tensor cores: each expert's rows once for its pairs
-//   fc_kq_moe_mma_down<T>         the same for the down rows, one fp32 row per pair (<T>: the ggml type id)
+//   fc_kq_moe_mma_up_<dt>         grouped by expert on the tensor cores: each expert's rows once for its pairs
+//   fc_kq_moe_mma_down            the same for the down rows, one fp32 row per pair
 //   fc_kq_moe_sum_<dt>            per token: the router-weighted sum of its pairs' fp32 rows
 // <dt> is the activations' and the output's dtype. Host side: fastcomm_vllm/gguf/kquant.py; the C ABI's one
 // mirror: fastcomm/abi.py.
@@ -280,27 +280,6 @@ __device__ void kq_gemv_s(const KqSegs& segs, const typename D::raw* x, int n, i
     kq_gemv<D, N>(segs, xq, xds, n, cols, out, out_stride);                                                  \
   }
 
-// The tensor-core forms cap registers at 128 a thread (two blocks of 8 warps an SM): unbounded, the compiler
-// hoisted each unit's shared-memory reads into ~200 registers and halved the warps an SM holds.
-#define FC_KQ_MMA_BOUNDS __launch_bounds__(32 * FC_KQ_MMA_WARPS, 2)
-
-// T: the ggml type id the entry point reads (FC_KQ_Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14).
-#define FC_KQ_DEFINE_MOE_MMA_UP(NAME, D, T)                                                                  \
-  extern "C" __global__ void FC_KQ_MMA_BOUNDS fc_kq_moe_mma_up##T##_##NAME(                                  \
-      const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows, int cols,                 \
-      const int* topk_ids, int topk, int pairs, const kq_u32* xq, const float* xs, D::raw* out) {            \
-    kq_mma_moe<D, true, T>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, pairs, xq, xs, out); \
-  }
-
-// The down rows' output is fp32 whatever the dtype (kq_moe_sum rounds once), so one entry serves all three.
-#define FC_KQ_DEFINE_MOE_MMA_DOWN(T)                                                                         \
-  extern "C" __global__ void FC_KQ_MMA_BOUNDS fc_kq_moe_mma_down##T(                                         \
-      const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows, int cols,                 \
-      const int* topk_ids, int topk, int pairs, const kq_u32* xq, const float* xs, float* out) {             \
-    kq_mma_moe<FcF32, false, T>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, pairs, xq, xs, \
-                                out);                                                                        \
-  }
-
 #define FC_KQ_DEFINE(NAME, D)                                                                                \
   extern "C" __global__ void __launch_bounds__(256)                                                          \
       fc_kq_quantize_##NAME(const D::raw* x, int n, int cols, kq_u64 x_stride, kq_u32* xq, float2* xds,      \
@@ -320,7 +299,7 @@ __device__ void kq_gemv_s(const KqSegs& segs, const typename D::raw* x, int n, i
   FC_KQ_DEFINE_GEMVS(NAME, D, 2)                                                                             \
   FC_KQ_DEFINE_GEMVS(NAME, D, 4)                                                                             \
   FC_KQ_DEFINE_GEMVS(NAME, D, 8)                                                                             \
-  extern "C" __global__ void FC_KQ_MMA_BOUNDS                                                                \
+  extern "C" __global__ void __launch_bounds__(32 * FC_KQ_MMA_WARPS)                                         \
       fc_kq_mma_##NAME(KqSegs segs, const kq_u32* xq, const float* xs, int n, int cols, D::raw* out,        \
                        kq_u64 out_stride) {                                                                  \
     kq_mma_gemv<D>(segs, xq, xs, n, cols, out, out_stride);                                                  \
@@ -338,10 +317,12 @@ __device__ void kq_gemv_s(const KqSegs& segs, const typename D::raw* x, int n, i
     kq_moe_down<D>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk_weights, topk, xq, xds,    \
                    out);                                                                                     \
   }                                                                                                          \
-  FC_KQ_DEFINE_MOE_MMA_UP(NAME, D, 8)                                                                        \
-  FC_KQ_DEFINE_MOE_MMA_UP(NAME, D, 12)                                                                       \
-  FC_KQ_DEFINE_MOE_MMA_UP(NAME, D, 13)                                                                       \
-  FC_KQ_DEFINE_MOE_MMA_UP(NAME, D, 14)                                                                       \
+  extern "C" __global__ void __launch_bounds__(32 * FC_KQ_MMA_WARPS)                                         \
+      fc_kq_moe_mma_up_##NAME(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows,   \
+                              int cols, const int* topk_ids, int topk, int pairs, const kq_u32* xq,          \
+                              const float* xs, D::raw* out) {                                                \
+    kq_mma_moe<D, true>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, pairs, xq, xs, out);  \
+  }                                                                                                          \
   extern "C" __global__ void __launch_bounds__(256)                                                          \
       fc_kq_moe_sum_##NAME(const float* y, const int* topk_ids, const float* topk_weights, int topk,         \
                            int experts, int tokens, int rows, D::raw* out) {                                 \
@@ -352,7 +333,9 @@ FC_KQ_DEFINE(bf16, FcBF16)
 FC_KQ_DEFINE(f16, FcF16)
 FC_KQ_DEFINE(f32, FcF32)
 
-FC_KQ_DEFINE_MOE_MMA_DOWN(8)
-FC_KQ_DEFINE_MOE_MMA_DOWN(12)
-FC_KQ_DEFINE_MOE_MMA_DOWN(13)
-FC_KQ_DEFINE_MOE_MMA_DOWN(14)
+// The down rows' output is fp32 whatever the dtype (kq_moe_sum rounds once), so one entry serves all three.
+extern "C" __global__ void __launch_bounds__(32 * FC_KQ_MMA_WARPS)
+    fc_kq_moe_mma_down(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows, int cols,
+                       const int* topk_ids, int topk, int pairs, const kq_u32* xq, const float* xs, float* out) {
+  kq_mma_moe<FcF32, false>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, pairs, xq, xs, out);
+}

@@ -437,17 +437,16 @@ FC_KQ_HD void kq_xunit_load(const kq_u32* xq, const float* xs, int cols, int u, 
   }
 }
 
-// A chunk's part of the unit's sums: uacc[j] (rows g, g, g + 8, g + 8 by vectors v0, v1, v0, v1, the mma's C
-// layout) from the integer dots r (Q6_K: r of the first half, r2 of the second) and the vectors' scales d[2],
-// umin[j] the mins' part from their sums s[2].
+// Chunk m's part of the unit's sums: uacc[j] (rows g, g, g + 8, g + 8 by vectors v0, v1, v0, v1, the mma's C
+// layout) from the integer dots r (Q6_K: r of the first half, r2 of the second), umin[j] the mins' part.
 FC_KQ_HD void kq_mma_chunk(int type, const KqFrag& fa, const KqFrag& fb, const int r[4], const int r2[4],
-                           const float d[2], const float s[2], float uacc[4], float umin[4]) {
+                           const KqXUnit& x, int m, float uacc[4], float umin[4]) {
   for (int j = 0; j < 4; ++j) {
     const KqFrag& f = j < 2 ? fa : fb;
-    const float dx = d[j & 1];
+    const float dx = x.d[j & 1][m];
     if (type == FC_KQ_Q4_K || type == FC_KQ_Q5_K) {
       uacc[j] += (float)(f.sc[0] * r[j]) * dx;
-      umin[j] += (float)f.mn * s[j & 1];
+      umin[j] += (float)f.mn * x.s[j & 1][m];
     } else if (type == FC_KQ_Q6_K) {
       uacc[j] += (float)(f.sc[0] * r[j] + f.sc[1] * r2[j]) * dx;
     } else {

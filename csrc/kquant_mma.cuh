@@ -30,31 +30,24 @@ __device__ __forceinline__ void kq_mma_k32(const kq_u32 a[4], const kq_u32 b[2],
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(0), "r"(0), "r"(0), "r"(0));
 }
 
-// The slots a thread reads (a call's vectors, 0 .. n - 1, in a stage): vector g's operands, and the scales of
-// the vectors 2t and 2t + 1 whose outputs it holds (the mma's C layout: rows g and g + 8, columns 2t and 2t + 1).
-// A column past the call's vectors reads the last one (its outputs are written nowhere, and an mma's columns
-// do not mix).
+// The activation rows a thread reads: vector g's operands, and the scales of the vectors 2t and 2t + 1 whose
+// outputs it holds (the mma's C layout: rows g and g + 8, columns 2t and 2t + 1). A column past the call's
+// vectors reads a real one (its outputs are written nowhere, and an mma's columns do not mix).
 struct KqCols {
   int op, d0, d1;
 };
 
-// Weights and activations reach the tensor cores through shared memory: each warp keeps FC_KQ_MMA_STAGES
-// units in flight with cp.async, a ring of stages, each holding one unit of the warp's 16 rows and of the
-// call's vectors. Why: loaded into registers, a unit's weights were waited for before its compute and the
-// compiler sank any load issued ahead to the end of the loop, so a warp had one DRAM round trip in flight at a
-// time (ncu: DRAM 27 %, 70 % of stalls on loads); with the weights staged, the activations' L2 round trip at
-// the top of each unit still took 46 % of the stalls. A copy has no register to hold, so nothing moves it.
+// The weights reach the tensor cores through shared memory: each warp keeps FC_KQ_MMA_STAGES units of its
+// 16 rows in flight with cp.async, a ring of stages. Why: loaded into registers, a unit's weights were
+// waited for before its compute and the compiler sank any load issued ahead to the end of the loop, so a warp
+// had one DRAM round trip in flight at a time and the kernels streamed at a third of the memory's rate
+// (ncu: DRAM 27 %, 70 % of stalls on loads). A copy has no register to hold, so nothing moves it.
 // A stage row is the 16-byte-aligned span that holds the row's unit (Q6_K / Q8_0 units are 2-byte aligned):
-// chunks past the unit's last byte are not copied, so nothing is read past the weight's end. A vector's slot
-// holds its unit as fc_kq_quantize wrote it (64 operand words, then 8 scales and 8 sums).
-#define FC_KQ_MMA_SLOT 320  // bytes of one vector's unit in a stage
+// chunks past the unit's last byte are not copied, so nothing is read past the weight's end.
 __device__ constexpr int kq_mma_unit_bytes(int T) {
   return T == FC_KQ_Q4_K ? 144 : T == FC_KQ_Q5_K ? 176 : T == FC_KQ_Q6_K ? 210 : 8 * 34;
 }
 __device__ constexpr int kq_mma_span(int T) { return (kq_mma_unit_bytes(T) + 15 + 15) / 16 * 16; }
-__device__ constexpr int kq_mma_stage(int T) {
-  return FC_KQ_MMA_ROWS * kq_mma_span(T) + FC_KQ_MMA_COLS * FC_KQ_MMA_SLOT;
-}
 
 __device__ __forceinline__ void kq_cp_async16(void* smem, const void* gmem) {
   unsigned long long s;
@@ -65,24 +58,10 @@ __device__ __forceinline__ void kq_cp_commit() { asm volatile("cp.async.commit_g
 template <int N>
 __device__ __forceinline__ void kq_cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
-// The activation rows of a call's slots (0 .. n - 1): the dense form's vectors, or a grouped MoE pass's pairs'
-// tokens (UP) or pairs.
-struct KqDenseVecs {
-  __device__ int operator()(int j) const { return j; }
-};
-struct KqPairVecs {
-  const int* pair;  // the pass's pairs (shared memory)
-  int div;          // topk (UP: the pair's token) or 1
-  __device__ int operator()(int j) const { return pair[j] / div; }
-};
-
-// Unit u of the tile's rows (row i at tile + min(i, rows - 1) * row_stride) and of the n slots' vectors into a
-// stage, by the warp's lanes.
-template <int T, bool MINS, typename V>
-__device__ __forceinline__ void kq_mma_copy(const kq_u8* tile, kq_u64 row_stride, int rows, int u, const kq_u32* xq,
-                                            const float* xs, int cols, int n, const V& vec, kq_u8* stage) {
+// Unit u of the tile's rows (row i at tile + min(i, rows - 1) * row_stride) into a stage, by the warp's lanes.
+template <int T>
+__device__ __forceinline__ void kq_mma_copy(const kq_u8* tile, kq_u64 row_stride, int rows, int u, kq_u8* stage) {
   constexpr int UB = kq_mma_unit_bytes(T), NC = kq_mma_span(T) / 16;
-  constexpr int XC = 16 + (MINS ? 4 : 2);  // 16-byte pieces of a slot: the operands, the scales (and the sums)
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int k = 0; k < (FC_KQ_MMA_ROWS * NC + 31) / 32; ++k) {
@@ -91,37 +70,16 @@ __device__ __forceinline__ void kq_mma_copy(const kq_u8* tile, kq_u64 row_stride
     if (i < FC_KQ_MMA_ROWS * NC && 16 * c < (int)(a & 15) + UB)
       kq_cp_async16(stage + row * kq_mma_span(T) + 16 * c, reinterpret_cast<const void*>((a & ~15ull) + 16 * c));
   }
-  kq_u8* sx = stage + FC_KQ_MMA_ROWS * kq_mma_span(T);
-#pragma unroll
-  for (int k = 0; k < (FC_KQ_MMA_COLS * XC + 31) / 32; ++k) {
-    const int i = lane + 32 * k, j = i / XC, c = i - j * XC;
-    if (j < n) {
-      const kq_u64 v = (kq_u64)vec(j);
-      const void* src = c < 16 ? static_cast<const void*>(xq + v * (cols / 4) + u * 64 + 4 * c)
-                               : static_cast<const void*>(xs + v * (cols / 16) + u * 16 + 4 * (c - 16));
-      kq_cp_async16(sx + j * FC_KQ_MMA_SLOT + 16 * c, src);
-    }
-  }
-}
-
-// One thread's activations of a stage (sx: its slots), read chunk by chunk (holding a unit's in registers
-// took ~200 of them): slot op's operand words of chunk m, and the scale (and sum) of slots d0 and d1.
-__device__ __forceinline__ void kq_mma_x_ops(const kq_u8* sx, int op, int t, int m, kq_u32 b[2]) {
-  kq_load8<true>(sx + op * FC_KQ_MMA_SLOT + 64 * t + 8 * m, b);
-}
-__device__ __forceinline__ float kq_mma_x_scale(const kq_u8* sx, int slot, int m) {  // + 8: the sum
-  return reinterpret_cast<const float*>(sx + slot * FC_KQ_MMA_SLOT + 256)[m];
 }
 
 // One warp's share of a tile: rows g and g + 8 of the tile (rows past `rows` read its last row again), against
-// the call's n slots (col: slot indices, each below n). acc: row g with vectors 2t and 2t + 1, then row g + 8
-// with the same.
-template <int T, typename V>
+// the vectors of `col`. acc: row g with vectors 2t and 2t + 1, then row g + 8 with the same. The activations
+// (L2) are loaded at the top of each unit.
+template <int T>
 __device__ __forceinline__ void kq_mma_tile(const kq_u8* tile, kq_u64 row_stride, int rows, int units, int cols,
-                                            int n, const V& vec, const KqCols& col, const kq_u32* xq,
-                                            const float* xs, float acc[4]) {
+                                            const KqCols& col, const kq_u32* xq, const float* xs, float acc[4]) {
   constexpr bool mins = T == FC_KQ_Q4_K || T == FC_KQ_Q5_K;
-  constexpr int UB = kq_mma_unit_bytes(T), STAGE = kq_mma_stage(T), S = FC_KQ_MMA_STAGES;
+  constexpr int UB = kq_mma_unit_bytes(T), STAGE = FC_KQ_MMA_ROWS * kq_mma_span(T), S = FC_KQ_MMA_STAGES;
   extern __shared__ __align__(16) kq_u8 kq_mma_ring[];
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, w = threadIdx.x >> 5, W = blockDim.x >> 5;
   kq_u8* ring = kq_mma_ring + w * S * STAGE;
@@ -130,20 +88,18 @@ __device__ __forceinline__ void kq_mma_tile(const kq_u8* tile, kq_u64 row_stride
   const kq_u32 first = t < 2 ? 0xFFFFFFFFu : 0u;  // Q6_K: this thread's values are in the chunk's first half
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) {
-    if (w + s * W < units)
-      kq_mma_copy<T, mins>(tile, row_stride, rows, w + s * W, xq, xs, cols, n, vec, ring + s * STAGE);
+    if (w + s * W < units) kq_mma_copy<T>(tile, row_stride, rows, w + s * W, ring + s * STAGE);
     kq_cp_commit();
   }
   int k = 0;
   for (int u = w; u < units; u += W, ++k) {
-    if (u + (S - 1) * W < units)
-      kq_mma_copy<T, mins>(tile, row_stride, rows, u + (S - 1) * W, xq, xs, cols, n, vec,
-                           ring + (k + S - 1) % S * STAGE);
+    if (u + (S - 1) * W < units) kq_mma_copy<T>(tile, row_stride, rows, u + (S - 1) * W, ring + (k + S - 1) % S * STAGE);
     kq_cp_commit();
+    KqXUnit x;
+    kq_xunit_load<mins>(xq, xs, cols, u, col.op, col.d0, col.d1, t, &x);
     kq_cp_wait<S - 1>();  // this lane's copies of unit u have landed; the warp's, after the sync
     __syncwarp();
     const kq_u8* stage = ring + k % S * STAGE;
-    const kq_u8* sx = stage + FC_KQ_MMA_ROWS * kq_mma_span(T);
     KqUnit ua, ub;
     kq_unit_load(T, stage + g * kq_mma_span(T) + ((ra + (kq_u64)u * UB) & 15), 0, t, &ua);
     kq_unit_load(T, stage + (g + 8) * kq_mma_span(T) + ((rb + (kq_u64)u * UB) & 15), 0, t, &ub);
@@ -156,19 +112,17 @@ __device__ __forceinline__ void kq_mma_tile(const kq_u8* tile, kq_u64 row_stride
       kq_unit_chunk(T, ua, m, &fa);
       kq_unit_chunk(T, ub, m, &fb);
       const kq_u32 a[4] = {fa.q[0], fb.q[0], fa.q[1], fb.q[1]};
-      kq_u32 b[2];
-      kq_mma_x_ops(sx, col.op, t, m, b);
       int r[4], r2[4] = {0, 0, 0, 0};
       if (T == FC_KQ_Q6_K) {
-        const kq_u32 lo[2] = {b[0] & first, b[1] & first}, hi[2] = {b[0] & ~first, b[1] & ~first};
+        const kq_u32 lo[2] = {x.b[2 * m] & first, x.b[2 * m + 1] & first};
+        const kq_u32 hi[2] = {x.b[2 * m] & ~first, x.b[2 * m + 1] & ~first};
         kq_mma_k32(a, lo, r);
         kq_mma_k32(a, hi, r2);
       } else {
+        const kq_u32 b[2] = {x.b[2 * m], x.b[2 * m + 1]};
         kq_mma_k32(a, b, r);
       }
-      const float d[2] = {kq_mma_x_scale(sx, col.d0, m), kq_mma_x_scale(sx, col.d1, m)};
-      const float sm[2] = {mins ? kq_mma_x_scale(sx, col.d0, 8 + m) : 0.f, mins ? kq_mma_x_scale(sx, col.d1, 8 + m) : 0.f};
-      kq_mma_chunk(T, fa, fb, r, r2, d, sm, uacc, umin);
+      kq_mma_chunk(T, fa, fb, r, r2, x, m, uacc, umin);
     }
     kq_mma_unit_end(T, ua, ub, uacc, umin, acc);
     __syncwarp();  // every lane has read this stage before a later copy refills it
@@ -176,16 +130,15 @@ __device__ __forceinline__ void kq_mma_tile(const kq_u8* tile, kq_u64 row_stride
   kq_cp_wait<0>();  // no copy outlives the warp's loop (the last units' groups are empty or already waited)
 }
 
-template <typename V>
 __device__ __forceinline__ void kq_mma_tile_any(int type, const kq_u8* tile, kq_u64 row_stride, int rows, int cols,
-                                                int n, const V& vec, const KqCols& col, const kq_u32* xq,
-                                                const float* xs, float acc[4]) {  // the dense form's: any segment's
+                                                const KqCols& col, const kq_u32* xq, const float* xs,
+                                                float acc[4]) {
   const int units = cols / FC_KQ_UNIT;
   switch (type) {  // block-uniform: a tile lies in one segment
-    case FC_KQ_Q4_K: kq_mma_tile<FC_KQ_Q4_K>(tile, row_stride, rows, units, cols, n, vec, col, xq, xs, acc); break;
-    case FC_KQ_Q5_K: kq_mma_tile<FC_KQ_Q5_K>(tile, row_stride, rows, units, cols, n, vec, col, xq, xs, acc); break;
-    case FC_KQ_Q6_K: kq_mma_tile<FC_KQ_Q6_K>(tile, row_stride, rows, units, cols, n, vec, col, xq, xs, acc); break;
-    default: kq_mma_tile<FC_KQ_Q8_0>(tile, row_stride, rows, units, cols, n, vec, col, xq, xs, acc); break;
+    case FC_KQ_Q4_K: kq_mma_tile<FC_KQ_Q4_K>(tile, row_stride, rows, units, cols, col, xq, xs, acc); break;
+    case FC_KQ_Q5_K: kq_mma_tile<FC_KQ_Q5_K>(tile, row_stride, rows, units, cols, col, xq, xs, acc); break;
+    case FC_KQ_Q6_K: kq_mma_tile<FC_KQ_Q6_K>(tile, row_stride, rows, units, cols, col, xq, xs, acc); break;
+    default: kq_mma_tile<FC_KQ_Q8_0>(tile, row_stride, rows, units, cols, col, xq, xs, acc); break;
   }
 }
 
@@ -217,8 +170,8 @@ __device__ void kq_mma_gemv(const KqSegs& segs, const kq_u32* xq, const float* x
   const int last = segs.total_rows - 1;    // a last partial tile reads its last row again, writes nothing
   const KqCols col = {min(g, n - 1), min(2 * t, n - 1), min(2 * t + 1, n - 1)};
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  kq_mma_tile_any(sg.type, sg.w + (kq_u64)(r0 - sg.row0) * sg.row_stride, sg.row_stride,
-                  min(FC_KQ_MMA_ROWS, last + 1 - r0), cols, n, KqDenseVecs(), col, xq, xs, acc);
+  kq_mma_tile_any(sg.type, sg.w + (kq_u64)(r0 - sg.row0) * sg.row_stride, sg.row_stride, min(FC_KQ_MMA_ROWS, last + 1 - r0),
+                  cols, col, xq, xs, acc);
   if (!kq_mma_reduce(acc, part)) return;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -256,8 +209,8 @@ __device__ __forceinline__ int kq_route(const int* topk_ids, int pairs, int e, i
 // expert_stride) once per 8 pairs routed to it. UP: vector = the pair's token (xq: one row per token), out
 // [pairs][rows] in the dtype; else vector = the pair itself (xq: one row per pair), out [pairs][rows] in fp32
 // (kq_moe_sum weights and adds them). A pair whose expert is no block's (outside [0, gridDim.y)) is written
-// by none and read by none. T: the weights' type (`type` equals it; one entry point per type).
-template <typename D, bool UP, int T>
+// by none and read by none.
+template <typename D, bool UP>
 __device__ void kq_mma_moe(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows, int cols,
                            const int* topk_ids, int topk, int pairs, const kq_u32* xq, const float* xs,
                            void* out) {
@@ -269,10 +222,13 @@ __device__ void kq_mma_moe(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stri
   const kq_u8* tile = w + (kq_u64)blockIdx.y * expert_stride + (kq_u64)r0 * row_stride;
   for (int base = 0; base < count; base += FC_KQ_MMA_COLS) {  // block-uniform; one pass unless > 8 pairs
     const int n = min(count - base, FC_KQ_MMA_COLS);
-    const KqCols col = {min(g, n - 1), min(2 * t, n - 1), min(2 * t + 1, n - 1)};
-    const KqPairVecs vec = {s_pair + base, UP ? topk : 1};
+    auto vec = [&](int j) {
+      const int p = s_pair[base + min(j, n - 1)];
+      return UP ? p / topk : p;
+    };
+    const KqCols col = {vec(g), vec(2 * t), vec(2 * t + 1)};
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    kq_mma_tile<T>(tile, row_stride, min(FC_KQ_MMA_ROWS, rows - r0), cols / FC_KQ_UNIT, cols, n, vec, col, xq, xs, acc);
+    kq_mma_tile_any(type, tile, row_stride, min(FC_KQ_MMA_ROWS, rows - r0), cols, col, xq, xs, acc);
     if (kq_mma_reduce(acc, part)) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {

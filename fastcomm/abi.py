@@ -110,11 +110,11 @@ class Kernel:
     def symbol(self, dtype: str | None = None, variant: str = "") -> str:
         if variant not in self.variants:
             raise ValueError(f"kernel {self.family} has no variant {variant!r} (has {self.variants})")
-        return f"fc_{self.family}{variant}_{DTYPE_SUFFIX[dtype]}" if self.typed else f"fc_{self.family}{variant}"
+        return f"fc_{self.family}{variant}_{DTYPE_SUFFIX[dtype]}" if self.typed else f"fc_{self.family}"
 
     def symbols(self) -> list[str]:
         if not self.typed:
-            return [self.symbol(None, v) for v in self.variants]
+            return [self.symbol()]
         return [self.symbol(d, v) for v in self.variants for d in DTYPE_SUFFIX]
 
     def pack(self, *args) -> "PackedArgs":
@@ -193,7 +193,6 @@ KQ_MMA_ROWS = 16         # FC_KQ_MMA_ROWS (kquant_mma.cuh): rows of a tile
 KQ_MMA_COLS = 8          # FC_KQ_MMA_COLS: vectors per pass
 KQ_MMA_WARPS = 8         # FC_KQ_MMA_WARPS: the most warps a tile
 KQ_MMA_STAGES = 3        # FC_KQ_MMA_STAGES: units of a warp's rows in flight (its shared-memory ring)
-KQ_MMA_SLOT = 320        # FC_KQ_MMA_SLOT: bytes of one vector's unit in a stage
 KQ_MAX_PAIRS = 256       # FC_KQ_MAX_PAIRS: (token, expert) pairs of one grouped MoE launch
 
 
@@ -230,11 +229,8 @@ KQ_MOE_UP = Kernel("kq_moe_up", _EXPERTS + (("topk", "i32"), ("xq", "ptr"), ("xd
 KQ_MOE_DOWN = Kernel("kq_moe_down", _EXPERTS + (("topk_weights", "ptr"), ("topk", "i32"), ("xq", "ptr"),
                                                 ("xds", "ptr"), ("out", "ptr")))
 _GROUPED = _EXPERTS + (("topk", "i32"), ("pairs", "i32"), ("xq", "ptr"), ("xs", "ptr"), ("out", "ptr"))
-# The grouped MoE: one entry point per weight type (the ggml id), each compiled for that type alone (with every
-# type's path in one kernel the registers a thread needs doubled).
-_KQ_TYPES = tuple(str(t) for t in (KQ_Q8_0, KQ_Q4_K, KQ_Q5_K, KQ_Q6_K))
-KQ_MOE_MMA_UP = Kernel("kq_moe_mma_up", _GROUPED, variants=_KQ_TYPES)
-KQ_MOE_MMA_DOWN = Kernel("kq_moe_mma_down", _GROUPED, variants=_KQ_TYPES, typed=False)  # fp32 rows whatever the dtype
+KQ_MOE_MMA_UP = Kernel("kq_moe_mma_up", _GROUPED)
+KQ_MOE_MMA_DOWN = Kernel("kq_moe_mma_down", _GROUPED, typed=False)  # fp32 rows whatever the dtype
 KQ_MOE_SUM = Kernel("kq_moe_sum", (("y", "ptr"), ("topk_ids", "ptr"), ("topk_weights", "ptr"), ("topk", "i32"),
                                    ("experts", "i32"), ("tokens", "i32"), ("rows", "i32"), ("out", "ptr")))
 KQ_KERNELS = (KQ_QUANTIZE, KQ_QUANTIZE_SILU, KQ_GEMV, KQ_GEMVS, KQ_MMA, KQ_MOE_UP, KQ_MOE_DOWN, KQ_MOE_MMA_UP,

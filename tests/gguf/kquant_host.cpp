@@ -79,10 +79,8 @@ static void mma_forms(int type, const kq_u8* w, long row_bytes, int rows, int co
           int r[32][4], r2[32][4] = {};
           mma(A, B, r);
           if (type == FC_KQ_Q6_K) mma(A, Bh, r2);
-          for (int lane = 0; lane < 32; ++lane) {
-            const float d[2] = {x[lane].d[0][m], x[lane].d[1][m]}, sm[2] = {x[lane].s[0][m], x[lane].s[1][m]};
-            kq_mma_chunk(type, fa[lane], fb[lane], r[lane], r2[lane], d, sm, uacc[lane], umin[lane]);
-          }
+          for (int lane = 0; lane < 32; ++lane)
+            kq_mma_chunk(type, fa[lane], fb[lane], r[lane], r2[lane], x[lane], m, uacc[lane], umin[lane]);
         }
         for (int lane = 0; lane < 32; ++lane)
           kq_mma_unit_end(type, ua[lane], ub[lane], uacc[lane], umin[lane], &acc[(size_t)wp * 128 + lane * 4]);

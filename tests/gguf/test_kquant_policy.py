@@ -54,10 +54,9 @@ def test_the_mma_form_reads_whole_units_and_tiles_of_one_type():
     assert [kquant.mma_warps(c, 3, 132, res) for c in (256, 768, 1280, 4352, 6144)] == [1, 3, 5, 6, 8]
     assert kquant.mma_warps(6144, 3, 132, (4, 2, 1, 0, 0, 0, 0, 0)) == 3  # no block of 4 warps fits an SM
     assert max(kquant.mma_warps(c, 1, 1000, res) for c in range(256, 65536, 256)) == abi.KQ_MMA_WARPS
-    # the ring: KQ_MMA_STAGES units of 16 rows (a row the 16-byte span of the widest type's unit) and 8 vectors
-    slots = abi.KQ_MMA_COLS * abi.KQ_MMA_SLOT
-    assert kquant.mma_ring_bytes([kquant.Q4_K]) == abi.KQ_MMA_STAGES * (16 * 160 + slots)
-    assert kquant.mma_ring_bytes([kquant.Q5_K, kquant.Q8_0]) == abi.KQ_MMA_STAGES * (16 * 288 + slots)
+    # the ring: KQ_MMA_STAGES units of 16 rows, each row the 16-byte span of the widest type's unit
+    assert kquant.mma_ring_bytes([kquant.Q4_K]) == abi.KQ_MMA_STAGES * 16 * 160
+    assert kquant.mma_ring_bytes([kquant.Q5_K, kquant.Q8_0]) == abi.KQ_MMA_STAGES * 16 * 288
     assert [kquant.tiles(r) for r in (1, 16, 17, 154880)] == [1, 1, 2, 9680]
 
 

@@ -135,10 +135,10 @@ def mma_warps(cols: int, ntiles: int, sms: int, resident: tuple[int, ...]) -> in
 
 
 def mma_ring_bytes(types) -> int:
-    """Shared memory one warp of the mma forms holds: KQ_MMA_STAGES stages, each 16 rows (a row the 16-byte
-    aligned span of one unit of the widest of ``types``: kq_mma_span) and 8 vectors' slots (kq_mma_stage)."""
+    """Shared memory one warp of the mma forms holds: KQ_MMA_STAGES stages of 16 rows, a row the
+    16-byte-aligned span of one unit of the widest of ``types`` (kq_mma_span)."""
     span = max((BLOCKS[t][1] * (abi.KQ_UNIT // BLOCKS[t][0]) + 30) // 16 * 16 for t in types)
-    return abi.KQ_MMA_STAGES * (abi.KQ_MMA_ROWS * span + abi.KQ_MMA_COLS * abi.KQ_MMA_SLOT)
+    return abi.KQ_MMA_STAGES * abi.KQ_MMA_ROWS * span
 
 
 def tiles(rows: int) -> int:
@@ -175,7 +175,7 @@ def _launch(device: int, kernel: abi.Kernel, dtype: str | None, grid: tuple[int,
     from cupy_backends.cuda.api import driver
 
     packed = kernel.pack(*args)
-    symbol = kernel.symbol(dtype, variant)
+    symbol = kernel.symbol(dtype, variant) if kernel.typed else kernel.symbol()
     driver.launchKernel(_function(device, symbol), grid[0], grid[1], 1, block, 1, 1, smem, stream, packed.address, 0)
 
 
@@ -211,12 +211,12 @@ def _resident(device: int, symbol: str, ring: int) -> tuple[int, ...]:
 
 
 def _mma_launch(dev: int, kernel: abi.Kernel, dtype: str | None, tiles_x: int, grid_y: int, busy_tiles: int,
-                cols: int, types, stream: int, args: tuple, warps: int | None = None, variant: str = "") -> None:
+                cols: int, types, stream: int, args: tuple, warps: int | None = None) -> None:
     """An mma-form launch: warps a tile from the occupancy of its symbol (or as given), a ring per warp."""
     ring = mma_ring_bytes(types)
-    symbol = kernel.symbol(dtype, variant)
+    symbol = kernel.symbol(dtype) if kernel.typed else kernel.symbol()
     warps = warps or mma_warps(cols, busy_tiles, _device(dev)[0], _resident(dev, symbol, ring))
-    _launch(dev, kernel, dtype, (tiles_x, grid_y), 32 * warps, stream, args, variant=variant, smem=warps * ring)
+    _launch(dev, kernel, dtype, (tiles_x, grid_y), 32 * warps, stream, args, smem=warps * ring)
 
 
 @functools.lru_cache(maxsize=None)
@@ -343,7 +343,7 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu:
     if grouped:
         _mma_launch(dev, abi.KQ_MOE_MMA_UP, dt, tiles(rows13), experts, tiles(rows13) * busy, hidden, [t13], stream,
                     (w13.data_ptr(), e13, r13, t13, rows13, hidden, ids.data_ptr(), topk, pairs, xq.data_ptr(),
-                     xds.data_ptr(), up.data_ptr()), variant=str(t13))
+                     xds.data_ptr(), up.data_ptr()))
     else:
         _launch(dev, abi.KQ_MOE_UP, dt, ((rows13 + abi.KQ_ROWS_PER_BLOCK - 1) // abi.KQ_ROWS_PER_BLOCK, pairs),
                 abi.KQ_THREADS, stream, (w13.data_ptr(), e13, r13, t13, rows13, hidden, ids.data_ptr(), topk,
@@ -354,7 +354,7 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu:
         y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
         _mma_launch(dev, abi.KQ_MOE_MMA_DOWN, None, tiles(hidden), experts, tiles(hidden) * busy, inter, [t2], stream,
                     (w2.data_ptr(), e2, r2, t2, hidden, inter, ids.data_ptr(), topk, pairs, aq.data_ptr(),
-                     ads.data_ptr(), y.data_ptr()), variant=str(t2))
+                     ads.data_ptr(), y.data_ptr()))
         _launch(dev, abi.KQ_MOE_SUM, dt, ((tokens * hidden + 255) // 256, 1), 256, stream,
                 (y.data_ptr(), ids.data_ptr(), weights.data_ptr(), topk, experts, tokens, hidden, out.data_ptr()))
         return out
