@@ -38,14 +38,13 @@ STAGED_BLOCKS_PER_SM = 2
 STAGE_BYTES_PER_CHUNK = 40  # two 16-byte halves and a (scale, sum) float2, per 32 values of a row
 FORMS_LINEAR = ("mma", "staged", "unstaged")
 FORMS_MOE = ("grouped", "pairs")
-# Which form serves, from bench/gguf_kernels.py on an H200 (bench/RESULTS.md, run b3b4269): up to 4 tokens the
-# staged dp4a form beats the tensor-core one at nearly every GLM-5 shape (the mma form pays a quantize launch
-# and reads its 16-row tiles at ~1.7 TB/s where the staged one reaches ~2.6), at 8 the tensor cores win at every
-# shape (the dp4a cost grows with the vectors: o_proj 90 against 54 us); the MoE grouped by expert wins from 4
-# tokens (192 against 239 us) and loses at 1-2 (119 / 175 against 79 / 131). 5-7 and 3 tokens lie between.
-# The staged MoE (one launch quantizing into shared memory) measured slower than the five-launch one and is gone.
-MMA_MIN_TOKENS = 5          # linears: the tensor-core form from this many tokens, below it the staged dp4a
-MOE_GROUPED_MIN_TOKENS = 3  # MoE: grouped by expert from this many tokens, below it per pair
+# Which form serves, from bench/gguf_kernels.py on an H200 (bench/RESULTS.md, run 4b38652; its --suggest): from 4
+# tokens the tensor-core linears win the per-step sum (o_proj 33 against 54 us at 4, 35 against 90 at 8), below it
+# the staged dp4a form (which needs no quantize launch: fused_qkv_a 9 against 13 us at 1 token); the MoE grouped
+# by expert wins from 4 tokens (171 against 239 us) and loses at 1-2 (119 / 140 against 78 / 132). 3 tokens is
+# unmeasured and takes the dp4a forms. FASTCOMM_GGUF_MMA_MIN_TOKENS / _GROUPED_MIN_TOKENS move them per GPU.
+MMA_MIN_TOKENS = 4          # linears: the tensor-core form from this many tokens, below it the staged dp4a
+MOE_GROUPED_MIN_TOKENS = 4  # MoE: grouped by expert from this many tokens, below it per pair
 # 16-byte loads read Q4_K/Q5_K rows; Q6_K/Q8_0 blocks are only 2-byte aligned and are read by words.
 ROW_ALIGN = {Q4_K: 16, Q5_K: 16, Q6_K: 2, Q8_0: 2}
 
