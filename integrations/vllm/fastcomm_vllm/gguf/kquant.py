@@ -41,10 +41,12 @@ FORMS_MOE = ("grouped", "pairs")
 # Which form serves, from bench/gguf_kernels.py on an H200 (bench/RESULTS.md, run 4b38652; its --suggest): from 4
 # tokens the tensor-core linears win the per-step sum (o_proj 33 against 54 us at 4, 35 against 90 at 8), below it
 # the staged dp4a form (which needs no quantize launch: fused_qkv_a 9 against 13 us at 1 token); the MoE grouped
-# by expert wins from 4 tokens (171 against 239 us) and loses at 1-2 (119 / 140 against 78 / 132). 3 tokens is
-# unmeasured and takes the dp4a forms. FASTCOMM_GGUF_MMA_MIN_TOKENS / _GROUPED_MIN_TOKENS move them per GPU.
+# by expert wins at 4 tokens (171 against 239 us) and loses at 1-2 (119 / 140 against 78 / 132). 3 tokens (an MTP
+# verify of 2 drafts) has no per-product run; end to end, grouped from 3 gave a 3-request step of 27.4 ms
+# (run b3b4269) and per pair 31.9 (run 842e68a), so the MoE is grouped from 3.
+# FASTCOMM_GGUF_MMA_MIN_TOKENS / _GROUPED_MIN_TOKENS move them per GPU.
 MMA_MIN_TOKENS = 4          # linears: the tensor-core form from this many tokens, below it the staged dp4a
-MOE_GROUPED_MIN_TOKENS = 4  # MoE: grouped by expert from this many tokens, below it per pair
+MOE_GROUPED_MIN_TOKENS = 3  # MoE: grouped by expert from this many tokens, below it per pair
 # 16-byte loads read Q4_K/Q5_K rows; Q6_K/Q8_0 blocks are only 2-byte aligned and are read by words.
 ROW_ALIGN = {Q4_K: 16, Q5_K: 16, Q6_K: 2, Q8_0: 2}
 
