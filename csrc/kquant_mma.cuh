@@ -11,9 +11,11 @@
 // Work: a block of W warps (blockDim.x = 32 W, W <= FC_KQ_MMA_WARPS) owns one 16-row tile; warp w takes the
 // 256-value units w, w + W, ... of the rows, and warp 0 adds the warps' partial sums in warp order, so every
 // output is summed in one fixed order whatever the vectors are. The host picks W per shape
-// (kquant.mma_warps): a weight of few tiles spreads each tile's units over more warps, so that the GPU still
-// has enough warps streaming weights (GLM-5's fused_qkv_a: 164 tiles). Operands: kq_unit_load / kq_unit_chunk /
-// kq_frag_x (kquant.cuh), activations quantized first (fc_kq_quantize), as the dp4a two-launch form does.
+// (kquant.mma_warps): the most warps a tile for which every tile's block is resident at once, so a weight of
+// few tiles (GLM-5's fused_qkv_a: 164) still has enough warps streaming it, and no launch runs a second, thin
+// wave. Each warp's weights arrive through its shared-memory ring (kq_mma_copy). Operands: kq_unit_load /
+// kq_unit_chunk / kq_xunit_load's layout (kquant.cuh), the activations quantized first into the order the
+// threads read (fc_kq_quantize with mma = 1).
 #pragma once
 #include "kquant.cuh"
 
