@@ -27,7 +27,7 @@
 #    eval "$(bash .stage/install.sh)" first):
 #        bash bench/device_gguf.sh model .gguf_stage        # writes the full-width 78-layer GGUF (~41 GB) to $MODEL_DIR
 #        bash bench/device_gguf.sh figures .gguf_stage gguf # its decode at TP 1, concurrency 1,2,3,4,8
-#        bash bench/device_gguf.sh figures .gguf_stage mtp  # the same with MTP, 3 draft tokens, concurrency 1
+#        bash bench/device_gguf.sh figures .gguf_stage mtp  # the same with MTP, 3 draft tokens, one request (~8 min)
 #        bash bench/device_gguf.sh figures .gguf_stage fp8  # the same shapes as FP8 (dummy weights)
 #        bash bench/device_gguf.sh figures .gguf_stage gguf-profile   # then fp8-profile: kernels per step
 #    (PROFILE_CONCURRENCY=8 for the 8-request step), each ~6 min with the engine's start-up.
@@ -130,7 +130,10 @@ figures() {   # one row set per call: gguf | mtp | fp8 | gguf-profile | fp8-prof
   local conc=${FIGURE_CONCURRENCY:-1,2,3,4,8}
   case "$what" in
     gguf) bash bench/device_decode.sh gguf-tp1 "$MODEL_FIRST" vllm "${common[@]}" --no-mtp --concurrency "$conc" ;;
-    mtp) bash bench/device_decode.sh gguf-mtp3-tp1 "$MODEL_FIRST" vllm "${common[@]}" --mtp 3 --concurrency 1 --max-num-seqs 8 ;;
+    # One request, so one capture size beside the verify's 4 tokens and one timed repeat: with the draft model's
+    # start-up, the sweep's settings ran past a 560 s call (2026-12-02) and returned nothing.
+    mtp) bash bench/device_decode.sh gguf-mtp3-tp1 "$MODEL_FIRST" vllm --tp 1 --max-tokens 128 --capture-sizes 1,4 \
+           --repeats "${FIGURE_REPEATS:-1}" --max-model-len 2048 --mtp 3 --concurrency 1 --max-num-seqs 1 ;;
     fp8) bash bench/device_decode.sh fp8-tp1 glm5-78L-16E vllm "${common[@]}" --quantization fp8 --concurrency "$conc" ;;
     # Where each step's GPU time goes (profile_summary: busiest kernels per step), GGUF against FP8 on the
     # same shapes, at PROFILE_CONCURRENCY requests (default 1, the single-request goal): one call each.

@@ -95,7 +95,8 @@ __device__ __forceinline__ void kq_mma_tile(const kq_u8* tile, kq_u64 row_stride
   }
   int k = 0;
   for (int u = w; u < units; u += W, ++k) {
-    if (u + (S - 1) * W < units) kq_mma_copy<T>(tile, row_stride, rows, u + (S - 1) * W, ring + (k + S - 1) % S * STAGE);
+    if (u + (S - 1) * W < units)
+      kq_mma_copy<T>(tile, row_stride, rows, u + (S - 1) * W, ring + (k + S - 1) % S * STAGE);
     kq_cp_commit();
     KqXUnit x;
     kq_xunit_load<mins>(xq, xs, cols, u, col.op, col.d0, col.d1, t, &x);
@@ -172,8 +173,8 @@ __device__ void kq_mma_gemv(const KqSegs& segs, const kq_u32* xq, const float* x
   const int last = segs.total_rows - 1;    // a last partial tile reads its last row again, writes nothing
   const KqCols col = {min(g, n - 1), min(2 * t, n - 1), min(2 * t + 1, n - 1)};
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  kq_mma_tile_any(sg.type, sg.w + (kq_u64)(r0 - sg.row0) * sg.row_stride, sg.row_stride, min(FC_KQ_MMA_ROWS, last + 1 - r0),
-                  cols, col, xq, xs, acc);
+  kq_mma_tile_any(sg.type, sg.w + (kq_u64)(r0 - sg.row0) * sg.row_stride, sg.row_stride,
+                  min(FC_KQ_MMA_ROWS, last + 1 - r0), cols, col, xq, xs, acc);
   if (!kq_mma_reduce(acc, part)) return;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
