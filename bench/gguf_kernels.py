@@ -92,13 +92,6 @@ def _plugin(module: str):
         return None
 
 
-def _silu_and_mul(up):
-    import torch
-
-    half = up.shape[-1] // 2
-    return (torch.nn.functional.silu(up[..., :half]) * up[..., half:]).contiguous()
-
-
 def bench_linear(name, shards, cols, tokens, rng):
     import gguf
     import torch
@@ -163,7 +156,7 @@ def bench_moe(tokens, rng):
     w13s = [torch.from_numpy(w13).cuda() for _ in range(copies)]
     w2s = [torch.from_numpy(w2).cuda() for _ in range(copies)]
     q13, q2 = int(gguf.GGMLQuantizationType[t13]), int(gguf.GGMLQuantizationType[t2])
-    act = _silu_and_mul  # unused: silu=True quantizes silu(gate) * up itself
+    act = None  # silu=True: the quantize launch applies silu(gate) * up itself
     out = []
     for n in tokens:
         x = torch.randn(n, hidden, dtype=torch.bfloat16, device="cuda") * 0.1
@@ -195,11 +188,15 @@ def _best_us(r) -> float:
     return min(r[f"{f}_us"] for f in _forms(r))
 
 
+def _layers() -> dict[str, int]:
+    """Layers of one decode step that run each product."""
+    return {**{name: layers for name, _, _, layers in LINEARS}, MOE[0]: MOE[-1]}
+
+
 def report(rows: list[dict], tokens: list[int]) -> tuple[str, dict]:
     """The markdown table of ``rows`` and, per token count, the per-step sums (ms) of one decode step: the
     plugin's, fastcomm's in the forms its policy takes, and in the fastest form of each product."""
-    per_layer = {name: layers for name, _, _, layers in LINEARS}
-    per_layer[MOE[0]] = MOE[-1]
+    per_layer = _layers()
     lines = ["| op | tokens | MB | plugin us | fastcomm us (policy's form) | speed-up | every form, us | "
              "bf16 cuBLAS us | rel diff |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -230,8 +227,7 @@ def suggest(rows: list[dict]) -> dict[str, int]:
     """Token thresholds for the tensor-core forms from a run's rows: the fewest measured tokens from which,
     at every larger measured count too, the per-step sum of the linears in the mma form (of the MoE grouped)
     beats the dp4a forms' best. As FASTCOMM_GGUF_MMA_MIN_TOKENS / _GROUPED_MIN_TOKENS take them."""
-    per_layer = {name: layers for name, _, _, layers in LINEARS}
-    per_layer[MOE[0]] = MOE[-1]
+    per_layer = _layers()
 
     def threshold(tensor, dp4a, ops) -> int:
         tokens = sorted({r["tokens"] for r in rows if r["op"] in ops})
@@ -251,6 +247,11 @@ def suggest(rows: list[dict]) -> dict[str, int]:
             "grouped_min_tokens": threshold(lambda r: r["grouped_us"], lambda r: r["pairs_us"], {MOE[0]})}
 
 
+def _settings(thresholds: dict[str, int]) -> str:
+    return (f"FASTCOMM_GGUF_MMA_MIN_TOKENS={thresholds['mma_min_tokens']} "
+            f"FASTCOMM_GGUF_GROUPED_MIN_TOKENS={thresholds['grouped_min_tokens']}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m fastcomm_bench.gguf_kernels", description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="1,2,4,8")
@@ -260,9 +261,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.suggest:
         with open(args.suggest) as f:
-            got = suggest(json.load(f)["rows"])
-        print(f"FASTCOMM_GGUF_MMA_MIN_TOKENS={got['mma_min_tokens']} "
-              f"FASTCOMM_GGUF_GROUPED_MIN_TOKENS={got['grouped_min_tokens']}")
+            print(_settings(suggest(json.load(f)["rows"])))
         return 0
     import torch
 
@@ -277,8 +276,7 @@ def main(argv=None) -> int:
     text, steps = report(rows, tokens)
     print(text)
     thresholds = suggest(rows)
-    print(f"# suggested on this GPU: FASTCOMM_GGUF_MMA_MIN_TOKENS={thresholds['mma_min_tokens']} "
-          f"FASTCOMM_GGUF_GROUPED_MIN_TOKENS={thresholds['grouped_min_tokens']}")
+    print(f"# suggested on this GPU: {_settings(thresholds)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows, "per_step_ms": steps,

@@ -45,10 +45,10 @@ typedef int8_t kq_i8;
 #define FC_KQ_THREADS (32 * FC_KQ_ROWS_PER_BLOCK)
 
 // Bytes of one block and values in it, per type (gguf.GGML_QUANT_SIZES).
-FC_KQ_HD int kq_block_bytes(int type) {
+FC_KQ_HD constexpr int kq_block_bytes(int type) {
   return type == FC_KQ_Q4_K ? 144 : type == FC_KQ_Q5_K ? 176 : type == FC_KQ_Q6_K ? 210 : type == FC_KQ_Q8_0 ? 34 : 0;
 }
-FC_KQ_HD int kq_block_values(int type) { return type == FC_KQ_Q8_0 ? 32 : 256; }
+FC_KQ_HD constexpr int kq_block_values(int type) { return type == FC_KQ_Q8_0 ? 32 : 256; }
 
 // Row segments of one weight: rows [row0, row0 + rows) of the launch read `w` (row i at w + i * row_stride,
 // so a plugin's padded multi-shard tensor is read in place) as `type`, into output columns from out_col.
@@ -295,10 +295,10 @@ FC_KQ_HD void kq_quantize_chunk(const float* x, kq_u32 q[8], float* d, float* s)
 // Q6_K has a scale per 16 values: threads 0-1 then hold the chunk's first half and 2-3 its second, and two mma
 // whose activation operands are masked to one half give each half's dot.
 //
-// Why integers as long as possible: the per-chunk work is what limits these kernels (their weights arrive
-// faster than a warp can scale its outputs), so a chunk's dot is scaled by the weight's integer sub-block
-// scale (sc * dot < 2^24 for every type: float-exact), times the activation's scale in fp32, and the
-// super-block's float scales are applied once per 256-value unit.
+// Scaling: a chunk's dot is scaled by the weight's integer sub-block scale (sc * dot < 2^24 for every type:
+// float-exact), times the activation's scale in fp32, and the super-block's float scales are applied once per
+// 256-value unit: fewer instructions per weight byte (Q4_K: 368 a 16-row unit, was ~590; on an H200 that bought
+// ~10 %, the kernels being bound by load latency more than by issue).
 struct KqFrag {
   kq_u32 q[2];  // the operand words: values 8t .. 8t + 3 and 8t + 4 .. 8t + 7 of the chunk
   int sc[2];    // integer scale of the dot (Q6_K: of the first and of the second half)

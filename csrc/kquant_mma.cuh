@@ -46,9 +46,7 @@ struct KqCols {
 // (ncu: DRAM 27 %, 70 % of stalls on loads). A copy has no register to hold, so nothing moves it.
 // A stage row is the 16-byte-aligned span that holds the row's unit (Q6_K / Q8_0 units are 2-byte aligned):
 // chunks past the unit's last byte are not copied, so nothing is read past the weight's end.
-__device__ constexpr int kq_mma_unit_bytes(int T) {
-  return T == FC_KQ_Q4_K ? 144 : T == FC_KQ_Q5_K ? 176 : T == FC_KQ_Q6_K ? 210 : 8 * 34;
-}
+__device__ constexpr int kq_mma_unit_bytes(int T) { return kq_block_bytes(T) * (FC_KQ_UNIT / kq_block_values(T)); }
 __device__ constexpr int kq_mma_span(int T) { return (kq_mma_unit_bytes(T) + 15 + 15) / 16 * 16; }
 
 __device__ __forceinline__ void kq_cp_async16(void* smem, const void* gmem) {

@@ -176,7 +176,7 @@ def _launch(device: int, kernel: abi.Kernel, dtype: str | None, grid: tuple[int,
     from cupy_backends.cuda.api import driver
 
     packed = kernel.pack(*args)
-    symbol = kernel.symbol(dtype, variant) if kernel.typed else kernel.symbol()
+    symbol = kernel.symbol(dtype, variant)  # an untyped kernel's symbol ignores the dtype
     driver.launchKernel(_function(device, symbol), grid[0], grid[1], 1, block, 1, 1, smem, stream, packed.address, 0)
 
 
@@ -215,7 +215,7 @@ def _mma_launch(dev: int, kernel: abi.Kernel, dtype: str | None, tiles_x: int, g
                 cols: int, types, stream: int, args: tuple, warps: int | None = None) -> None:
     """An mma-form launch: warps a tile from the occupancy of its symbol (or as given), a ring per warp."""
     ring = mma_ring_bytes(types)
-    symbol = kernel.symbol(dtype) if kernel.typed else kernel.symbol()
+    symbol = kernel.symbol(dtype)
     warps = warps or mma_warps(cols, busy_tiles, _device(dev)[0], _resident(dev, symbol, ring))
     _launch(dev, kernel, dtype, (tiles_x, grid_y), 32 * warps, stream, args, smem=warps * ring)
 
@@ -321,7 +321,7 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu:
     """The routed experts of 1-8 tokens: x [T, hidden], w13 [E, 2 inter, row13], w2 [E, hidden, row2] (uint8
     blocks); returns [T, hidden], each token's experts summed in their top-k order, router weights applied.
     ``activation`` maps [pairs, 2 inter] to [pairs, inter]; ``silu``: it is vLLM's silu_and_mul, which the
-    activations' quantize launch then applies itself. ``form``: one of FORMS_MOE (None: ``moe_form``'s, the
+    activations' quantize launch then applies itself (``activation`` is not called). ``form``: one of FORMS_MOE (None: ``moe_form``'s, the
     grouped form only with ``tensor_cores``, from ``grouped_min`` tokens)."""
     import torch
 
