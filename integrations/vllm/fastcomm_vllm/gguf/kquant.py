@@ -321,8 +321,8 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu:
     """The routed experts of 1-8 tokens: x [T, hidden], w13 [E, 2 inter, row13], w2 [E, hidden, row2] (uint8
     blocks); returns [T, hidden], each token's experts summed in their top-k order, router weights applied.
     ``activation`` maps [pairs, 2 inter] to [pairs, inter]; ``silu``: it is vLLM's silu_and_mul, which the
-    activations' quantize launch then applies itself (``activation`` is not called). ``form``: one of FORMS_MOE (None: ``moe_form``'s, the
-    grouped form only with ``tensor_cores``, from ``grouped_min`` tokens)."""
+    activations' quantize launch then applies itself (``activation`` is not called). ``form``: one of FORMS_MOE
+    (None: ``moe_form``'s, the grouped form only with ``tensor_cores``, from ``grouped_min`` tokens)."""
     import torch
 
     x = _aligned(x)
