@@ -24,9 +24,6 @@
 #define FC_KQ_MMA_WARPS 8    // the most warps splitting a tile's units (few tiles: more warps a tile)
 #define FC_KQ_MAX_PAIRS 256  // (token, expert) pairs a grouped MoE launch routes
 #define FC_KQ_MMA_STAGES 3   // units of a warp's rows in flight (its shared-memory ring)
-#ifndef FC_KQ_MOE_AHEAD
-#define FC_KQ_MOE_AHEAD 0
-#endif
 
 __device__ __forceinline__ void kq_mma_k32(const kq_u32 a[4], const kq_u32 b[2], int c[4]) {
   asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -75,36 +72,10 @@ __device__ __forceinline__ void kq_mma_copy(const kq_u8* tile, kq_u64 row_stride
   }
 }
 
-// Part p (0-3) of unit u's activations into x, in place: the operand words of chunks 2p and 2p + 1, and with
-// p = 1 (p = 3) the scales and sums of chunks 0-3 (4-7). Why in parts: the parts of the next unit are loaded
-// into x as the current unit's chunks finish with them, so an L2 round trip overlaps a unit's compute (loaded
-// at the top of each unit, they stalled every unit: ncu, 46 % of the stalls) and no register is added (a whole
-// next unit held ahead would cost 48). asm volatile: the compiler keeps the loads where they are issued
-// (it sank loads issued ahead to their use).
-__device__ __forceinline__ void kq_ldg16(const void* p, kq_u32 w[4]) {
-  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
-               : "l"(p));
-}
-__device__ __forceinline__ void kq_xunit_part(const kq_u32* xq, const float* xs, int cols, int u, const KqCols& col,
-                                              int t, bool mins, int p, KqXUnit* x) {
-  kq_ldg16(reinterpret_cast<const kq_u8*>(xq + (kq_u64)col.op * (cols / 4) + u * 64 + 16 * t) + 16 * p, x->b + 4 * p);
-  if (p & 1) {
-    const int per = cols / 16, h = 4 * (p >> 1);  // floats per vector; the chunks' first scale
-    const int vs[2] = {col.d0, col.d1};
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const float* f = xs + (kq_u64)vs[j] * per + u * 16 + h;
-      kq_ldg16(f, reinterpret_cast<kq_u32*>(x->d[j] + h));
-      if (mins) kq_ldg16(f + 8, reinterpret_cast<kq_u32*>(x->s[j] + h));
-    }
-  }
-}
-
 // One warp's share of a tile: rows g and g + 8 of the tile (rows past `rows` read its last row again), against
 // the vectors of `col`. acc: row g with vectors 2t and 2t + 1, then row g + 8 with the same. The activations
-// (L2) of the warp's next unit are loaded during each unit (kq_xunit_part).
-template <int T, bool AHEAD>
+// (L2) are loaded at the top of each unit.
+template <int T>
 __device__ __forceinline__ void kq_mma_tile(const kq_u8* tile, kq_u64 row_stride, int rows, int units, int cols,
                                             const KqCols& col, const kq_u32* xq, const float* xs, float acc[4]) {
   constexpr bool mins = T == FC_KQ_Q4_K || T == FC_KQ_Q5_K;
@@ -120,18 +91,13 @@ __device__ __forceinline__ void kq_mma_tile(const kq_u8* tile, kq_u64 row_stride
     if (w + s * W < units) kq_mma_copy<T>(tile, row_stride, rows, w + s * W, ring + s * STAGE);
     kq_cp_commit();
   }
-  KqXUnit x;
-  if (AHEAD) {
-#pragma unroll
-    for (int p = 0; p < 4; ++p) kq_xunit_part(xq, xs, cols, min(w, units - 1), col, t, mins, p, &x);
-  }
   int k = 0;
   for (int u = w; u < units; u += W, ++k) {
     if (u + (S - 1) * W < units)
       kq_mma_copy<T>(tile, row_stride, rows, u + (S - 1) * W, ring + (k + S - 1) % S * STAGE);
     kq_cp_commit();
-    if (!AHEAD) kq_xunit_load<mins>(xq, xs, cols, u, col.op, col.d0, col.d1, t, &x);
-    const int next = u + W < units ? u + W : u;  // none left: this unit again (from L1; a branch cost registers)
+    KqXUnit x;
+    kq_xunit_load<mins>(xq, xs, cols, u, col.op, col.d0, col.d1, t, &x);
     kq_cp_wait<S - 1>();  // this lane's copies of unit u have landed; the warp's, after the sync
     __syncwarp();
     const kq_u8* stage = ring + k % S * STAGE;
@@ -158,7 +124,6 @@ __device__ __forceinline__ void kq_mma_tile(const kq_u8* tile, kq_u64 row_stride
         kq_mma_k32(a, b, r);
       }
       kq_mma_chunk(T, fa, fb, r, r2, x, m, uacc, umin);
-      if (AHEAD && (m & 1)) kq_xunit_part(xq, xs, cols, next, col, t, mins, m >> 1, &x);  // m - 1, m done
     }
     kq_mma_unit_end(T, ua, ub, uacc, umin, acc);
     __syncwarp();  // every lane has read this stage before a later copy refills it
@@ -166,16 +131,15 @@ __device__ __forceinline__ void kq_mma_tile(const kq_u8* tile, kq_u64 row_stride
   kq_cp_wait<0>();  // no copy outlives the warp's loop (the last units' groups are empty or already waited)
 }
 
-template <bool AHEAD>
 __device__ __forceinline__ void kq_mma_tile_any(int type, const kq_u8* tile, kq_u64 row_stride, int rows, int cols,
                                                 const KqCols& col, const kq_u32* xq, const float* xs,
                                                 float acc[4]) {
   const int units = cols / FC_KQ_UNIT;
   switch (type) {  // block-uniform: a tile lies in one segment
-    case FC_KQ_Q4_K: kq_mma_tile<FC_KQ_Q4_K, AHEAD>(tile, row_stride, rows, units, cols, col, xq, xs, acc); break;
-    case FC_KQ_Q5_K: kq_mma_tile<FC_KQ_Q5_K, AHEAD>(tile, row_stride, rows, units, cols, col, xq, xs, acc); break;
-    case FC_KQ_Q6_K: kq_mma_tile<FC_KQ_Q6_K, AHEAD>(tile, row_stride, rows, units, cols, col, xq, xs, acc); break;
-    default: kq_mma_tile<FC_KQ_Q8_0, AHEAD>(tile, row_stride, rows, units, cols, col, xq, xs, acc); break;
+    case FC_KQ_Q4_K: kq_mma_tile<FC_KQ_Q4_K>(tile, row_stride, rows, units, cols, col, xq, xs, acc); break;
+    case FC_KQ_Q5_K: kq_mma_tile<FC_KQ_Q5_K>(tile, row_stride, rows, units, cols, col, xq, xs, acc); break;
+    case FC_KQ_Q6_K: kq_mma_tile<FC_KQ_Q6_K>(tile, row_stride, rows, units, cols, col, xq, xs, acc); break;
+    default: kq_mma_tile<FC_KQ_Q8_0>(tile, row_stride, rows, units, cols, col, xq, xs, acc); break;
   }
 }
 
@@ -207,7 +171,7 @@ __device__ void kq_mma_gemv(const KqSegs& segs, const kq_u32* xq, const float* x
   const int last = segs.total_rows - 1;    // a last partial tile reads its last row again, writes nothing
   const KqCols col = {min(g, n - 1), min(2 * t, n - 1), min(2 * t + 1, n - 1)};
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  kq_mma_tile_any<true>(sg.type, sg.w + (kq_u64)(r0 - sg.row0) * sg.row_stride, sg.row_stride,
+  kq_mma_tile_any(sg.type, sg.w + (kq_u64)(r0 - sg.row0) * sg.row_stride, sg.row_stride,
                   min(FC_KQ_MMA_ROWS, last + 1 - r0), cols, col, xq, xs, acc);
   if (!kq_mma_reduce(acc, part)) return;
 #pragma unroll
@@ -265,7 +229,7 @@ __device__ void kq_mma_moe(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stri
     };
     const KqCols col = {vec(g), vec(2 * t), vec(2 * t + 1)};
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    kq_mma_tile_any<FC_KQ_MOE_AHEAD>(type, tile, row_stride, min(FC_KQ_MMA_ROWS, rows - r0), cols, col, xq, xs, acc);
+    kq_mma_tile_any(type, tile, row_stride, min(FC_KQ_MMA_ROWS, rows - r0), cols, col, xq, xs, acc);
     if (kq_mma_reduce(acc, part)) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
