@@ -19,7 +19,10 @@ It is a model, labelled as one; every input is named in its output:
   random weights accept nothing, so each step is 3 drafts plus a 4-token verify; the 4-request step of the
   sweep stands for the verify, the rest is the drafts; the record must come from the same kernels as the
   sweep), given (--draft-share), else estimated as one decoder layer's share plus the LM head it reads; plus
-  its three all-reduces; the acceptance length L of published GLM-5 MTP runs (2.2-2.8 at 3 draft tokens), turned into
+  its three all-reduces. Where the sweep's (k + 1)-request step is longer than the whole MTP step (with
+  fastcomm's kernels: one request's 4-token verify costs less than 4 requests' step), the split is not
+  measurable: the drafts take the estimate, and a further row family takes the MTP step whole, as the
+  measured multiple of a plain step; the acceptance length L of published GLM-5 MTP runs (2.2-2.8 at 3 draft tokens), turned into
   a per-draft acceptance rate a with L = (1 - a^(k+1)) / (1 - a), so other k follow from the same a.
 """
 from __future__ import annotations
@@ -33,11 +36,15 @@ from pathlib import Path
 from . import pcie_model
 from .pcie_model import ALLREDUCES_PER_STEP, DECODE_BYTES, LAYERS, WORLD
 
-# The current kernels' sweep (fastcomm's K-quant kernels, tensor-core forms). No MTP run with them exists yet:
-# the committed MTP record (MTP_RECORD) ran the plugin's kernels and pairs with PLUGIN_RECORD only.
-RECORD = Path(__file__).resolve().parent / "results" / "2026-12-02-h200x1-s6-gguf-78L-tp1-mma-decode.json"
-PLUGIN_RECORD = Path(__file__).resolve().parent / "results" / "2026-12-01-h200x1-gguf-78L-tp1-decode.json"
-MTP_RECORD = Path(__file__).resolve().parent / "results" / "2026-12-01-h200x1-gguf-78L-mtp3-tp1-decode.json"
+RESULTS = Path(__file__).resolve().parent / "results"
+# A sweep of fastcomm's K-quant kernels (tensor-core forms) whose 3-request step ran the MoE grouped, as the
+# policy does now (the later sweep, 842e68a, ran it per pair: a policy since changed).
+RECORD = RESULTS / "2026-12-02-h200x1-s6-gguf-78L-tp1-mma-decode.json"
+# The MTP run with fastcomm's kernels (91efbed: the kernels of 4b38652, one session after RECORD's).
+MTP_RECORD = RESULTS / "2026-12-02-h200x1-s8-gguf-78L-mtp3-tp1-decode.json"
+# The plugin's kernels: a sweep and an MTP run that pair with each other only.
+PLUGIN_RECORD = RESULTS / "2026-12-01-h200x1-gguf-78L-tp1-decode.json"
+PLUGIN_MTP_RECORD = RESULTS / "2026-12-01-h200x1-gguf-78L-mtp3-tp1-decode.json"
 
 ALLREDUCES_PER_DRAFT = 3           # the MTP block's two, and its eh_proj's
 HEAD_SHARE = 0.029                 # LM head bytes / bytes read per token (780 MB of ~27 GB in the GGUF)
@@ -110,7 +117,8 @@ def mtp_run_from(record: dict) -> MtpRun:
 
 def draft_share(points: dict[int, float], run: MtpRun) -> float:
     """One draft's cost as a share of a plain step: the measured MTP step less the (k + 1)-token verify (the
-    sweep's step at k + 1 requests), over k drafts, over the 1-request step."""
+    sweep's step at k + 1 requests), over k drafts, over the 1-request step. Negative where that step is longer
+    than the whole MTP step (the split is then not measurable; ``table`` says so)."""
     if run.k + 1 not in points or 1 not in points:
         raise ValueError(f"the sweep has no step at 1 and {run.k + 1} requests to set the MTP run against")
     return (run.step_ms - points[run.k + 1]) / run.k / points[1]
@@ -129,14 +137,25 @@ def predict(fit: Fit, k: int, length: float, *, scaled: bool, share: float = EST
             "draft_ms": round(k * draft, 2), "step_ms": round(step, 2), "tok_s": round(tokens / step * 1e3, 1)}
 
 
+def predict_whole(run: MtpRun, plain_ms: float, length: float) -> dict:
+    """Single-request tok/s on 8 x RTX PRO 6000 with the H200's whole MTP step (``run``, verify and drafts)
+    kept as the same multiple of a plain step (``plain_ms``, the H200's): launch-bound, as the H200 rows."""
+    ratio = run.step_ms / plain_ms
+    step = (pcie_model.step_ms(0.0) * ratio + ALLREDUCES_PER_STEP * allreduce_us(run.k + 1) / 1e3
+            + run.k * ALLREDUCES_PER_DRAFT * allreduce_us(1) / 1e3)
+    return {"k": run.k, "acceptance_length": round(length, 2), "step_ms": round(step, 2),
+            "tok_s": round(length / step * 1e3, 1)}
+
+
 def table(points: dict[int, float], run: MtpRun | None = None, share: float | None = None) -> list[str]:
     """The model's table; the draft's share of a plain step from ``run`` (measured), else ``share`` (given),
-    else the estimate."""
+    else the estimate. With ``run``, also its whole step as a multiple of a plain step."""
     fit = fit_step(points)
     given = share is not None and run is None
-    if run is not None:
+    split = run is not None and draft_share(points, run) >= 0
+    if split:
         share = draft_share(points, run)
-    elif share is None:
+    elif share is None or run is not None:
         share = ESTIMATED_DRAFT_SHARE
     lines = ["# MODEL, not a measurement. H200 step times (ms) by tokens per step: "
              + ", ".join(f"{c}: {points[c]:.1f}" for c in sorted(points))
@@ -148,10 +167,16 @@ def table(points: dict[int, float], run: MtpRun | None = None, share: float | No
              "| per-token increment on 8 GPUs | k | L | verify ms | drafts ms | step ms | tok/s |",
              "|---|---|---|---|---|---|---|"]
     if run is not None:
-        lines.insert(2, f"# measured H200 MTP step, k={run.k}: {run.step_ms:.1f} ms = {run.step_ms / points[1]:.2f}x a "
-                        f"plain step ({run.tokens_per_step:.2f} tokens per step); less the {run.k + 1}-token verify "
-                        f"({points[run.k + 1]:.1f} ms): {share:.3f} of a plain step per draft (estimate without "
-                        f"it: {ESTIMATED_DRAFT_SHARE:.3f})")
+        head = (f"# measured H200 MTP step, k={run.k}: {run.step_ms:.1f} ms = {run.step_ms / points[1]:.2f}x a "
+                f"plain step ({run.tokens_per_step:.2f} tokens per step); ")
+        if split:
+            head += (f"less the {run.k + 1}-token verify ({points[run.k + 1]:.1f} ms): {share:.3f} of a plain step "
+                     f"per draft (estimate without it: {ESTIMATED_DRAFT_SHARE:.3f})")
+        else:
+            head += (f"the sweep's {run.k + 1}-request step ({points[run.k + 1]:.1f} ms) is longer, so the verify "
+                     f"cannot be split off: drafts at the estimate ({ESTIMATED_DRAFT_SHARE:.3f} of a plain step), "
+                     f"and the step whole in the last rows")
+        lines.insert(2, head)
     if given:
         lines.insert(2, f"# draft cost given: {share:.3f} of a plain step per draft (estimate: {ESTIMATED_DRAFT_SHARE:.3f})")
     for scaled in (True, False):
@@ -162,6 +187,12 @@ def table(points: dict[int, float], run: MtpRun | None = None, share: float | No
                 r = predict(fit, k, length, scaled=scaled, share=share)
                 lines.append(f"| {label} | {k} | {r['acceptance_length']} | {r['verify_ms']} | {r['draft_ms']} | "
                              f"{r['step_ms']} | {r['tok_s']} |")
+    if run is not None:
+        for L in PUBLISHED_L:
+            length = expected_length(acceptance_rate(L, PUBLISHED_K), run.k)
+            r = predict_whole(run, points[1], length)
+            lines.append(f"| the H200's whole MTP step (x {run.step_ms / points[1]:.2f}) | {run.k} | "
+                         f"{r['acceptance_length']} | - | - | {r['step_ms']} | {r['tok_s']} |")
     return lines
 
 
@@ -175,16 +206,17 @@ def points_from(record: dict) -> dict[int, float]:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m fastcomm_bench.predict_mtp", description=__doc__.split("\n\n")[0])
     p.add_argument("record", nargs="?", default=str(RECORD), help="bench-decode record of the GGUF at TP 1")
-    p.add_argument("--mtp-record", default="none",
+    p.add_argument("--mtp-record", default=None,
                    help="bench-decode record of the same GGUF with MTP (one request) and the same kernels as the "
-                        f"record (for the plugin's: {MTP_RECORD.name} with {PLUGIN_RECORD.name}); 'none' (the "
-                        "default): --draft-share or the estimate")
+                        f"record (default {MTP_RECORD.name}; for the plugin's: {PLUGIN_MTP_RECORD.name} with "
+                        f"{PLUGIN_RECORD.name}); 'none': --draft-share or the estimate")
     p.add_argument("--draft-share", type=float, default=None,
                    help="one draft's cost as a share of a plain step, instead of the estimate")
     a = p.parse_args(argv)
-    if a.mtp_record != "none" and a.draft_share is not None:
+    if a.mtp_record not in (None, "none") and a.draft_share is not None:
         p.error("--mtp-record and --draft-share both set the draft's cost: give one")
-    run = None if a.mtp_record == "none" else mtp_run_from(json.loads(Path(a.mtp_record).read_text()))
+    mtp = "none" if a.draft_share is not None else (a.mtp_record or str(MTP_RECORD))
+    run = None if mtp == "none" else mtp_run_from(json.loads(Path(mtp).read_text()))
     print("\n".join(table(points_from(json.loads(Path(a.record).read_text())), run, a.draft_share)))
 
 

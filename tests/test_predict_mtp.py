@@ -54,6 +54,7 @@ def test_measured_mtp_step_sets_the_draft_cost():
     assert dear["verify_ms"] == cheap["verify_ms"] and dear["draft_ms"] > cheap["draft_ms"]
     lines = M.table(points, run)
     assert any(line.startswith("# measured H200 MTP step, k=3: 64.5 ms") for line in lines)
+    assert len(lines) == 6 + 2 * 7 + 2   # and the whole step's two rows
     with pytest.raises(ValueError, match="no step at 1 and 4"):
         M.draft_share({1: 24.8, 2: 36.2}, run)
 
@@ -66,13 +67,40 @@ def test_a_given_draft_share_replaces_the_estimate():
     assert rate(given) < rate(estimated)
 
 
-def test_the_default_record_is_the_current_kernels_and_the_mtp_record_pairs_with_the_plugins():
+def test_a_verify_longer_than_the_whole_mtp_step_is_not_split_and_the_step_is_taken_whole():
+    points = {1: 17.8, 2: 23.7, 3: 27.4, 4: 27.6}
+    run = M.MtpRun(k=3, step_ms=26.6, tokens_per_step=1.0)   # shorter than the 4-request step
+    assert M.draft_share(points, run) < 0
+    lines = M.table(points, run)
+    assert any("cannot be split off: drafts at the estimate" in line for line in lines)
+    assert lines[-16:-2] == M.table(points)[-14:]   # the split families as with no run: the estimate
+    whole = [line for line in lines if line.startswith("| the H200's whole MTP step (x 1.49)")]
+    assert len(whole) == 2
+    for line, L in zip(whole, M.PUBLISHED_L):
+        step, rate = (float(v) for v in line.rsplit("|", 3)[1:3])
+        assert rate == pytest.approx(L / step * 1e3, rel=1e-3)
+    dear = M.predict_whole(M.MtpRun(3, 2 * 26.6, 1.0), 17.8, 2.5)
+    assert dear["step_ms"] > M.predict_whole(run, 17.8, 2.5)["step_ms"] > M.pcie_model.step_ms(0.0) * 26.6 / 17.8
+
+
+def test_the_default_records_are_fastcomms_kernels_and_the_plugins_pair_apart():
     import json
 
     assert json.loads(M.RECORD.read_text())["meta"]["fastcomm_commit"] == "b3b4269"
+    assert json.loads(M.MTP_RECORD.read_text())["meta"]["fastcomm_commit"] == "91efbed"
     assert sorted(M.points_from(json.loads(M.PLUGIN_RECORD.read_text()))) == [1, 2, 3, 4, 8]
 
 
-def test_committed_mtp_record_is_a_three_draft_step():
-    run = M.mtp_run_from(__import__("json").loads(M.MTP_RECORD.read_text()))
+@pytest.mark.parametrize("record", ["MTP_RECORD", "PLUGIN_MTP_RECORD"])
+def test_committed_mtp_records_are_three_draft_steps(record):
+    run = M.mtp_run_from(__import__("json").loads(getattr(M, record).read_text()))
     assert run.k == 3 and run.step_ms > 0 and run.tokens_per_step >= 1.0
+
+
+def test_the_command_takes_the_committed_mtp_run_unless_told_none(capsys):
+    M.main([])
+    default = capsys.readouterr().out
+    M.main(["--mtp-record", "none"])
+    bare = capsys.readouterr().out
+    assert "the H200's whole MTP step" in default and "measured H200 MTP step, k=3" in default
+    assert "whole MTP step" not in bare and "measured H200 MTP step" not in bare
