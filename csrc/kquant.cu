@@ -9,6 +9,7 @@
 //   fc_kq_moe_down_<dt>           per token: the router-weighted sum over its experts (dp4a)
 //   fc_kq_moe_mma_up_<dt>         grouped by expert on the tensor cores: each expert's rows once for its pairs
 //   fc_kq_moe_mma_down            the same for the down rows, one fp32 row per pair
+//   fc_kq_moe_mma1_up_<dt>, fc_kq_moe_mma1_down   the same in one pass: columns are an expert's distinct tokens
 //   fc_kq_moe_sum_<dt>            per token: the router-weighted sum of its pairs' fp32 rows
 // <dt> is the activations' and the output's dtype. Host side: fastcomm_vllm/gguf/kquant.py; the C ABI's one
 // mirror: fastcomm/abi.py.
@@ -323,6 +324,12 @@ __device__ void kq_gemv_s(const KqSegs& segs, const typename D::raw* x, int n, i
                               const float* xs, D::raw* out) {                                                \
     kq_mma_moe<D, true>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, pairs, xq, xs, out);  \
   }                                                                                                          \
+  extern "C" __global__ void __launch_bounds__(32 * FC_KQ_MMA_WARPS)                                         \
+      fc_kq_moe_mma1_up_##NAME(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows,  \
+                               int cols, const int* topk_ids, int topk, int tokens, const kq_u32* xq,        \
+                               const float* xs, D::raw* out) {                                               \
+    kq_mma_moe1<D, true>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, tokens, xq, xs, out); \
+  }                                                                                                          \
   extern "C" __global__ void __launch_bounds__(256)                                                          \
       fc_kq_moe_sum_##NAME(const float* y, const int* topk_ids, const float* topk_weights, int topk,         \
                            int experts, int tokens, int rows, D::raw* out) {                                 \
@@ -338,4 +345,9 @@ extern "C" __global__ void __launch_bounds__(32 * FC_KQ_MMA_WARPS)
     fc_kq_moe_mma_down(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows, int cols,
                        const int* topk_ids, int topk, int pairs, const kq_u32* xq, const float* xs, float* out) {
   kq_mma_moe<FcF32, false>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, pairs, xq, xs, out);
+}
+extern "C" __global__ void __launch_bounds__(32 * FC_KQ_MMA_WARPS)
+    fc_kq_moe_mma1_down(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows, int cols,
+                        const int* topk_ids, int topk, int tokens, const kq_u32* xq, const float* xs, float* out) {
+  kq_mma_moe1<FcF32, false>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, tokens, xq, xs, out);
 }

@@ -231,7 +231,11 @@ KQ_MOE_DOWN = Kernel("kq_moe_down", _EXPERTS + (("topk_weights", "ptr"), ("topk"
 _GROUPED = _EXPERTS + (("topk", "i32"), ("pairs", "i32"), ("xq", "ptr"), ("xs", "ptr"), ("out", "ptr"))
 KQ_MOE_MMA_UP = Kernel("kq_moe_mma_up", _GROUPED)
 KQ_MOE_MMA_DOWN = Kernel("kq_moe_mma_down", _GROUPED, typed=False)  # fp32 rows whatever the dtype
+# One pass (kq_mma_moe1): columns are an expert's distinct tokens, so `tokens` <= KQ_MMA_COLS and topk <= 32.
+_GROUPED1 = _EXPERTS + (("topk", "i32"), ("tokens", "i32"), ("xq", "ptr"), ("xs", "ptr"), ("out", "ptr"))
+KQ_MOE_MMA1_UP = Kernel("kq_moe_mma1_up", _GROUPED1)
+KQ_MOE_MMA1_DOWN = Kernel("kq_moe_mma1_down", _GROUPED1, typed=False)
 KQ_MOE_SUM = Kernel("kq_moe_sum", (("y", "ptr"), ("topk_ids", "ptr"), ("topk_weights", "ptr"), ("topk", "i32"),
                                    ("experts", "i32"), ("tokens", "i32"), ("rows", "i32"), ("out", "ptr")))
 KQ_KERNELS = (KQ_QUANTIZE, KQ_QUANTIZE_SILU, KQ_GEMV, KQ_GEMVS, KQ_MMA, KQ_MOE_UP, KQ_MOE_DOWN, KQ_MOE_MMA_UP,
-              KQ_MOE_MMA_DOWN, KQ_MOE_SUM)
+              KQ_MOE_MMA_DOWN, KQ_MOE_MMA1_UP, KQ_MOE_MMA1_DOWN, KQ_MOE_SUM)

@@ -70,7 +70,24 @@ def test_form_choice():
     assert kquant.moe_form(8, 8, 6144, 2048 + 32) == "pairs"           # the grouped tiles step 256 values
     assert kquant.moe_form(8, abi.KQ_MAX_PAIRS // 8 + 1, 6144, 2048) == "pairs"  # more pairs than its route table
     assert kquant.moe_form(8, 8, 6144, 2048, tensor_cores=False) == "pairs"  # FASTCOMM_GGUF_KERNELS=dp4a
-    assert set(kquant.FORMS_LINEAR) == {"mma", "staged", "unstaged"} and set(kquant.FORMS_MOE) == {"grouped", "pairs"}
+    assert set(kquant.FORMS_LINEAR) == {"mma", "staged", "unstaged"}
+    assert set(kquant.FORMS_MOE) == {"grouped", "grouped1", "pairs"}
+
+
+def test_a_moe_form_asked_for_says_why_it_cannot_serve():
+    ok = dict(tokens=8, topk=8, hidden=6144, inter=2048)
+    assert all(kquant.moe_form_error(f, **ok) is None for f in kquant.FORMS_MOE)
+    assert "not one of" in kquant.moe_form_error("dense", **ok)
+    assert "multiples of 256" in kquant.moe_form_error("grouped1", **{**ok, "inter": 2048 + 32})
+    assert kquant.moe_form_error("pairs", **{**ok, "inter": 2048 + 32}) is None
+    many = {**ok, "topk": abi.KQ_MAX_PAIRS // 8 + 1}
+    assert "at most 256 pairs" in kquant.moe_form_error("grouped", **many)
+    assert "top-32" in kquant.moe_form_error("grouped1", **many)                 # 33 > one ballot
+    assert kquant.moe_form_error("grouped1", **{**ok, "topk": 32}) is None
+    assert "at most 8 tokens" in kquant.moe_form_error("grouped1", **{**ok, "tokens": 9})
+    # the policy never picks a form that cannot serve
+    for tokens, topk, inter in ((8, 8, 2048), (8, 33, 2048), (3, 8, 2048 + 32)):
+        assert kquant.moe_form_error(kquant.moe_form(tokens, topk, 6144, inter), tokens, topk, 6144, inter) is None
 
 
 def test_segment_tables_are_built_once_per_weight():
