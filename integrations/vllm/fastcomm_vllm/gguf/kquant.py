@@ -340,7 +340,8 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu:
     blocks); returns [T, hidden], each token's experts summed in their top-k order, router weights applied.
     ``activation`` maps [pairs, 2 inter] to [pairs, inter]; ``silu``: it is vLLM's silu_and_mul, which the
     activations' quantize launch then applies itself (``activation`` is not called). ``form``: one of FORMS_MOE
-    (None: ``moe_form``'s, the grouped form only with ``tensor_cores``, from ``grouped_min`` tokens)."""
+    (None: ``moe_form``'s, the grouped form only with ``tensor_cores``, from ``grouped_min`` tokens); a form that
+    cannot serve the shapes raises ValueError (``moe_form_error`` says why)."""
     import torch
 
     x = _aligned(x)
