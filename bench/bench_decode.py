@@ -89,6 +89,10 @@ def parse_args(argv):
     p.add_argument("--dummy", action="store_true",
                    help="vLLM's dummy (random) weights for a checkpoint or Hugging Face id: no weights loaded; "
                         "config-only models always run with them")
+    p.add_argument("--spread-routing", action="store_true",
+                   help="dummy weights only: re-draw each MoE router as the GGUF benchmark file draws it, so tokens "
+                        "spread over the experts as they do there (vLLM's dummy router sends every token to the "
+                        "same experts)")
     p.add_argument("--quantization", default=None, metavar="METHOD",
                    help="vLLM's --quantization for a checkpoint, config or Hugging Face model, e.g. fp8 (dummy "
                         "weights are quantized as they load); a GGUF file brings its own")
@@ -205,6 +209,8 @@ def _main(argv) -> int:
         model = decode_models.resolve(args.model, dummy=args.dummy, mtp=args.mtp)
     except decode_models.ModelError as e:
         raise UsageError(str(e)) from None
+    if args.spread_routing and model.weights != "dummy":
+        raise UsageError("--spread-routing re-draws routers of dummy weights; this model has real ones")
     if args.quantization:
         if model.source == "gguf":
             raise UsageError(f"--quantization {args.quantization}: a GGUF file brings its own quantization")
@@ -222,7 +228,8 @@ def _main(argv) -> int:
                 repeats=args.repeats, max_model_len=args.max_model_len, seed=args.seed, mtp=model.mtp,
                 gpu_memory_utilization=args.gpu_memory_utilization, profile_dir=args.profile_dir,
                 profile_tokens=args.profile_tokens, profile_concurrency=args.profile_concurrency,
-                fastcomm_env=fastcomm_env or None, quantization=model.engine.get("quantization"))
+                fastcomm_env=fastcomm_env or None, quantization=model.engine.get("quantization"),
+                spread_routing=args.spread_routing)
     # The record names the model as given (no absolute path of this machine) and the commit it ran.
     meta = {**{k: v for k, v in spec.items() if k not in ("engine", "gguf")}, "model": model.record_name, "model_source": model.source,
             "weights": model.weights, "configs": names, "rounds": args.rounds, "started": stamp,

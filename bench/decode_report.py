@@ -56,6 +56,7 @@ def header(meta: dict) -> str:
             + (f"  max_num_seqs {meta['max_num_seqs']}" if meta.get("max_num_seqs") else "")
             + ("  weights: vLLM dummy (random, same seed in every row)" if weights == "dummy" else "  weights: real")
             + (f"  quantization {meta['quantization']}" if meta.get("quantization") else "")
+            + ("  routers re-drawn to spread tokens (--spread-routing)" if meta.get("spread_routing") else "")
             + (f"  MTP {meta['mtp']} draft tokens" if meta.get("mtp") else "")
             + (f"  fastcomm rows with {env_text(meta['fastcomm_env'])}" if meta.get("fastcomm_env") else ""))
 

@@ -82,6 +82,42 @@ def acceptance(before: dict[str, float], after: dict[str, float]) -> dict | None
             if after[DRAFT_TOKENS] > before[DRAFT_TOKENS] else None}
 
 
+def spread_router_(model, seed: int = 0) -> int:
+    """Re-draw each MoE router of ``model`` (a decoder layer holding ``post_attention_layernorm`` and
+    ``mlp.gate`` with ``e_score_correction_bias``) as the GGUF benchmark file draws it: logits of unit variance
+    for the layer's normalized input (gate ~ N(0, 1) / (sqrt(hidden) x rms(norm weight))) and a bias ~ N(0,
+    1/sqrt(experts)); returns the routers changed.
+
+    Why: vLLM's dummy weights (+-1e-3, the norms too on vLLM 0.25) make the router's logits ~1e-5 against a
+    bias of ~1e-3, so every token takes the same top-k experts and an 8-request step reads no more expert
+    bytes than a 1-request one, where the GGUF file's random weights spread the tokens over the experts. With
+    this, both read the experts alike and the FP8 row stays the same shapes' baseline at every concurrency."""
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    changed = 0
+    with torch.no_grad():
+        for layer in model.modules():
+            norm = getattr(layer, "post_attention_layernorm", None)
+            gate = getattr(getattr(layer, "mlp", None), "gate", None)
+            bias = getattr(gate, "e_score_correction_bias", None)
+            if norm is None or bias is None or getattr(gate, "weight", None) is None:
+                continue
+            w = gate.weight
+            rms = float(norm.weight.detach().float().pow(2).mean().sqrt()) or 1.0
+            draw = torch.randn(w.shape, generator=g) / (w.shape[-1] ** 0.5 * rms)
+            w.copy_(draw.to(w.dtype))
+            bias.copy_((torch.randn(bias.shape, generator=g) / bias.numel() ** 0.5).to(bias.dtype))
+            changed += 1
+    return changed
+
+
+def spread_routing(worker) -> int:
+    """``spread_router_`` on this worker's model (for ``LLM.collective_rpc``)."""
+    runner = worker.model_runner
+    return spread_router_(runner.get_model() if hasattr(runner, "get_model") else runner.model)
+
+
 def _vocab_size(llm) -> int:
     model_config = getattr(llm, "model_config", None) or llm.llm_engine.model_config
     return int(model_config.get_vocab_size())
@@ -106,6 +142,8 @@ def run(spec: dict, backend: Backend, save) -> dict:
         result["workers"] = llm.collective_rpc(worker_status)
     except Exception as e:  # informational; the row is still measured
         result["workers"] = f"status unavailable: {type(e).__name__}: {e}"
+    if spec.get("spread_routing"):  # before any timed run; the captured graphs read the weights in place
+        result["spread_routers"] = llm.collective_rpc(spread_routing)
     save(result)
 
     batch_prompts = prompts(max(spec["concurrency"]), spec["prompt_len"], _vocab_size(llm), spec["seed"])

@@ -29,6 +29,7 @@
 #        bash bench/device_gguf.sh figures .gguf_stage gguf # its decode at TP 1, concurrency 1,2,3,4,8
 #        bash bench/device_gguf.sh figures .gguf_stage mtp  # the same with MTP, 3 draft tokens, one request (~8 min)
 #        bash bench/device_gguf.sh figures .gguf_stage fp8  # the same shapes as FP8 (dummy weights)
+#        bash bench/device_gguf.sh figures .gguf_stage fp8-spread  # the same, routers drawn as the GGUF file's
 #        bash bench/device_gguf.sh figures .gguf_stage gguf-profile   # then fp8-profile: kernels per step
 #    (PROFILE_CONCURRENCY=8 for the 8-request step), each ~6 min with the engine's start-up.
 #    Why concurrency 2-4: a verify step of k draft tokens is a forward over k + 1 tokens of one request,
@@ -122,8 +123,8 @@ model() {
   echo "== written in $((SECONDS - t0)) s"
 }
 
-figures() {   # one row set per call: gguf | mtp | fp8 | gguf-profile | fp8-profile
-  local what=${1:?figures needs gguf, mtp, fp8, gguf-profile or fp8-profile} out=${OUT:-$here/out}
+figures() {   # one row set per call: gguf | mtp | fp8 | fp8-spread | gguf-profile | fp8-profile
+  local what=${1:?figures needs gguf, mtp, fp8, fp8-spread, gguf-profile or fp8-profile} out=${OUT:-$here/out}
   install || return 1
   local common=(--tp 1 --max-tokens 128 --capture-sizes 1,2,3,4,8 --repeats "${FIGURE_REPEATS:-3}" --max-model-len 2048)
   # FIGURE_CONCURRENCY (default 1,2,3,4,8) and FIGURE_REPEATS (3) trim a run to fit one call on a fresh machine.
@@ -135,6 +136,10 @@ figures() {   # one row set per call: gguf | mtp | fp8 | gguf-profile | fp8-prof
     mtp) bash bench/device_decode.sh gguf-mtp3-tp1 "$MODEL_FIRST" vllm --tp 1 --max-tokens 128 --capture-sizes 1,4 \
            --repeats "${FIGURE_REPEATS:-1}" --max-model-len 2048 --mtp 3 --concurrency 1 --max-num-seqs 1 ;;
     fp8) bash bench/device_decode.sh fp8-tp1 glm5-78L-16E vllm "${common[@]}" --quantization fp8 --concurrency "$conc" ;;
+    # FP8 with its routers re-drawn as the GGUF file's (--spread-routing): vLLM 0.25's dummy router sends every
+    # token to the same 8 experts, so its 8-request step reads half the experts the GGUF one does.
+    fp8-spread) bash bench/device_decode.sh fp8s-tp1 glm5-78L-16E vllm "${common[@]}" --quantization fp8 \
+                  --spread-routing --concurrency "$conc" ;;
     # Where each step's GPU time goes (profile_summary: busiest kernels per step), GGUF against FP8 on the
     # same shapes, at PROFILE_CONCURRENCY requests (default 1, the single-request goal): one call each.
     gguf-profile|fp8-profile)
@@ -146,7 +151,7 @@ figures() {   # one row set per call: gguf | mtp | fp8 | gguf-profile | fp8-prof
       else
         bash bench/device_decode.sh "fp8-prof-c$c" glm5-78L-16E vllm "${prof[@]}" --quantization fp8
       fi ;;
-    *) echo "figures: gguf, mtp, fp8, gguf-profile or fp8-profile" >&2; return 2 ;;
+    *) echo "figures: gguf, mtp, fp8, fp8-spread, gguf-profile or fp8-profile" >&2; return 2 ;;
   esac
 }
 
@@ -247,5 +252,5 @@ case "$mode" in
   kquant) kquant ;;
   model) model ;;
   figures) figures "${3:-}" ;;
-  *) echo "usage: device_gguf.sh prepare|run|kquant|model|figures|serve DIR [gguf|mtp|fp8|gguf-profile|fp8-profile]" >&2; exit 2 ;;
+  *) echo "usage: device_gguf.sh prepare|run|kquant|model|figures|serve DIR [gguf|mtp|fp8|fp8-spread|gguf-profile|fp8-profile]" >&2; exit 2 ;;
 esac

@@ -438,3 +438,74 @@ def test_quantization_reaches_the_engine_and_the_record(tmp_path, monkeypatch, c
     gguf = decode_models.Model("gguf", "m", "real", 0, {"model": "m.gguf"})
     monkeypatch.setattr(decode_models, "resolve", lambda *a, **k: gguf)
     one_line_error(capsys, ["--model", "m.gguf", "--quantization", "fp8"], "a GGUF file brings its own quantization")
+
+
+def test_spread_routing_reaches_the_worker_and_the_record_and_refuses_real_weights(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(B, "why_not_runnable", lambda fastcomm_rows: None)
+    seen = []
+
+    def run_backend(backend, spec, log_dir, timeout, tag=""):
+        seen.append(spec)
+        return result(backend.name, list(range(64)))
+
+    monkeypatch.setattr(B, "run_backend", run_backend)
+    assert B.main(["--configs", "vllm", "--tp", "1", "--quantization", "fp8", "--spread-routing", "--max-tokens",
+                   "64", "--out", str(tmp_path / "r.json")]) == 0
+    assert seen[0]["spread_routing"] is True
+    assert json.loads((tmp_path / "r.json").read_text())["meta"]["spread_routing"] is True
+    assert "routers re-drawn to spread tokens" in capsys.readouterr().out
+    gguf = decode_models.Model("gguf", "m", "real", 0, {"model": "m.gguf"})
+    monkeypatch.setattr(decode_models, "resolve", lambda *a, **k: gguf)
+    one_line_error(capsys, ["--model", "m.gguf", "--spread-routing"], "this model has real ones")
+
+
+def _moe_model(layers, hidden, experts, dummy=1e-3):
+    """Decoder layers named as vLLM's DeepSeek-V2 / GLM-5 ones, holding vLLM 0.25's dummy values."""
+    import torch
+
+    def param(*shape):
+        return torch.nn.Parameter((torch.rand(*shape) * 2 - 1) * dummy)
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList()
+    for i in range(layers):
+        layer = torch.nn.Module()
+        layer.post_attention_layernorm = torch.nn.Module()
+        layer.post_attention_layernorm.weight = param(hidden)
+        layer.mlp = torch.nn.Module()
+        if i > 0:  # a dense first layer: an MLP without a router
+            layer.mlp.gate = torch.nn.Module()
+            layer.mlp.gate.weight = param(experts, hidden)
+            layer.mlp.gate.e_score_correction_bias = param(experts)
+        model.layers.append(layer)
+    return model
+
+
+def _routed(layer, tokens, topk):
+    """noaux_tc's choice for ``tokens`` normalized inputs: top-k of sigmoid(logits) + bias, and the logits."""
+    import torch
+
+    h = tokens / tokens.pow(2).mean(-1, keepdim=True).sqrt() * layer.post_attention_layernorm.weight
+    logits = h @ layer.mlp.gate.weight.T
+    chosen = (torch.sigmoid(logits) + layer.mlp.gate.e_score_correction_bias).topk(topk, dim=-1).indices
+    return {tuple(sorted(row.tolist())) for row in chosen}, logits
+
+
+def test_spread_router_sends_tokens_to_different_experts():
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    hidden, experts, topk = 512, 16, 8
+    model = _moe_model(3, hidden, experts)
+    tokens = torch.randn(8, hidden)
+    before, _ = _routed(model.layers[1], tokens, topk)
+    assert len(before) == 1  # dummy weights: the bias decides, every token takes the same experts
+    assert decode_worker.spread_router_(model, seed=3) == 2  # the two layers with a router
+    with torch.no_grad():
+        after, logits = _routed(model.layers[1], tokens, topk)
+    assert len(after) == 8 and len(set().union(*after)) >= 12  # each token its own set; most experts read
+    assert 0.7 < float(logits.std()) < 1.4  # unit-variance logits for the layer's normalized input
+    again = _moe_model(3, hidden, experts)
+    again.load_state_dict(model.state_dict())
+    decode_worker.spread_router_(again, seed=3)
+    assert torch.equal(again.layers[2].mlp.gate.weight, model.layers[2].mlp.gate.weight)  # seeded
