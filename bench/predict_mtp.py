@@ -19,11 +19,11 @@ It is a model, labelled as one; every input is named in its output:
   random weights accept nothing, so each step is 3 drafts plus a 4-token verify; the 4-request step of the
   sweep stands for the verify, the rest is the drafts; the record must come from the same kernels as the
   sweep), given (--draft-share), else estimated as one decoder layer's share plus the LM head it reads; plus
-  its three all-reduces. Where the sweep's (k + 1)-request step is longer than the whole MTP step (with
-  fastcomm's kernels: one request's 4-token verify costs less than 4 requests' step), the split is not
-  measurable: the drafts take the estimate, and a further row family takes the MTP step whole, as the
-  measured multiple of a plain step; the acceptance length L of published GLM-5 MTP runs (2.2-2.8 at 3 draft tokens), turned into
-  a per-draft acceptance rate a with L = (1 - a^(k+1)) / (1 - a), so other k follow from the same a.
+  its three all-reduces. Where the sweep's (k + 1)-request step is longer than the whole MTP step (with fastcomm's
+  kernels: one request's 4-token verify costs less than 4 requests' step), the split is not measurable: the drafts
+  take the estimate, and a further row family takes the MTP step whole, as the measured multiple of a plain step;
+  the acceptance length L of published GLM-5 MTP runs (2.2-2.8 at 3 draft tokens), turned into a per-draft
+  acceptance rate a with L = (1 - a^(k+1)) / (1 - a), so other k follow from the same a.
 """
 from __future__ import annotations
 
