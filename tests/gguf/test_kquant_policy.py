@@ -85,9 +85,19 @@ def test_a_moe_form_asked_for_says_why_it_cannot_serve():
     assert "top-32" in kquant.moe_form_error("grouped1", **many)                 # 33 > one ballot
     assert kquant.moe_form_error("grouped1", **{**ok, "topk": 32}) is None
     assert "at most 8 tokens" in kquant.moe_form_error("grouped1", **{**ok, "tokens": 9})
+    # FASTCOMM_GGUF_GROUPED_FORM: the one-pass kernels where they serve, else the looping ones, else per pair
+    assert kquant.moe_form(8, 8, 6144, 2048, grouped="grouped1") == "grouped1"
+    assert kquant.moe_form(4, 33, 6144, 2048, grouped="grouped1") == "grouped"   # top-33: not one ballot
+    assert kquant.moe_form(8, 33, 6144, 2048, grouped="grouped1") == "pairs"     # 264 pairs: neither
+    assert kquant.moe_form(1, 8, 6144, 2048, grouped="grouped1") == "pairs"      # below the token threshold
+    from fastcomm.config import GGUF_GROUPED_FORMS
+
+    assert set(GGUF_GROUPED_FORMS) <= set(kquant.FORMS_MOE) - {"pairs"}
     # the policy never picks a form that cannot serve
-    for tokens, topk, inter in ((8, 8, 2048), (8, 33, 2048), (3, 8, 2048 + 32)):
-        assert kquant.moe_form_error(kquant.moe_form(tokens, topk, 6144, inter), tokens, topk, 6144, inter) is None
+    for tokens, topk, inter in ((8, 8, 2048), (8, 33, 2048), (3, 8, 2048 + 32), (4, 33, 2048)):
+        for grouped in GGUF_GROUPED_FORMS:
+            form = kquant.moe_form(tokens, topk, 6144, inter, grouped=grouped)
+            assert kquant.moe_form_error(form, tokens, topk, 6144, inter) is None
 
 
 def test_segment_tables_are_built_once_per_weight():

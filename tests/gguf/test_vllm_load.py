@@ -233,20 +233,28 @@ def test_the_dp4a_setting_keeps_the_products_off_the_tensor_cores(monkeypatch):
 
 
 def test_the_token_thresholds_reach_the_kernels(monkeypatch):
-    """FASTCOMM_GGUF_MMA_MIN_TOKENS / _GROUPED_MIN_TOKENS move the tensor-core forms' thresholds; unset, the
-    policy's constants serve; a bad value is named and the kernels keep their last setting."""
+    """FASTCOMM_GGUF_MMA_MIN_TOKENS / _GROUPED_MIN_TOKENS move the tensor-core forms' thresholds and
+    FASTCOMM_GGUF_GROUPED_FORM picks the grouped MoE kernels; unset, the policy's constants serve; a bad value is
+    named and the kernels keep their last setting."""
     from fastcomm_vllm.gguf import kquant, kquant_vllm, plugin
 
     try:
         monkeypatch.setenv("FASTCOMM_GGUF_MMA_MIN_TOKENS", "2")
         monkeypatch.setenv("FASTCOMM_GGUF_GROUPED_MIN_TOKENS", "9")
+        monkeypatch.setenv("FASTCOMM_GGUF_GROUPED_FORM", "grouped1")
         plugin._decode_kernels()
         assert (kquant_vllm._FORMS["mma_min"], kquant_vllm._FORMS["grouped_min"]) == (2, 9)
+        assert kquant_vllm._FORMS["grouped_form"] == "grouped1"
         monkeypatch.delenv("FASTCOMM_GGUF_MMA_MIN_TOKENS")
         monkeypatch.delenv("FASTCOMM_GGUF_GROUPED_MIN_TOKENS")
+        monkeypatch.delenv("FASTCOMM_GGUF_GROUPED_FORM")
         plugin._decode_kernels()
         assert (kquant_vllm._FORMS["mma_min"], kquant_vllm._FORMS["grouped_min"]) == (
             kquant.MMA_MIN_TOKENS, kquant.MOE_GROUPED_MIN_TOKENS)
+        assert kquant_vllm._FORMS["grouped_form"] == "grouped"
+        monkeypatch.setenv("FASTCOMM_GGUF_GROUPED_FORM", "onepass")  # named, and the last setting stays
+        plugin._decode_kernels()
+        assert kquant_vllm._FORMS["grouped_form"] == "grouped"
     finally:
         kquant_vllm._FORMS.update(tensor_cores=True, mma_min=kquant.MMA_MIN_TOKENS,
-                                  grouped_min=kquant.MOE_GROUPED_MIN_TOKENS)
+                                  grouped_min=kquant.MOE_GROUPED_MIN_TOKENS, grouped_form="grouped")

@@ -114,11 +114,14 @@ def moe_types_ok(t13: int, t2: int, hidden: int, inter: int, row13: int, row2: i
 
 
 def moe_form(tokens: int, topk: int, hidden: int, inter: int, tensor_cores: bool = True,
-             min_tokens: int = MOE_GROUPED_MIN_TOKENS) -> str:
-    """``grouped`` where allowed (from ``min_tokens``: FASTCOMM_GGUF_GROUPED_MIN_TOKENS) and its tiles and route
-    table hold the shapes, else ``pairs``."""
-    if tensor_cores and tokens >= min_tokens and moe_form_error("grouped", tokens, topk, hidden, inter) is None:
-        return "grouped"
+             min_tokens: int = MOE_GROUPED_MIN_TOKENS, grouped: str = "grouped") -> str:
+    """A form grouped by expert where allowed (from ``min_tokens``: FASTCOMM_GGUF_GROUPED_MIN_TOKENS) and its
+    tiles and route table hold the shapes, ``grouped`` (FASTCOMM_GGUF_GROUPED_FORM) first, then the looping
+    one; else ``pairs``."""
+    if tensor_cores and tokens >= min_tokens:
+        for form in (grouped, "grouped"):
+            if moe_form_error(form, tokens, topk, hidden, inter) is None:
+                return form
     return "pairs"
 
 
@@ -335,13 +338,14 @@ def linear(x, qweight, segments: tuple[Segment, ...], form: str | None = None, t
 
 
 def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu: bool = False,
-        form: str | None = None, tensor_cores: bool = True, grouped_min: int = MOE_GROUPED_MIN_TOKENS):
+        form: str | None = None, tensor_cores: bool = True, grouped_min: int = MOE_GROUPED_MIN_TOKENS,
+        grouped: str = "grouped"):
     """The routed experts of 1-8 tokens: x [T, hidden], w13 [E, 2 inter, row13], w2 [E, hidden, row2] (uint8
     blocks); returns [T, hidden], each token's experts summed in their top-k order, router weights applied.
     ``activation`` maps [pairs, 2 inter] to [pairs, inter]; ``silu``: it is vLLM's silu_and_mul, which the
     activations' quantize launch then applies itself (``activation`` is not called). ``form``: one of FORMS_MOE
-    (None: ``moe_form``'s, the grouped form only with ``tensor_cores``, from ``grouped_min`` tokens); a form that
-    cannot serve the shapes raises ValueError (``moe_form_error`` says why)."""
+    (None: ``moe_form``'s, the grouped form ``grouped`` only with ``tensor_cores``, from ``grouped_min`` tokens); a
+    form that cannot serve the shapes raises ValueError (``moe_form_error`` says why)."""
     import torch
 
     x = _aligned(x)
@@ -355,7 +359,7 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu:
     dt, dev, stream = _dt(x), x.device.index, _stream(x)
     e13, r13 = w13.stride(0) * w13.element_size(), w13.stride(1) * w13.element_size()
     e2, r2 = w2.stride(0) * w2.element_size(), w2.stride(1) * w2.element_size()
-    form = form or moe_form(tokens, topk, hidden, inter, tensor_cores, grouped_min)
+    form = form or moe_form(tokens, topk, hidden, inter, tensor_cores, grouped_min, grouped)
     error = moe_form_error(form, tokens, topk, hidden, inter)
     if error:
         raise ValueError(error)
