@@ -198,21 +198,26 @@ def _launch(device: int, kernel: abi.Kernel, dtype: str | None, grid: tuple[int,
 
     packed = kernel.pack(*args)
     symbol = kernel.symbol(dtype, variant)  # an untyped kernel's symbol ignores the dtype
-    driver.launchKernel(_function(device, symbol), grid[0], grid[1], 1, block, 1, 1, smem, stream, packed.address, 0)
+    fn = _smem_function(device, symbol) if smem else _function(device, symbol)
+    driver.launchKernel(fn, grid[0], grid[1], 1, block, 1, 1, smem, stream, packed.address, 0)
 
 
 @functools.lru_cache(maxsize=None)
 def _function(device: int, symbol: str) -> int:
-    from cupy_backends.cuda.api import driver
-
     from fastcomm import jit
     from fastcomm.config import read
 
-    fn = jit.function(device, read("FASTCOMM_CACHE_DIR"), symbol, unit="kquant")
-    if symbol.startswith(tuple("fc_" + k.family for k in (abi.KQ_GEMVS, abi.KQ_MMA, abi.KQ_MOE_MMA_UP,
-                                                           abi.KQ_MOE_MMA_DOWN))):
-        # above 48 KB of dynamic shared memory on request: the staged activations, the mma forms' rings
-        driver.funcSetAttribute(fn, _MAX_DYNAMIC_SMEM_ATTR, _device(device)[1] - _static_smem(fn))
+    return jit.function(device, read("FASTCOMM_CACHE_DIR"), symbol, unit="kquant")
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_function(device: int, symbol: str) -> int:
+    """``_function``, allowed the device's opt-in dynamic shared memory (above 48 KB): whatever kernel a launch
+    gives dynamic shared memory to (the staged activations, the mma forms' rings) may need more than 48 KB."""
+    from cupy_backends.cuda.api import driver
+
+    fn = _function(device, symbol)
+    driver.funcSetAttribute(fn, _MAX_DYNAMIC_SMEM_ATTR, _device(device)[1] - _static_smem(fn))
     return fn
 
 
@@ -227,7 +232,7 @@ def _resident(device: int, symbol: str, ring: int) -> tuple[int, ...]:
     """Blocks of 1 .. KQ_MMA_WARPS warps (``ring`` bytes of shared memory each) one SM of ``device`` holds."""
     from cupy_backends.cuda.api import driver
 
-    fn = _function(device, symbol)
+    fn = _smem_function(device, symbol)
     return tuple(driver.occupancyMaxActiveBlocksPerMultiprocessor(fn, 32 * w, w * ring)
                  for w in range(1, abi.KQ_MMA_WARPS + 1))
 
