@@ -104,8 +104,6 @@ __device__ __forceinline__ void kq_mma_tile(const kq_u8* tile, kq_u64 row_stride
     KqUnit ua, ub;
     kq_unit_load(T, stage + g * kq_mma_span(T) + ((ra + (kq_u64)u * UB) & 15), 0, t, &ua);
     kq_unit_load(T, stage + (g + 8) * kq_mma_span(T) + ((rb + (kq_u64)u * UB) & 15), 0, t, &ub);
-    kq_unit_prep(T, &ua);
-    kq_unit_prep(T, &ub);
     float uacc[4] = {0.f, 0.f, 0.f, 0.f}, umin[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int m = 0; m < 8; ++m) {
@@ -206,11 +204,40 @@ __device__ __forceinline__ int kq_route(const int* topk_ids, int pairs, int e, i
   return count;
 }
 
-// Grouped MoE: block (tile, expert blockIdx.y) reads the tile of its expert's weight (rows of w + e *
-// expert_stride) once per 8 pairs routed to it. UP: vector = the pair's token (xq: one row per token), out
-// [pairs][rows] in the dtype; else vector = the pair itself (xq: one row per pair), out [pairs][rows] in fp32
-// (kq_moe_sum weights and adds them). A pair whose expert is no block's (outside [0, gridDim.y)) is written
-// by none and read by none.
+// The grouped MoEs' common step: block (tile, expert blockIdx.y) multiplies the tile of its expert's weight
+// (rows of w + e * expert_stride) by the n <= 8 vectors of the pairs pair[0 .. n); UP: a pair's vector is its
+// token's row of xq, else the pair's own row. True on warp 0, which then holds the sums in acc (every thread
+// calls it: it synchronizes the block).
+template <bool UP>
+__device__ __forceinline__ bool kq_mma_expert_tile(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride,
+                                                   int type, int rows, int cols, int topk, const int* pair, int n,
+                                                   const kq_u32* xq, const float* xs, float (*part)[4][32],
+                                                   float acc[4]) {
+  const int r0 = blockIdx.x * FC_KQ_MMA_ROWS, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  auto vec = [&](int j) {
+    const int p = pair[min(j, n - 1)];
+    return UP ? p / topk : p;
+  };
+  const KqCols col = {vec(g), vec(2 * t), vec(2 * t + 1)};
+  const kq_u8* tile = w + (kq_u64)blockIdx.y * expert_stride + (kq_u64)r0 * row_stride;
+  kq_mma_tile_any(type, tile, row_stride, min(FC_KQ_MMA_ROWS, rows - r0), cols, col, xq, xs, acc);
+  return kq_mma_reduce(acc, part);
+}
+
+// Row r of pair p's output: UP in the dtype, else fp32 (kq_moe_sum weights and adds the rows).
+template <typename D, bool UP>
+__device__ __forceinline__ void kq_moe_put(void* out, int rows, int p, int r, float v) {
+  const kq_u64 at = (kq_u64)p * rows + r;
+  if (UP) {
+    static_cast<typename D::raw*>(out)[at] = D::from_f(v);
+  } else {
+    static_cast<float*>(out)[at] = v;
+  }
+}
+
+// Grouped MoE: each block reads its expert's tile once per 8 pairs routed to it. UP: vector = the pair's token
+// (xq: one row per token), else vector = the pair itself (xq: one row per pair); out [pairs][rows]. A pair whose
+// expert is no block's (outside [0, gridDim.y)) is written by none and read by none.
 template <typename D, bool UP>
 __device__ void kq_mma_moe(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows, int cols,
                            const int* topk_ids, int topk, int pairs, const kq_u32* xq, const float* xs,
@@ -219,29 +246,16 @@ __device__ void kq_mma_moe(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stri
   __shared__ int s_pair[FC_KQ_MAX_PAIRS];
   __shared__ unsigned s_mask[FC_KQ_MAX_PAIRS / 32];
   const int count = kq_route(topk_ids, pairs, blockIdx.y, s_pair, s_mask);
-  const int r0 = blockIdx.x * FC_KQ_MMA_ROWS, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const kq_u8* tile = w + (kq_u64)blockIdx.y * expert_stride + (kq_u64)r0 * row_stride;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, r0 = blockIdx.x * FC_KQ_MMA_ROWS;
   for (int base = 0; base < count; base += FC_KQ_MMA_COLS) {  // block-uniform; one pass unless > 8 pairs
     const int n = min(count - base, FC_KQ_MMA_COLS);
-    auto vec = [&](int j) {
-      const int p = s_pair[base + min(j, n - 1)];
-      return UP ? p / topk : p;
-    };
-    const KqCols col = {vec(g), vec(2 * t), vec(2 * t + 1)};
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    kq_mma_tile_any(type, tile, row_stride, min(FC_KQ_MMA_ROWS, rows - r0), cols, col, xq, xs, acc);
-    if (kq_mma_reduce(acc, part)) {
+    if (kq_mma_expert_tile<UP>(w, expert_stride, row_stride, type, rows, cols, topk, s_pair + base, n, xq, xs,
+                               part, acc)) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int r = r0 + g + 8 * (j >> 1), v = 2 * t + (j & 1);
-        if (r < rows && v < n) {
-          const kq_u64 at = (kq_u64)s_pair[base + v] * rows + r;
-          if (UP) {
-            static_cast<typename D::raw*>(out)[at] = D::from_f(acc[j]);
-          } else {
-            static_cast<float*>(out)[at] = acc[j];
-          }
-        }
+        if (r < rows && v < n) kq_moe_put<D, UP>(out, rows, s_pair[base + v], r, acc[j]);
       }
     }
     if (base + FC_KQ_MMA_COLS < count) __syncthreads();  // warp 0 has read `part` before the next pass writes it
@@ -292,35 +306,19 @@ __device__ void kq_mma_moe1(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_str
   __shared__ int2 s_dup[FC_KQ_MAX_PAIRS];
   __shared__ int s_n[2];
   kq_route_tokens(topk_ids, tokens, topk, blockIdx.y, s_col, s_dup, s_n);
-  const int n = s_n[0];
+  const int n = s_n[0], dups = s_n[1];
   if (n == 0) return;  // block-uniform: no token routed to this expert
-  const int r0 = blockIdx.x * FC_KQ_MMA_ROWS, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const kq_u8* tile = w + (kq_u64)blockIdx.y * expert_stride + (kq_u64)r0 * row_stride;
-  auto vec = [&](int j) {
-    const int p = s_col[min(j, n - 1)];
-    return UP ? p / topk : p;
-  };
-  const KqCols col = {vec(g), vec(2 * t), vec(2 * t + 1)};
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  kq_mma_tile_any(type, tile, row_stride, min(FC_KQ_MMA_ROWS, rows - r0), cols, col, xq, xs, acc);
-  if (!kq_mma_reduce(acc, part)) return;
-  auto put = [&](int pair, int r, float v) {
-    const kq_u64 at = (kq_u64)pair * rows + r;
-    if (UP) {
-      static_cast<typename D::raw*>(out)[at] = D::from_f(v);
-    } else {
-      static_cast<float*>(out)[at] = v;
-    }
-  };
-  const int dups = s_n[1];
+  if (!kq_mma_expert_tile<UP>(w, expert_stride, row_stride, type, rows, cols, topk, s_col, n, xq, xs, part, acc))
+    return;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, r0 = blockIdx.x * FC_KQ_MMA_ROWS;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int r = r0 + g + 8 * (j >> 1), v = 2 * t + (j & 1);
     if (r < rows && v < n) {
-      put(s_col[v], r, acc[j]);
+      kq_moe_put<D, UP>(out, rows, s_col[v], r, acc[j]);
       for (int d = 0; d < dups; ++d) {
-        const int2 dp = s_dup[d];
-        if (dp.y == v) put(dp.x, r, acc[j]);
+        if (s_dup[d].y == v) kq_moe_put<D, UP>(out, rows, s_dup[d].x, r, acc[j]);
       }
     }
   }
