@@ -328,36 +328,28 @@ FC_KQ_HD void kq_unit_load(int type, const kq_u8* row, int u, int t, KqUnit* r) 
     const int qs = type == FC_KQ_Q5_K ? 6 : 4;
     if (type == FC_KQ_Q5_K) kq_load8<true>(b + 16 + 8 * t, w + 4);
     for (int p = 0; p < 4; ++p) kq_load8<true>(b + (type == FC_KQ_Q5_K ? 48 : 16) + 32 * p + 8 * t, w + qs + 2 * p);
-  } else if (type == FC_KQ_Q6_K) {
-    const kq_u8* b = row + (kq_u64)u * 210;
-    for (int i = 0; i < 4; ++i) kq_load_even<2, true>(b + 32 * i + 8 * t, w + 2 * i);  // i = 2 h + a: 64 h + 32 a
-    for (int h = 0; h < 2; ++h) kq_load_even<2, true>(b + 128 + 32 * h + 8 * t, w + 8 + 2 * h);
-    kq_load_even<4, true>(b + 192, w + 12);
-    kq_load_even<1, true>(b + 208, w + 16);
-  } else {  // FC_KQ_Q8_0
-    for (int m = 0; m < 8; ++m) {
-      const kq_u8* b = row + (kq_u64)(u * 8 + m) * 34;
-      kq_load_even<1, true>(b, w + 3 * m);
-      kq_load_even<2, true>(b + 2 + 8 * t, w + 3 * m + 1);
-    }
-  }
-}
-
-// What a unit's chunks share, from its loaded words; apart from kq_unit_load so that a unit loaded ahead (the
-// next one, while this one computes) is not waited for until it is used.
-FC_KQ_HD void kq_unit_prep(int type, KqUnit* r) {
-  kq_u32* w = r->w;
-  if (type == FC_KQ_Q4_K || type == FC_KQ_Q5_K) {
     // kq_scale_min_k4 for all 8 sub-blocks at once, a byte each: j < 4 from bytes j of words 1 (scale) and 2
     // (min); j >= 4 their top 2 bits over the low (scale) or high (min) nibble of byte j - 4 of word 3.
     w[20] = w[1] & 0x3F3F3F3Fu;
     w[21] = (w[3] & 0x0F0F0F0Fu) | ((w[1] >> 2) & 0x30303030u);
     w[22] = w[2] & 0x3F3F3F3Fu;
     w[23] = ((w[3] >> 4) & 0x0F0F0F0Fu) | ((w[2] >> 2) & 0x30303030u);
+  } else if (type == FC_KQ_Q6_K) {
+    const kq_u8* b = row + (kq_u64)u * kq_block_bytes(type);
+    for (int i = 0; i < 4; ++i) kq_load_even<2, true>(b + 32 * i + 8 * t, w + 2 * i);  // i = 2 h + a: 64 h + 32 a
+    for (int h = 0; h < 2; ++h) kq_load_even<2, true>(b + 128 + 32 * h + 8 * t, w + 8 + 2 * h);
+    kq_load_even<4, true>(b + 192, w + 12);
+    kq_load_even<1, true>(b + 208, w + 16);
+  } else {  // FC_KQ_Q8_0
+    for (int m = 0; m < 8; ++m) {
+      const kq_u8* b = row + (kq_u64)(u * 8 + m) * kq_block_bytes(type);
+      kq_load_even<1, true>(b, w + 3 * m);
+      kq_load_even<2, true>(b + 2 + 8 * t, w + 3 * m + 1);
+    }
   }
 }
 
-// Chunk m (0-7) of the unit (after kq_unit_prep), decoded from the thread's words.
+// Chunk m (0-7) of the unit, decoded from the thread's words.
 FC_KQ_HD void kq_unit_chunk(int type, const KqUnit& r, int m, KqFrag* f) {
   const kq_u32* w = r.w;
   if (type == FC_KQ_Q4_K || type == FC_KQ_Q5_K) {

@@ -52,8 +52,6 @@ static void mma_forms(int type, const kq_u8* w, long row_bytes, int rows, int co
           const int g = lane / 4, t = lane % 4;
           kq_unit_load(type, w + (long)std::min(r0 + g, rows - 1) * row_bytes, u, t, &ua[lane]);
           kq_unit_load(type, w + (long)std::min(r0 + g + 8, rows - 1) * row_bytes, u, t, &ub[lane]);
-          kq_unit_prep(type, &ua[lane]);
-          kq_unit_prep(type, &ub[lane]);
           const int vop = std::min(g, n - 1), v0 = std::min(2 * t, n - 1), v1 = std::min(2 * t + 1, n - 1);
           if (mins) {
             kq_xunit_load<true>(xq.data(), xs.data(), cols, u, vop, v0, v1, t, &x[lane]);

@@ -225,8 +225,9 @@ def test_moe_bf16_and_the_activation_hook(form):
 @pytest.mark.parametrize("form", MOE_FORMS)
 def test_moe_repeated_and_foreign_expert_ids(form):
     """A token routed twice to one expert (16 pairs on expert 0 at 8 tokens: two passes of the grouped tile,
-    and in the one-pass form 8 columns whose rows also go to each token's second pair) counts twice; an id outside [0, experts) (expert parallelism's "not here") adds nothing. vLLM's router
-    gives neither to these kernels, but neither may turn into a wrong sum or a read out of bounds."""
+    and in the one-pass form 8 columns whose rows also go to each token's second pair) counts twice; an id
+    outside [0, experts) (expert parallelism's "not here") adds nothing. vLLM's router gives neither to these
+    kernels, but neither may turn into a wrong sum or a read out of bounds."""
     k = kq()
     rng = np.random.default_rng(24)
     experts, hidden, inter, topk, tokens = 4, 512, 256, 3, 8
