@@ -420,7 +420,8 @@ def test_worker_engine_arguments():
     assert "disable_log_stats" not in plain and "load_format" not in plain and not plain["disable_custom_all_reduce"]
 
 
-def test_quantization_reaches_the_engine_and_the_record(tmp_path, monkeypatch, capsys):
+def _specs_run(tmp_path, monkeypatch) -> list[dict]:
+    """bench-decode in tmp_path with every backend's run replaced: the specs the worker would get, in order."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(B, "why_not_runnable", lambda fastcomm_rows: None)
     seen = []
@@ -430,6 +431,11 @@ def test_quantization_reaches_the_engine_and_the_record(tmp_path, monkeypatch, c
         return result(backend.name, list(range(64)))
 
     monkeypatch.setattr(B, "run_backend", run_backend)
+    return seen
+
+
+def test_quantization_reaches_the_engine_and_the_record(tmp_path, monkeypatch, capsys):
+    seen = _specs_run(tmp_path, monkeypatch)
     assert B.main(["--configs", "vllm", "--tp", "1", "--quantization", "fp8", "--max-tokens", "64",
                    "--out", str(tmp_path / "r.json")]) == 0
     assert seen[0]["engine"]["quantization"] == "fp8" and seen[0]["engine"]["load_format"] == "dummy"
@@ -441,15 +447,7 @@ def test_quantization_reaches_the_engine_and_the_record(tmp_path, monkeypatch, c
 
 
 def test_spread_routing_reaches_the_worker_and_the_record_and_refuses_real_weights(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(B, "why_not_runnable", lambda fastcomm_rows: None)
-    seen = []
-
-    def run_backend(backend, spec, log_dir, timeout, tag=""):
-        seen.append(spec)
-        return result(backend.name, list(range(64)))
-
-    monkeypatch.setattr(B, "run_backend", run_backend)
+    seen = _specs_run(tmp_path, monkeypatch)
     assert B.main(["--configs", "vllm", "--tp", "1", "--quantization", "fp8", "--spread-routing", "--max-tokens",
                    "64", "--out", str(tmp_path / "r.json")]) == 0
     assert seen[0]["spread_routing"] is True
