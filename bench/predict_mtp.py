@@ -151,12 +151,10 @@ def table(points: dict[int, float], run: MtpRun | None = None, share: float | No
     """The model's table; the draft's share of a plain step from ``run`` (measured), else ``share`` (given),
     else the estimate. With ``run``, also its whole step as a multiple of a plain step."""
     fit = fit_step(points)
+    measured = None if run is None else draft_share(points, run)
+    split = measured is not None and measured >= 0
     given = share is not None and run is None
-    split = run is not None and draft_share(points, run) >= 0
-    if split:
-        share = draft_share(points, run)
-    elif share is None or run is not None:
-        share = ESTIMATED_DRAFT_SHARE
+    share = measured if split else share if given else ESTIMATED_DRAFT_SHARE
     lines = ["# MODEL, not a measurement. H200 step times (ms) by tokens per step: "
              + ", ".join(f"{c}: {points[c]:.1f}" for c in sorted(points))
              + f"; fit over 1-4: {fit.base_ms:.1f} + (c - 1) x {fit.per_token_ms:.1f}",
