@@ -281,6 +281,28 @@ __device__ void kq_gemv_s(const KqSegs& segs, const typename D::raw* x, int n, i
     kq_gemv<D, N>(segs, xq, xds, n, cols, out, out_stride);                                                  \
   }
 
+// The mma forms, one entry per weight type (V: _q4k ...) beside the one for any type (V empty: a switch).
+#define FC_KQ_DEFINE_MMA(NAME, D, V, TT)                                                                     \
+  extern "C" __global__ void __launch_bounds__(32 * FC_KQ_MMA_WARPS)                                         \
+      fc_kq_mma##V##_##NAME(KqSegs segs, const kq_u32* xq, const float* xs, int n, int cols, D::raw* out,   \
+                            kq_u64 out_stride) {                                                             \
+    kq_mma_gemv<D, TT>(segs, xq, xs, n, cols, out, out_stride);                                              \
+  }                                                                                                          \
+  extern "C" __global__ void __launch_bounds__(32 * FC_KQ_MMA_WARPS)                                         \
+      fc_kq_moe_mma_up##V##_##NAME(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type,        \
+                                   int rows, int cols, const int* topk_ids, int topk, int pairs,             \
+                                   const kq_u32* xq, const float* xs, D::raw* out) {                         \
+    kq_mma_moe<D, true, TT>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, pairs, xq, xs,   \
+                            out);                                                                            \
+  }                                                                                                          \
+  extern "C" __global__ void __launch_bounds__(32 * FC_KQ_MMA_WARPS)                                         \
+      fc_kq_moe_mma1_up##V##_##NAME(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type,       \
+                                    int rows, int cols, const int* topk_ids, int topk, int tokens,           \
+                                    const kq_u32* xq, const float* xs, D::raw* out) {                        \
+    kq_mma_moe1<D, true, TT>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, tokens, xq, xs, \
+                             out);                                                                           \
+  }
+
 #define FC_KQ_DEFINE(NAME, D)                                                                                \
   extern "C" __global__ void __launch_bounds__(256)                                                          \
       fc_kq_quantize_##NAME(const D::raw* x, int n, int cols, kq_u64 x_stride, kq_u32* xq, float2* xds,      \
@@ -300,11 +322,11 @@ __device__ void kq_gemv_s(const KqSegs& segs, const typename D::raw* x, int n, i
   FC_KQ_DEFINE_GEMVS(NAME, D, 2)                                                                             \
   FC_KQ_DEFINE_GEMVS(NAME, D, 4)                                                                             \
   FC_KQ_DEFINE_GEMVS(NAME, D, 8)                                                                             \
-  extern "C" __global__ void __launch_bounds__(32 * FC_KQ_MMA_WARPS)                                         \
-      fc_kq_mma_##NAME(KqSegs segs, const kq_u32* xq, const float* xs, int n, int cols, D::raw* out,        \
-                       kq_u64 out_stride) {                                                                  \
-    kq_mma_gemv<D>(segs, xq, xs, n, cols, out, out_stride);                                                  \
-  }                                                                                                          \
+  FC_KQ_DEFINE_MMA(NAME, D, , FC_KQ_ANY)                                                                    \
+  FC_KQ_DEFINE_MMA(NAME, D, _q4k, FC_KQ_Q4_K)                                                               \
+  FC_KQ_DEFINE_MMA(NAME, D, _q5k, FC_KQ_Q5_K)                                                               \
+  FC_KQ_DEFINE_MMA(NAME, D, _q6k, FC_KQ_Q6_K)                                                               \
+  FC_KQ_DEFINE_MMA(NAME, D, _q80, FC_KQ_Q8_0)                                                               \
   extern "C" __global__ void __launch_bounds__(FC_KQ_THREADS)                                                \
       fc_kq_moe_up_##NAME(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows,       \
                           int cols, const int* topk_ids, int topk, const kq_u32* xq, const float2* xds,      \
@@ -318,18 +340,6 @@ __device__ void kq_gemv_s(const KqSegs& segs, const typename D::raw* x, int n, i
     kq_moe_down<D>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk_weights, topk, xq, xds,    \
                    out);                                                                                     \
   }                                                                                                          \
-  extern "C" __global__ void __launch_bounds__(32 * FC_KQ_MMA_WARPS)                                         \
-      fc_kq_moe_mma_up_##NAME(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows,   \
-                              int cols, const int* topk_ids, int topk, int pairs, const kq_u32* xq,          \
-                              const float* xs, D::raw* out) {                                                \
-    kq_mma_moe<D, true>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, pairs, xq, xs, out);  \
-  }                                                                                                          \
-  extern "C" __global__ void __launch_bounds__(32 * FC_KQ_MMA_WARPS)                                         \
-      fc_kq_moe_mma1_up_##NAME(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows,  \
-                               int cols, const int* topk_ids, int topk, int tokens, const kq_u32* xq,        \
-                               const float* xs, D::raw* out) {                                               \
-    kq_mma_moe1<D, true>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, tokens, xq, xs, out); \
-  }                                                                                                          \
   extern "C" __global__ void __launch_bounds__(256)                                                          \
       fc_kq_moe_sum_##NAME(const float* y, const int* topk_ids, const float* topk_weights, int topk,         \
                            int experts, int tokens, int rows, D::raw* out) {                                 \
@@ -341,13 +351,23 @@ FC_KQ_DEFINE(f16, FcF16)
 FC_KQ_DEFINE(f32, FcF32)
 
 // The down rows' output is fp32 whatever the dtype (kq_moe_sum rounds once), so one entry serves all three.
-extern "C" __global__ void __launch_bounds__(32 * FC_KQ_MMA_WARPS)
-    fc_kq_moe_mma_down(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows, int cols,
-                       const int* topk_ids, int topk, int pairs, const kq_u32* xq, const float* xs, float* out) {
-  kq_mma_moe<FcF32, false>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, pairs, xq, xs, out);
-}
-extern "C" __global__ void __launch_bounds__(32 * FC_KQ_MMA_WARPS)
-    fc_kq_moe_mma1_down(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows, int cols,
-                        const int* topk_ids, int topk, int tokens, const kq_u32* xq, const float* xs, float* out) {
-  kq_mma_moe1<FcF32, false>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, tokens, xq, xs, out);
-}
+#define FC_KQ_DEFINE_DOWN(V, TT)                                                                             \
+  extern "C" __global__ void __launch_bounds__(32 * FC_KQ_MMA_WARPS)                                         \
+      fc_kq_moe_mma_down##V(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows,     \
+                            int cols, const int* topk_ids, int topk, int pairs, const kq_u32* xq,            \
+                            const float* xs, float* out) {                                                   \
+    kq_mma_moe<FcF32, false, TT>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, pairs, xq,  \
+                                 xs, out);                                                                   \
+  }                                                                                                          \
+  extern "C" __global__ void __launch_bounds__(32 * FC_KQ_MMA_WARPS)                                         \
+      fc_kq_moe_mma1_down##V(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows,    \
+                             int cols, const int* topk_ids, int topk, int tokens, const kq_u32* xq,          \
+                             const float* xs, float* out) {                                                  \
+    kq_mma_moe1<FcF32, false, TT>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, tokens,    \
+                                  xq, xs, out);                                                              \
+  }
+FC_KQ_DEFINE_DOWN(, FC_KQ_ANY)
+FC_KQ_DEFINE_DOWN(_q4k, FC_KQ_Q4_K)
+FC_KQ_DEFINE_DOWN(_q5k, FC_KQ_Q5_K)
+FC_KQ_DEFINE_DOWN(_q6k, FC_KQ_Q6_K)
+FC_KQ_DEFINE_DOWN(_q80, FC_KQ_Q8_0)

@@ -411,11 +411,15 @@ FC_KQ_HD void kq_load16f(const float* p, float f[4]) {  // p 16-byte aligned
 #endif
 }
 
-template <bool MINS>
-FC_KQ_HD void kq_xunit_load(const kq_u32* xq, const float* xs, int cols, int u, int vop, int v0, int v1, int t,
-                            KqXUnit* x) {
+// The operand words of vector vop (every chunk's two at b[2 m ..]).
+FC_KQ_HD void kq_xunit_ops(const kq_u32* xq, int cols, int u, int vop, int t, KqXUnit* x) {
   const kq_u8* q = reinterpret_cast<const kq_u8*>(xq + (kq_u64)vop * (cols / 4) + u * 64 + 16 * t);
   for (int i = 0; i < 4; ++i) kq_load16(q + 16 * i, x->b + 4 * i);
+}
+
+// The scales (and, MINS, sums) of vectors v0 and v1.
+template <bool MINS>
+FC_KQ_HD void kq_xunit_scales(const float* xs, int cols, int u, int v0, int v1, KqXUnit* x) {
   const int per = cols / 16;  // floats per vector: (scale, sum) per 32 values
   const int vs[2] = {v0, v1};
   for (int j = 0; j < 2; ++j) {
@@ -427,6 +431,13 @@ FC_KQ_HD void kq_xunit_load(const kq_u32* xq, const float* xs, int cols, int u, 
       kq_load16f(p + 12, x->s[j] + 4);
     }
   }
+}
+
+template <bool MINS>
+FC_KQ_HD void kq_xunit_load(const kq_u32* xq, const float* xs, int cols, int u, int vop, int v0, int v1, int t,
+                            KqXUnit* x) {
+  kq_xunit_ops(xq, cols, u, vop, t, x);
+  kq_xunit_scales<MINS>(xs, cols, u, v0, v1, x);
 }
 
 // Chunk m's part of the unit's sums: uacc[j] (rows g, g, g + 8, g + 8 by vectors v0, v1, v0, v1, the mma's C

@@ -73,8 +73,9 @@ __device__ __forceinline__ void kq_mma_copy(const kq_u8* tile, kq_u64 row_stride
 }
 
 // One warp's share of a tile: rows g and g + 8 of the tile (rows past `rows` read its last row again), against
-// the vectors of `col`. acc: row g with vectors 2t and 2t + 1, then row g + 8 with the same. The activations
-// (L2) are loaded at the top of each unit.
+// the vectors of `col`. acc: row g with vectors 2t and 2t + 1, then row g + 8 with the same. The activations'
+// operands (L2) are loaded at the top of each unit, their scales once the unit's weights have landed (the order
+// that measured fastest, bench/RESULTS.md).
 template <int T>
 __device__ __forceinline__ void kq_mma_tile(const kq_u8* tile, kq_u64 row_stride, int rows, int units, int cols,
                                             const KqCols& col, const kq_u32* xq, const float* xs, float acc[4]) {
@@ -97,9 +98,10 @@ __device__ __forceinline__ void kq_mma_tile(const kq_u8* tile, kq_u64 row_stride
       kq_mma_copy<T>(tile, row_stride, rows, u + (S - 1) * W, ring + (k + S - 1) % S * STAGE);
     kq_cp_commit();
     KqXUnit x;
-    kq_xunit_load<mins>(xq, xs, cols, u, col.op, col.d0, col.d1, t, &x);
+    kq_xunit_ops(xq, cols, u, col.op, t, &x);
     kq_cp_wait<S - 1>();  // this lane's copies of unit u have landed; the warp's, after the sync
     __syncwarp();
+    kq_xunit_scales<mins>(xs, cols, u, col.d0, col.d1, &x);
     const kq_u8* stage = ring + k % S * STAGE;
     KqUnit ua, ub;
     kq_unit_load(T, stage + g * kq_mma_span(T) + ((ra + (kq_u64)u * UB) & 15), 0, t, &ua);
@@ -129,10 +131,18 @@ __device__ __forceinline__ void kq_mma_tile(const kq_u8* tile, kq_u64 row_stride
   kq_cp_wait<0>();  // no copy outlives the warp's loop (the last units' groups are empty or already waited)
 }
 
+// TT: the weight type a kernel is built for, or FC_KQ_ANY (a switch on `type`: its registers are the widest
+// type's, and they set every type's occupancy).
+#define FC_KQ_ANY (-1)
+template <int TT>
 __device__ __forceinline__ void kq_mma_tile_any(int type, const kq_u8* tile, kq_u64 row_stride, int rows, int cols,
                                                 const KqCols& col, const kq_u32* xq, const float* xs,
                                                 float acc[4]) {
   const int units = cols / FC_KQ_UNIT;
+  if constexpr (TT != FC_KQ_ANY) {
+    kq_mma_tile<TT>(tile, row_stride, rows, units, cols, col, xq, xs, acc);
+    return;
+  }
   switch (type) {  // block-uniform: a tile lies in one segment
     case FC_KQ_Q4_K: kq_mma_tile<FC_KQ_Q4_K>(tile, row_stride, rows, units, cols, col, xq, xs, acc); break;
     case FC_KQ_Q5_K: kq_mma_tile<FC_KQ_Q5_K>(tile, row_stride, rows, units, cols, col, xq, xs, acc); break;
@@ -160,7 +170,7 @@ __device__ __forceinline__ bool kq_mma_reduce(float acc[4], float (*part)[4][32]
 }
 
 // Dense: rows [16 blockIdx.x, +16) of the segments against vectors 0 .. n - 1 (n <= 8); out as kq_gemv's.
-template <typename D>
+template <typename D, int TT>
 __device__ void kq_mma_gemv(const KqSegs& segs, const kq_u32* xq, const float* xs, int n, int cols,
                             typename D::raw* out, kq_u64 out_stride) {
   __shared__ float part[FC_KQ_MMA_WARPS - 1][4][32];
@@ -169,8 +179,8 @@ __device__ void kq_mma_gemv(const KqSegs& segs, const kq_u32* xq, const float* x
   const int last = segs.total_rows - 1;    // a last partial tile reads its last row again, writes nothing
   const KqCols col = {min(g, n - 1), min(2 * t, n - 1), min(2 * t + 1, n - 1)};
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  kq_mma_tile_any(sg.type, sg.w + (kq_u64)(r0 - sg.row0) * sg.row_stride, sg.row_stride,
-                  min(FC_KQ_MMA_ROWS, last + 1 - r0), cols, col, xq, xs, acc);
+  kq_mma_tile_any<TT>(sg.type, sg.w + (kq_u64)(r0 - sg.row0) * sg.row_stride, sg.row_stride,
+                      min(FC_KQ_MMA_ROWS, last + 1 - r0), cols, col, xq, xs, acc);
   if (!kq_mma_reduce(acc, part)) return;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -208,7 +218,7 @@ __device__ __forceinline__ int kq_route(const int* topk_ids, int pairs, int e, i
 // (rows of w + e * expert_stride) by the n <= 8 vectors of the pairs pair[0 .. n); UP: a pair's vector is its
 // token's row of xq, else the pair's own row. True on warp 0, which then holds the sums in acc (every thread
 // calls it: it synchronizes the block).
-template <bool UP>
+template <bool UP, int TT>
 __device__ __forceinline__ bool kq_mma_expert_tile(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride,
                                                    int type, int rows, int cols, int topk, const int* pair, int n,
                                                    const kq_u32* xq, const float* xs, float (*part)[4][32],
@@ -220,7 +230,7 @@ __device__ __forceinline__ bool kq_mma_expert_tile(const kq_u8* w, kq_u64 expert
   };
   const KqCols col = {vec(g), vec(2 * t), vec(2 * t + 1)};
   const kq_u8* tile = w + (kq_u64)blockIdx.y * expert_stride + (kq_u64)r0 * row_stride;
-  kq_mma_tile_any(type, tile, row_stride, min(FC_KQ_MMA_ROWS, rows - r0), cols, col, xq, xs, acc);
+  kq_mma_tile_any<TT>(type, tile, row_stride, min(FC_KQ_MMA_ROWS, rows - r0), cols, col, xq, xs, acc);
   return kq_mma_reduce(acc, part);
 }
 
@@ -238,7 +248,7 @@ __device__ __forceinline__ void kq_moe_put(void* out, int rows, int p, int r, fl
 // Grouped MoE: each block reads its expert's tile once per 8 pairs routed to it. UP: vector = the pair's token
 // (xq: one row per token), else vector = the pair itself (xq: one row per pair); out [pairs][rows]. A pair whose
 // expert is no block's (outside [0, gridDim.y)) is written by none and read by none.
-template <typename D, bool UP>
+template <typename D, bool UP, int TT>
 __device__ void kq_mma_moe(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows, int cols,
                            const int* topk_ids, int topk, int pairs, const kq_u32* xq, const float* xs,
                            void* out) {
@@ -250,8 +260,8 @@ __device__ void kq_mma_moe(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stri
   for (int base = 0; base < count; base += FC_KQ_MMA_COLS) {  // block-uniform; one pass unless > 8 pairs
     const int n = min(count - base, FC_KQ_MMA_COLS);
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    if (kq_mma_expert_tile<UP>(w, expert_stride, row_stride, type, rows, cols, topk, s_pair + base, n, xq, xs,
-                               part, acc)) {
+    if (kq_mma_expert_tile<UP, TT>(w, expert_stride, row_stride, type, rows, cols, topk, s_pair + base, n, xq,
+                                   xs, part, acc)) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int r = r0 + g + 8 * (j >> 1), v = 2 * t + (j & 1);
@@ -297,7 +307,7 @@ __device__ __forceinline__ void kq_route_tokens(const int* topk_ids, int tokens,
 
 // Block (tile, expert blockIdx.y) of the one-pass grouped MoE; as kq_mma_moe, with `tokens` (<= 8) in place of
 // the pairs and topk <= 32 (the host checks both).
-template <typename D, bool UP>
+template <typename D, bool UP, int TT>
 __device__ void kq_mma_moe1(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows, int cols,
                             const int* topk_ids, int topk, int tokens, const kq_u32* xq, const float* xs,
                             void* out) {
@@ -309,7 +319,8 @@ __device__ void kq_mma_moe1(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_str
   const int n = s_n[0], dups = s_n[1];
   if (n == 0) return;  // block-uniform: no token routed to this expert
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  if (!kq_mma_expert_tile<UP>(w, expert_stride, row_stride, type, rows, cols, topk, s_col, n, xq, xs, part, acc))
+  if (!kq_mma_expert_tile<UP, TT>(w, expert_stride, row_stride, type, rows, cols, topk, s_col, n, xq, xs, part,
+                                  acc))
     return;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, r0 = blockIdx.x * FC_KQ_MMA_ROWS;
 #pragma unroll

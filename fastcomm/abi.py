@@ -110,11 +110,11 @@ class Kernel:
     def symbol(self, dtype: str | None = None, variant: str = "") -> str:
         if variant not in self.variants:
             raise ValueError(f"kernel {self.family} has no variant {variant!r} (has {self.variants})")
-        return f"fc_{self.family}{variant}_{DTYPE_SUFFIX[dtype]}" if self.typed else f"fc_{self.family}"
+        return f"fc_{self.family}{variant}_{DTYPE_SUFFIX[dtype]}" if self.typed else f"fc_{self.family}{variant}"
 
     def symbols(self) -> list[str]:
         if not self.typed:
-            return [self.symbol()]
+            return [self.symbol(None, v) for v in self.variants]
         return [self.symbol(d, v) for v in self.variants for d in DTYPE_SUFFIX]
 
     def pack(self, *args) -> "PackedArgs":
@@ -211,7 +211,10 @@ class KqSegs(ctypes.Structure):
 
 _STRUCTS = {"segs": KqSegs}
 
-_KQ_VARIANTS = ("1", "2", "4", "8")  # FC_KQ_DEFINE_GEMV / GEMVS: vectors per launch, at most
+_KQ_VARIANTS = ("1", "2", "4", "8")
+# FC_KQ_DEFINE_MMA / FC_KQ_DEFINE_DOWN: the mma forms for any weight type ("") or built for one.
+KQ_TYPE_VARIANTS = {KQ_Q4_K: "_q4k", KQ_Q5_K: "_q5k", KQ_Q6_K: "_q6k", KQ_Q8_0: "_q80"}
+_KQ_MMA_VARIANTS = ("",) + tuple(KQ_TYPE_VARIANTS.values())  # FC_KQ_DEFINE_GEMV / GEMVS: vectors per launch, at most
 # mma = 1: the tensor-core forms' order (kq_mma_x_put), which only they read; 0: the dp4a forms'.
 _QUANTIZE = (("x", "ptr"), ("n", "i32"), ("cols", "i32"), ("x_stride", "u64"), ("xq", "ptr"), ("xds", "ptr"),
              ("mma", "i32"))
@@ -222,19 +225,19 @@ KQ_GEMV = Kernel("kq_gemv", (("segs", "segs"), ("xq", "ptr"), ("xds", "ptr"), ("
 KQ_GEMVS = Kernel("kq_gemvs", (("segs", "segs"), ("x", "ptr"), ("n", "i32"), ("cols", "i32"), ("x_stride", "u64"),
                                ("out", "ptr"), ("out_stride", "u64")), variants=_KQ_VARIANTS)
 KQ_MMA = Kernel("kq_mma", (("segs", "segs"), ("xq", "ptr"), ("xs", "ptr"), ("n", "i32"), ("cols", "i32"),
-                           ("out", "ptr"), ("out_stride", "u64")))
+                           ("out", "ptr"), ("out_stride", "u64")), variants=_KQ_MMA_VARIANTS)
 _EXPERTS = (("w", "ptr"), ("expert_stride", "u64"), ("row_stride", "u64"), ("type", "i32"), ("rows", "i32"),
             ("cols", "i32"), ("topk_ids", "ptr"))
 KQ_MOE_UP = Kernel("kq_moe_up", _EXPERTS + (("topk", "i32"), ("xq", "ptr"), ("xds", "ptr"), ("out", "ptr")))
 KQ_MOE_DOWN = Kernel("kq_moe_down", _EXPERTS + (("topk_weights", "ptr"), ("topk", "i32"), ("xq", "ptr"),
                                                 ("xds", "ptr"), ("out", "ptr")))
 _GROUPED = _EXPERTS + (("topk", "i32"), ("pairs", "i32"), ("xq", "ptr"), ("xs", "ptr"), ("out", "ptr"))
-KQ_MOE_MMA_UP = Kernel("kq_moe_mma_up", _GROUPED)
-KQ_MOE_MMA_DOWN = Kernel("kq_moe_mma_down", _GROUPED, typed=False)  # fp32 rows whatever the dtype
+KQ_MOE_MMA_UP = Kernel("kq_moe_mma_up", _GROUPED, variants=_KQ_MMA_VARIANTS)
+KQ_MOE_MMA_DOWN = Kernel("kq_moe_mma_down", _GROUPED, variants=_KQ_MMA_VARIANTS, typed=False)  # fp32 rows whatever the dtype
 # One pass (kq_mma_moe1): columns are an expert's distinct tokens, so `tokens` <= KQ_MMA_COLS and topk <= 32.
 _GROUPED1 = _EXPERTS + (("topk", "i32"), ("tokens", "i32"), ("xq", "ptr"), ("xs", "ptr"), ("out", "ptr"))
-KQ_MOE_MMA1_UP = Kernel("kq_moe_mma1_up", _GROUPED1)
-KQ_MOE_MMA1_DOWN = Kernel("kq_moe_mma1_down", _GROUPED1, typed=False)
+KQ_MOE_MMA1_UP = Kernel("kq_moe_mma1_up", _GROUPED1, variants=_KQ_MMA_VARIANTS)
+KQ_MOE_MMA1_DOWN = Kernel("kq_moe_mma1_down", _GROUPED1, variants=_KQ_MMA_VARIANTS, typed=False)
 KQ_MOE_SUM = Kernel("kq_moe_sum", (("y", "ptr"), ("topk_ids", "ptr"), ("topk_weights", "ptr"), ("topk", "i32"),
                                    ("experts", "i32"), ("tokens", "i32"), ("rows", "i32"), ("out", "ptr")))
 KQ_KERNELS = (KQ_QUANTIZE, KQ_QUANTIZE_SILU, KQ_GEMV, KQ_GEMVS, KQ_MMA, KQ_MOE_UP, KQ_MOE_DOWN, KQ_MOE_MMA_UP,

@@ -60,6 +60,19 @@ def test_the_mma_form_reads_whole_units_and_tiles_of_one_type():
     assert [kquant.tiles(r) for r in (1, 16, 17, 154880)] == [1, 1, 2, 9680]
 
 
+def test_the_mma_entry_built_for_the_type_serves_the_moe_and_q6k_linears():
+    k = kquant
+    assert k.mma_variant([k.Q4_K], moe=True) == "_q4k" and k.mma_variant([k.Q5_K], moe=True) == "_q5k"
+    assert k.mma_variant([k.Q6_K], moe=False) == "_q6k"                        # the LM head, dense down
+    assert k.mma_variant([k.Q4_K], moe=False) == k.mma_variant([k.Q8_0], moe=False) == ""  # o_proj: 80 registers
+    assert k.mma_variant([k.Q5_K, k.Q8_0], moe=False) == ""                    # fused_qkv_a: two types, the switch
+    assert k.mma_variant([k.Q6_K, k.Q6_K], moe=False) == "_q6k"
+    # every entry it names exists, for every dtype (and once for the untyped down kernel)
+    for kernel in (abi.KQ_MMA, abi.KQ_MOE_MMA_UP, abi.KQ_MOE_MMA_DOWN):
+        assert all(v in kernel.variants for v in abi.KQ_TYPE_VARIANTS.values())
+    assert abi.KQ_MOE_MMA_DOWN.symbol(None, "_q5k") == "fc_kq_moe_mma_down_q5k"
+
+
 def test_form_choice():
     assert kquant.linear_form(kquant.MMA_MIN_TOKENS, True, True) == "mma"
     assert kquant.linear_form(8, False, True) == "staged"

@@ -50,6 +50,13 @@ GROUPED1_MAX_TOPK = 32  # kq_route_tokens: a ballot over one token's pairs
 # FASTCOMM_GGUF_MMA_MIN_TOKENS / _GROUPED_MIN_TOKENS move them per GPU.
 MMA_MIN_TOKENS = 4          # linears: the tensor-core form from this many tokens, below it the staged dp4a
 MOE_GROUPED_MIN_TOKENS = 3  # MoE: grouped by expert from this many tokens, below it per pair
+# The mma kernels come built for one weight type each, beside one for any type (a switch on the type, its
+# registers the widest type's). Which serves, from bench/gguf_kernels.py on an H200 (bench/RESULTS.md, 2026-12-02,
+# ninth session): built for their type, the grouped MoE took 179 against 200 us at 8 tokens (161 / 176 at 4) and
+# the Q6_K LM head 365 against 461 (346 / 381), but the Q4_K linears lost (o_proj 38.5 against 35.1 us at 8,
+# dense gate_up 56.6 / 48.4): ptxas gives that entry 80 registers, so mma_warps splits o_proj's tiles over 8
+# warps instead of 5 (occupancy arithmetic, not profiled). So the MoE and Q6_K linears take their type's entry.
+MMA_TYPED_LINEAR = frozenset({Q6_K})
 # 16-byte loads read Q4_K/Q5_K rows; Q6_K/Q8_0 blocks are only 2-byte aligned and are read by words.
 ROW_ALIGN = {Q4_K: 16, Q5_K: 16, Q6_K: 2, Q8_0: 2}
 
@@ -156,6 +163,17 @@ def mma_warps(cols: int, ntiles: int, sms: int, resident: tuple[int, ...]) -> in
     return -(-units // per)
 
 
+def mma_variant(types, moe: bool) -> str:
+    """The mma kernels' entry for a launch over weights of ``types`` (a MoE's, or a linear's segments): the one
+    built for their type (its suffix in abi.KQ_TYPE_VARIANTS) for the MoE and MMA_TYPED_LINEAR, else the one for
+    any type ("")."""
+    kinds = set(types)
+    if len(kinds) != 1:
+        return ""
+    kind = kinds.pop()
+    return abi.KQ_TYPE_VARIANTS[kind] if moe or kind in MMA_TYPED_LINEAR else ""
+
+
 def mma_ring_bytes(types) -> int:
     """Shared memory one warp of the mma forms holds: KQ_MMA_STAGES stages of 16 rows, a row the
     16-byte-aligned span of one unit of the widest of ``types`` (kq_mma_span)."""
@@ -238,12 +256,14 @@ def _resident(device: int, symbol: str, ring: int) -> tuple[int, ...]:
 
 
 def _mma_launch(dev: int, kernel: abi.Kernel, dtype: str | None, tiles_x: int, grid_y: int, busy_tiles: int,
-                cols: int, types, stream: int, args: tuple, warps: int | None = None) -> None:
-    """An mma-form launch: warps a tile from the occupancy of its symbol (or as given), a ring per warp."""
+                cols: int, types, stream: int, args: tuple, warps: int | None = None, moe: bool = False) -> None:
+    """An mma-form launch: the entry ``mma_variant`` picks, warps a tile from the occupancy of its symbol (or as
+    given), a ring per warp."""
     ring = mma_ring_bytes(types)
-    symbol = kernel.symbol(dtype)
+    variant = mma_variant(types, moe)
+    symbol = kernel.symbol(dtype, variant)
     warps = warps or mma_warps(cols, busy_tiles, _device(dev)[0], _resident(dev, symbol, ring))
-    _launch(dev, kernel, dtype, (tiles_x, grid_y), 32 * warps, stream, args, smem=warps * ring)
+    _launch(dev, kernel, dtype, (tiles_x, grid_y), 32 * warps, stream, args, variant=variant, smem=warps * ring)
 
 
 @functools.lru_cache(maxsize=None)
@@ -378,7 +398,7 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu:
     if grouped:
         _mma_launch(dev, up_k, dt, tiles(rows13), experts, tiles(rows13) * busy, hidden, [t13], stream,
                     (w13.data_ptr(), e13, r13, t13, rows13, hidden, ids.data_ptr(), topk, bound, xq.data_ptr(),
-                     xds.data_ptr(), up.data_ptr()))
+                     xds.data_ptr(), up.data_ptr()), moe=True)
     else:
         _launch(dev, abi.KQ_MOE_UP, dt, ((rows13 + abi.KQ_ROWS_PER_BLOCK - 1) // abi.KQ_ROWS_PER_BLOCK, pairs),
                 abi.KQ_THREADS, stream, (w13.data_ptr(), e13, r13, t13, rows13, hidden, ids.data_ptr(), topk,
@@ -389,7 +409,7 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu:
         y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
         _mma_launch(dev, down_k, None, tiles(hidden), experts, tiles(hidden) * busy, inter, [t2], stream,
                     (w2.data_ptr(), e2, r2, t2, hidden, inter, ids.data_ptr(), topk, bound, aq.data_ptr(),
-                     ads.data_ptr(), y.data_ptr()))
+                     ads.data_ptr(), y.data_ptr()), moe=True)
         _launch(dev, abi.KQ_MOE_SUM, dt, ((tokens * hidden + 255) // 256, 1), 256, stream,
                 (y.data_ptr(), ids.data_ptr(), weights.data_ptr(), topk, experts, tokens, hidden, out.data_ptr()))
         return out
