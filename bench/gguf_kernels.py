@@ -8,12 +8,12 @@ types, bench/glm5_gguf.py), the LM head, and the routed experts (16 experts, top
 plugin's path (as its ``apply`` runs it: per-shard copies for a mixed-type fused weight, GEMV up to its
 ``mmvq_safe`` batch, else its MMQ GEMM; MoE through ``ggml_moe_a8_vec``), fastcomm's in every form (linears:
 ``mma`` on the tensor cores, ``staged`` and ``unstaged`` dp4a; MoE: ``grouped`` by expert on the tensor cores,
-``grouped1`` the same in one pass, ``pairs`` dp4a per (token, expert) pair; kquant.FORMS_*), the form its policy
-takes marked (kquant.linear_form / moe_form, whose thresholds come from this table), and a bf16 cuBLAS matmul of
-the same shape for scale. Each timing is a CUDA graph of 16 calls replayed (launch overhead out, as in vLLM's
-decode graphs), over enough copies of the weight that no call finds it in L2. Also checks that fastcomm's result
-matches the plugin's (relative error), and prints a per-step sum: 75 MoE layers, 3 dense layers and the LM head,
-as in one decode step of the 78-layer model.
+``pairs`` dp4a per (token, expert) pair; kquant.FORMS_*), the form its policy takes marked (kquant.linear_form /
+moe_form, whose thresholds come from this table), and a bf16 cuBLAS matmul of the same shape for scale. Each
+timing is a CUDA graph of 16 calls replayed (launch overhead out, as in vLLM's decode graphs), over enough
+copies of the weight that no call finds it in L2. Also checks that fastcomm's result matches the plugin's
+(relative error), and prints a per-step sum: 75 MoE layers, 3 dense layers and the LM head, as in one decode
+step of the 78-layer model.
 Needs a GPU; the plugin's rows need vllm-gguf-plugin with its CUDA extension (without it they read '-').
 """
 from __future__ import annotations
@@ -272,7 +272,8 @@ def main(argv=None) -> int:
         rows += bench_linear(name, shards, cols, tokens, rng)
         torch.cuda.empty_cache()
     rows += bench_moe(tokens, rng)
-    print(f"# {torch.cuda.get_device_name()}: GPU us per call (CUDA graphs of {CALLS_PER_GRAPH} calls, weights out of L2)")
+    print(f"# {torch.cuda.get_device_name()}: GPU us per call (CUDA graphs of {CALLS_PER_GRAPH} calls, "
+          "weights out of L2)")
     text, steps = report(rows, tokens)
     print(text)
     thresholds = suggest(rows)

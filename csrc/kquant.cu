@@ -9,7 +9,6 @@
 //   fc_kq_moe_down_<dt>           per token: the router-weighted sum over its experts (dp4a)
 //   fc_kq_moe_mma_up_<dt>         grouped by expert on the tensor cores: each expert's rows once for its pairs
 //   fc_kq_moe_mma_down            the same for the down rows, one fp32 row per pair
-//   fc_kq_moe_mma1_up_<dt>, fc_kq_moe_mma1_down   the same in one pass: columns are an expert's distinct tokens
 //   fc_kq_moe_sum_<dt>            per token: the router-weighted sum of its pairs' fp32 rows
 // <dt> is the activations' and the output's dtype. Host side: fastcomm_vllm/gguf/kquant.py; the C ABI's one
 // mirror: fastcomm/abi.py.
@@ -163,10 +162,18 @@ __device__ void kq_moe_down(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_str
   const float2* ads = xds + (kq_u64)t * topk * chunks;
   float acc;
   switch (type) {
-    case FC_KQ_Q4_K: acc = kq_moe_down_lane<D, FC_KQ_Q4_K>(w, expert_stride, row_stride, r, chunks, ids, wt, topk, a, ads); break;
-    case FC_KQ_Q5_K: acc = kq_moe_down_lane<D, FC_KQ_Q5_K>(w, expert_stride, row_stride, r, chunks, ids, wt, topk, a, ads); break;
-    case FC_KQ_Q6_K: acc = kq_moe_down_lane<D, FC_KQ_Q6_K>(w, expert_stride, row_stride, r, chunks, ids, wt, topk, a, ads); break;
-    default: acc = kq_moe_down_lane<D, FC_KQ_Q8_0>(w, expert_stride, row_stride, r, chunks, ids, wt, topk, a, ads); break;
+    case FC_KQ_Q4_K:
+      acc = kq_moe_down_lane<D, FC_KQ_Q4_K>(w, expert_stride, row_stride, r, chunks, ids, wt, topk, a, ads);
+      break;
+    case FC_KQ_Q5_K:
+      acc = kq_moe_down_lane<D, FC_KQ_Q5_K>(w, expert_stride, row_stride, r, chunks, ids, wt, topk, a, ads);
+      break;
+    case FC_KQ_Q6_K:
+      acc = kq_moe_down_lane<D, FC_KQ_Q6_K>(w, expert_stride, row_stride, r, chunks, ids, wt, topk, a, ads);
+      break;
+    default:
+      acc = kq_moe_down_lane<D, FC_KQ_Q8_0>(w, expert_stride, row_stride, r, chunks, ids, wt, topk, a, ads);
+      break;
   }
   const float sum = kq_warp_sum(acc);
   if ((threadIdx.x & 31) == 0) out[(kq_u64)t * rows + r] = D::from_f(sum);
@@ -294,13 +301,6 @@ __device__ void kq_gemv_s(const KqSegs& segs, const typename D::raw* x, int n, i
                                    const kq_u32* xq, const float* xs, D::raw* out) {                         \
     kq_mma_moe<D, true, TT>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, pairs, xq, xs,   \
                             out);                                                                            \
-  }                                                                                                          \
-  extern "C" __global__ void __launch_bounds__(32 * FC_KQ_MMA_WARPS)                                         \
-      fc_kq_moe_mma1_up##V##_##NAME(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type,       \
-                                    int rows, int cols, const int* topk_ids, int topk, int tokens,           \
-                                    const kq_u32* xq, const float* xs, D::raw* out) {                        \
-    kq_mma_moe1<D, true, TT>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, tokens, xq, xs, \
-                             out);                                                                           \
   }
 
 #define FC_KQ_DEFINE(NAME, D)                                                                                \
@@ -358,13 +358,6 @@ FC_KQ_DEFINE(f32, FcF32)
                             const float* xs, float* out) {                                                   \
     kq_mma_moe<FcF32, false, TT>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, pairs, xq,  \
                                  xs, out);                                                                   \
-  }                                                                                                          \
-  extern "C" __global__ void __launch_bounds__(32 * FC_KQ_MMA_WARPS)                                         \
-      fc_kq_moe_mma1_down##V(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows,    \
-                             int cols, const int* topk_ids, int topk, int tokens, const kq_u32* xq,          \
-                             const float* xs, float* out) {                                                  \
-    kq_mma_moe1<FcF32, false, TT>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, tokens,    \
-                                  xq, xs, out);                                                              \
   }
 FC_KQ_DEFINE_DOWN(, FC_KQ_ANY)
 FC_KQ_DEFINE_DOWN(_q4k, FC_KQ_Q4_K)

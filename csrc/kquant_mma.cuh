@@ -214,7 +214,7 @@ __device__ __forceinline__ int kq_route(const int* topk_ids, int pairs, int e, i
   return count;
 }
 
-// The grouped MoEs' common step: block (tile, expert blockIdx.y) multiplies the tile of its expert's weight
+// A pass of the grouped MoE: block (tile, expert blockIdx.y) multiplies the tile of its expert's weight
 // (rows of w + e * expert_stride) by the n <= 8 vectors of the pairs pair[0 .. n); UP: a pair's vector is its
 // token's row of xq, else the pair's own row. True on warp 0, which then holds the sums in acc (every thread
 // calls it: it synchronizes the block).
@@ -269,69 +269,6 @@ __device__ void kq_mma_moe(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stri
       }
     }
     if (base + FC_KQ_MMA_COLS < count) __syncthreads();  // warp 0 has read `part` before the next pass writes it
-  }
-}
-
-// The grouped MoE in one pass (form "grouped1"): a block's columns are the distinct tokens routed to its expert,
-// at most FC_KQ_MMA_COLS as a launch holds at most that many tokens, so there is no loop over passes. Why: the
-// loop kept its state live across passes and took the kernels from 128 to 161 registers a thread, 12 warps an SM
-// instead of 16. A token routed twice to one expert (top-k gives distinct experts, a caller may not) has one
-// column: its further pairs get that column's rows, which are theirs too (UP reads the token; the down rows of
-// such pairs are equal, as UP wrote them from one column and the quantize is per row).
-//
-// Route: a token's first pair routed to expert e, in token order, into s_col; every further pair routed there,
-// with its column, into s_dup; s_n = {columns, duplicates}. Warp 0 does it (a ballot per token, topk <= 32);
-// every thread calls it (it synchronizes the block).
-__device__ __forceinline__ void kq_route_tokens(const int* topk_ids, int tokens, int topk, int e, int* s_col,
-                                                int2* s_dup, int* s_n) {
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    int cols = 0, dups = 0;
-    for (int t = 0; t < tokens; ++t) {  // warp-uniform
-      const unsigned m = __ballot_sync(0xffffffffu, lane < topk && __ldg(topk_ids + t * topk + lane) == e);
-      if (m == 0u) continue;
-      const int first = __ffs(m) - 1;
-      const unsigned rest = m & (m - 1u);  // the token's further pairs routed to e
-      if (lane == first) s_col[cols] = t * topk + lane;
-      if ((rest >> lane) & 1u) s_dup[dups + __popc(rest & ((1u << lane) - 1u))] = make_int2(t * topk + lane, cols);
-      dups += __popc(rest);
-      ++cols;
-    }
-    if (lane == 0) {
-      s_n[0] = cols;
-      s_n[1] = dups;
-    }
-  }
-  __syncthreads();
-}
-
-// Block (tile, expert blockIdx.y) of the one-pass grouped MoE; as kq_mma_moe, with `tokens` (<= 8) in place of
-// the pairs and topk <= 32 (the host checks both).
-template <typename D, bool UP, int TT>
-__device__ void kq_mma_moe1(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows, int cols,
-                            const int* topk_ids, int topk, int tokens, const kq_u32* xq, const float* xs,
-                            void* out) {
-  __shared__ float part[FC_KQ_MMA_WARPS - 1][4][32];
-  __shared__ int s_col[FC_KQ_MMA_COLS];
-  __shared__ int2 s_dup[FC_KQ_MAX_PAIRS];
-  __shared__ int s_n[2];
-  kq_route_tokens(topk_ids, tokens, topk, blockIdx.y, s_col, s_dup, s_n);
-  const int n = s_n[0], dups = s_n[1];
-  if (n == 0) return;  // block-uniform: no token routed to this expert
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  if (!kq_mma_expert_tile<UP, TT>(w, expert_stride, row_stride, type, rows, cols, topk, s_col, n, xq, xs, part,
-                                  acc))
-    return;
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, r0 = blockIdx.x * FC_KQ_MMA_ROWS;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int r = r0 + g + 8 * (j >> 1), v = 2 * t + (j & 1);
-    if (r < rows && v < n) {
-      kq_moe_put<D, UP>(out, rows, s_col[v], r, acc[j]);
-      for (int d = 0; d < dups; ++d) {
-        if (s_dup[d].y == v) kq_moe_put<D, UP>(out, rows, s_dup[d].x, r, acc[j]);
-      }
-    }
   }
 }
 

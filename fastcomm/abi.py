@@ -27,7 +27,8 @@ FLAT, ISLAND, PARTNER = 0, 1, 2
 GROUPS = {FLAT: "all ranks", ISLAND: "island", PARTNER: "cross-island partners"}
 
 # Steps (FC_STEP_*), named in timeout errors.
-STEP_ONE_SHOT, STEP_RS, STEP_AG, STEP_FUSED, STEP_PULL, STEP_PULL_AG, STEP_FUSED_RS, STEP_FUSED_AG = 1, 2, 3, 4, 5, 6, 7, 8
+STEP_ONE_SHOT, STEP_RS, STEP_AG, STEP_FUSED = 1, 2, 3, 4
+STEP_PULL, STEP_PULL_AG, STEP_FUSED_RS, STEP_FUSED_AG = 5, 6, 7, 8
 STEPS = {STEP_ONE_SHOT: "one-shot exchange", STEP_RS: "two-shot reduce-scatter",
          STEP_AG: "two-shot all-gather", STEP_FUSED: "fused all-reduce + RMSNorm exchange",
          STEP_PULL: "pull exchange", STEP_PULL_AG: "pull all-gather",
@@ -211,10 +212,10 @@ class KqSegs(ctypes.Structure):
 
 _STRUCTS = {"segs": KqSegs}
 
-_KQ_VARIANTS = ("1", "2", "4", "8")
+_KQ_VARIANTS = ("1", "2", "4", "8")  # FC_KQ_DEFINE_GEMV / GEMVS: vectors per launch, at most
 # FC_KQ_DEFINE_MMA / FC_KQ_DEFINE_DOWN: the mma forms for any weight type ("") or built for one.
 KQ_TYPE_VARIANTS = {KQ_Q4_K: "_q4k", KQ_Q5_K: "_q5k", KQ_Q6_K: "_q6k", KQ_Q8_0: "_q80"}
-_KQ_MMA_VARIANTS = ("",) + tuple(KQ_TYPE_VARIANTS.values())  # FC_KQ_DEFINE_GEMV / GEMVS: vectors per launch, at most
+_KQ_MMA_VARIANTS = ("",) + tuple(KQ_TYPE_VARIANTS.values())
 # mma = 1: the tensor-core forms' order (kq_mma_x_put), which only they read; 0: the dp4a forms'.
 _QUANTIZE = (("x", "ptr"), ("n", "i32"), ("cols", "i32"), ("x_stride", "u64"), ("xq", "ptr"), ("xds", "ptr"),
              ("mma", "i32"))
@@ -233,12 +234,9 @@ KQ_MOE_DOWN = Kernel("kq_moe_down", _EXPERTS + (("topk_weights", "ptr"), ("topk"
                                                 ("xds", "ptr"), ("out", "ptr")))
 _GROUPED = _EXPERTS + (("topk", "i32"), ("pairs", "i32"), ("xq", "ptr"), ("xs", "ptr"), ("out", "ptr"))
 KQ_MOE_MMA_UP = Kernel("kq_moe_mma_up", _GROUPED, variants=_KQ_MMA_VARIANTS)
-KQ_MOE_MMA_DOWN = Kernel("kq_moe_mma_down", _GROUPED, variants=_KQ_MMA_VARIANTS, typed=False)  # fp32 rows whatever the dtype
-# One pass (kq_mma_moe1): columns are an expert's distinct tokens, so `tokens` <= KQ_MMA_COLS and topk <= 32.
-_GROUPED1 = _EXPERTS + (("topk", "i32"), ("tokens", "i32"), ("xq", "ptr"), ("xs", "ptr"), ("out", "ptr"))
-KQ_MOE_MMA1_UP = Kernel("kq_moe_mma1_up", _GROUPED1, variants=_KQ_MMA_VARIANTS)
-KQ_MOE_MMA1_DOWN = Kernel("kq_moe_mma1_down", _GROUPED1, variants=_KQ_MMA_VARIANTS, typed=False)
+# fp32 rows whatever the dtype
+KQ_MOE_MMA_DOWN = Kernel("kq_moe_mma_down", _GROUPED, variants=_KQ_MMA_VARIANTS, typed=False)
 KQ_MOE_SUM = Kernel("kq_moe_sum", (("y", "ptr"), ("topk_ids", "ptr"), ("topk_weights", "ptr"), ("topk", "i32"),
                                    ("experts", "i32"), ("tokens", "i32"), ("rows", "i32"), ("out", "ptr")))
 KQ_KERNELS = (KQ_QUANTIZE, KQ_QUANTIZE_SILU, KQ_GEMV, KQ_GEMVS, KQ_MMA, KQ_MOE_UP, KQ_MOE_DOWN, KQ_MOE_MMA_UP,
-              KQ_MOE_MMA_DOWN, KQ_MOE_MMA1_UP, KQ_MOE_MMA1_DOWN, KQ_MOE_SUM)
+              KQ_MOE_MMA_DOWN, KQ_MOE_SUM)

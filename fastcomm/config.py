@@ -144,7 +144,6 @@ TRANSPORTS = ("auto", "p2p", "host")
 ALGOS = ("auto", "one_shot", "two_shot", "two_shot_ll", "pull", "two_shot_islands")
 FUSED_CLUSTER_SETTINGS = ("auto", "on", "off")
 GGUF_KERNEL_SETTINGS = ("auto", "dp4a", "plugin")
-GGUF_GROUPED_FORMS = ("grouped", "grouped1")  # kquant.FORMS_MOE's tensor-core forms
 LOG_LEVELS = ("debug", "info", "warning", "error", "off")
 
 VARIABLES: tuple[Var, ...] = (
@@ -188,9 +187,6 @@ VARIABLES: tuple[Var, ...] = (
     Var("FASTCOMM_GGUF_GROUPED_MIN_TOKENS", "gguf_grouped_min_tokens", "", "Tokens from which a GGUF MoE layer's "
         "experts take the tensor-core form grouped by expert (unset: kquant.MOE_GROUPED_MIN_TOKENS; 9: never).",
         _decode_tokens),
-    Var("FASTCOMM_GGUF_GROUPED_FORM", "gguf_grouped_form", "grouped", "grouped | grouped1: the kernels of a GGUF "
-        "MoE layer grouped by expert; grouped1 runs each expert's tokens in one pass (fewer registers a thread; "
-        "not yet the default: bench/RESULTS.md).", _choice(*GGUF_GROUPED_FORMS)),
     Var("FASTCOMM_LOG", "log_level", "warning", "debug | info | warning | error | off: level of the 'fastcomm' "
         "logger; info prints the transport and policy each workspace chose (like NCCL_DEBUG=INFO).",
         _choice(*LOG_LEVELS)),
@@ -244,7 +240,6 @@ class Config:
     gguf_kernels: str = "auto"  # FASTCOMM_GGUF_KERNELS (fastcomm_vllm.gguf.kquant)
     gguf_mma_min_tokens: int | None = None      # FASTCOMM_GGUF_MMA_MIN_TOKENS (None: the kquant policy's)
     gguf_grouped_min_tokens: int | None = None  # FASTCOMM_GGUF_GROUPED_MIN_TOKENS
-    gguf_grouped_form: str = "grouped"          # FASTCOMM_GGUF_GROUPED_FORM
     log_level: str = "warning"
     test_mode: bool = False
     test_shared_gpu: bool = False
@@ -263,8 +258,6 @@ class Config:
             bad("fused_cluster", f"must be one of {', '.join(FUSED_CLUSTER_SETTINGS)}")
         if self.gguf_kernels not in GGUF_KERNEL_SETTINGS:
             bad("gguf_kernels", f"must be one of {', '.join(GGUF_KERNEL_SETTINGS)}")
-        if self.gguf_grouped_form not in GGUF_GROUPED_FORMS:
-            bad("gguf_grouped_form", f"must be one of {', '.join(GGUF_GROUPED_FORMS)}")
         if self.log_level not in LOG_LEVELS:
             bad("log_level", f"must be one of {', '.join(LOG_LEVELS)}")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
@@ -278,7 +271,8 @@ class Config:
             object.__setattr__(self, "one_shot_max_bytes", min(1 * MiB, self.max_bytes))
         elif self.one_shot_max_bytes > self.max_bytes:
             raise ConfigError(f"one-shot limit {self.one_shot_max_bytes} B (FASTCOMM_ONE_SHOT_MAX_BYTES) is above "
-                              f"the workspace limit {self.max_bytes} B (FASTCOMM_MAX_BYTES); lower it or leave it unset")
+                              f"the workspace limit {self.max_bytes} B (FASTCOMM_MAX_BYTES); lower it or leave it "
+                              "unset")
         if isinstance(self.max_blocks, bool) or not isinstance(self.max_blocks, int) or self.max_blocks < 0:
             bad("max_blocks", "must be a whole number >= 0")
         if self.islands is not None:

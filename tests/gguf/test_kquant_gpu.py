@@ -4,10 +4,9 @@ Activations are chosen so int8 chunk quantization represents them exactly (a sca
 127, exact in bf16 too): the kernels must then equal dequantized weights times x up to fp32 sums and the
 output dtype's rounding. Random activations are held to the int8 activation error, and to the plugin's own
 CUDA kernels where the plugin is installed. Also: multi-shard weights stored padded (read in place), the MoE
-(grouped by expert on the tensor cores, with a loop over passes or in one pass, and per (token, expert) pair)
-with repeated and out-of-range expert ids, NaN, and CUDA graphs replayed with inputs (and routing) changed
-between replays; each linear test for every form (mma, staged, unstaged: kquant.FORMS_LINEAR), each MoE test
-for every MoE form (kquant.FORMS_MOE).
+(grouped by expert on the tensor cores, and per (token, expert) pair) with repeated and out-of-range expert
+ids, NaN, and CUDA graphs replayed with inputs (and routing) changed between replays; each linear test for
+every form (mma, staged, unstaged: kquant.FORMS_LINEAR), each MoE test for both (kquant.FORMS_MOE).
 Needs a GPU, torch, CuPy and gguf (not vLLM).
 """
 import numpy as np
@@ -45,7 +44,7 @@ def check(got: torch.Tensor, want: np.ndarray, terms: np.ndarray, dtype) -> floa
 
 
 LINEAR_FORMS = ("mma", "staged", "unstaged")
-MOE_FORMS = ("grouped", "grouped1", "pairs")
+MOE_FORMS = ("grouped", "pairs")
 
 
 @pytest.mark.parametrize("form", LINEAR_FORMS)
@@ -224,10 +223,9 @@ def test_moe_bf16_and_the_activation_hook(form):
 
 @pytest.mark.parametrize("form", MOE_FORMS)
 def test_moe_repeated_and_foreign_expert_ids(form):
-    """A token routed twice to one expert (16 pairs on expert 0 at 8 tokens: two passes of the grouped tile,
-    and in the one-pass form 8 columns whose rows also go to each token's second pair) counts twice; an id
-    outside [0, experts) (expert parallelism's "not here") adds nothing. vLLM's router gives neither to these
-    kernels, but neither may turn into a wrong sum or a read out of bounds."""
+    """A token routed twice to one expert (16 pairs on expert 0 at 8 tokens: two passes of the grouped tile)
+    counts twice; an id outside [0, experts) (expert parallelism's "not here") adds nothing. vLLM's router
+    gives neither to these kernels, but neither may turn into a wrong sum or a read out of bounds."""
     k = kq()
     rng = np.random.default_rng(24)
     experts, hidden, inter, topk, tokens = 4, 512, 256, 3, 8
@@ -236,7 +234,7 @@ def test_moe_repeated_and_foreign_expert_ids(form):
     x = rng.standard_normal((tokens, hidden)).astype(np.float32)
     ids = np.zeros((tokens, topk), np.int32)
     ids[:, 2] = rng.integers(1, experts, size=tokens)
-    if form != "pairs":
+    if form == "grouped":
         ids[3, 2] = -1
         ids[5, 2] = experts
     wts = rng.random((tokens, topk)).astype(np.float32)
@@ -247,9 +245,8 @@ def test_moe_repeated_and_foreign_expert_ids(form):
     assert np.linalg.norm(got.cpu().numpy() - want) / np.linalg.norm(want) < 3e-2
 
 
-@pytest.mark.parametrize("form", ["grouped", "grouped1"])
-def test_moe_graph_replays_with_new_routing(form):
-    """The grouped forms route on the device: a captured graph replayed with new tokens and new expert ids
+def test_moe_graph_replays_with_new_routing():
+    """The grouped form routes on the device: a captured graph replayed with new tokens and new expert ids
     (tokens moving between experts, experts left empty) stays right."""
     k = kq()
     rng = np.random.default_rng(27)
@@ -260,7 +257,7 @@ def test_moe_graph_replays_with_new_routing(form):
     ids = torch.zeros(tokens, topk, dtype=torch.int32, device="cuda")
     wts = torch.zeros(tokens, topk, device="cuda")
     w13g, w2g = torch.from_numpy(w13).cuda(), torch.from_numpy(w2).cuda()
-    run = lambda: k.moe(x, w13g, w2g, wts, ids, k.Q4_K, k.Q5_K, _act, silu=True, form=form)  # noqa: E731
+    run = lambda: k.moe(x, w13g, w2g, wts, ids, k.Q4_K, k.Q5_K, _act, silu=True, form="grouped")  # noqa: E731
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         run()

@@ -84,33 +84,25 @@ def test_form_choice():
     assert kquant.moe_form(8, abi.KQ_MAX_PAIRS // 8 + 1, 6144, 2048) == "pairs"  # more pairs than its route table
     assert kquant.moe_form(8, 8, 6144, 2048, tensor_cores=False) == "pairs"  # FASTCOMM_GGUF_KERNELS=dp4a
     assert set(kquant.FORMS_LINEAR) == {"mma", "staged", "unstaged"}
-    assert set(kquant.FORMS_MOE) == {"grouped", "grouped1", "pairs"}
+    assert set(kquant.FORMS_MOE) == {"grouped", "pairs"}
 
 
 def test_a_moe_form_asked_for_says_why_it_cannot_serve():
     ok = dict(tokens=8, topk=8, hidden=6144, inter=2048)
     assert all(kquant.moe_form_error(f, **ok) is None for f in kquant.FORMS_MOE)
     assert "not one of" in kquant.moe_form_error("dense", **ok)
-    assert "multiples of 256" in kquant.moe_form_error("grouped1", **{**ok, "inter": 2048 + 32})
+    assert "multiples of 256" in kquant.moe_form_error("grouped", **{**ok, "inter": 2048 + 32})
     assert kquant.moe_form_error("pairs", **{**ok, "inter": 2048 + 32}) is None
     many = {**ok, "topk": abi.KQ_MAX_PAIRS // 8 + 1}
     assert "at most 256 pairs" in kquant.moe_form_error("grouped", **many)
-    assert "top-32" in kquant.moe_form_error("grouped1", **many)                 # 33 > one ballot
-    assert kquant.moe_form_error("grouped1", **{**ok, "topk": 32}) is None
-    assert "at most 8 tokens" in kquant.moe_form_error("grouped1", **{**ok, "tokens": 9})
-    # FASTCOMM_GGUF_GROUPED_FORM: the one-pass kernels where they serve, else the looping ones, else per pair
-    assert kquant.moe_form(8, 8, 6144, 2048, grouped="grouped1") == "grouped1"
-    assert kquant.moe_form(4, 33, 6144, 2048, grouped="grouped1") == "grouped"   # top-33: not one ballot
-    assert kquant.moe_form(8, 33, 6144, 2048, grouped="grouped1") == "pairs"     # 264 pairs: neither
-    assert kquant.moe_form(1, 8, 6144, 2048, grouped="grouped1") == "pairs"      # below the token threshold
-    from fastcomm.config import GGUF_GROUPED_FORMS
-
-    assert set(GGUF_GROUPED_FORMS) <= set(kquant.FORMS_MOE) - {"pairs"}
+    assert kquant.moe_form_error("grouped", **{**ok, "topk": 32}) is None      # 256 pairs: the route table's all
+    assert kquant.moe_form(4, 33, 6144, 2048) == "grouped"                      # 132 pairs
+    assert kquant.moe_form(8, 33, 6144, 2048) == "pairs"                        # 264 pairs
+    assert kquant.moe_form(1, 8, 6144, 2048, min_tokens=2) == "pairs"           # below the token threshold
     # the policy never picks a form that cannot serve
     for tokens, topk, inter in ((8, 8, 2048), (8, 33, 2048), (3, 8, 2048 + 32), (4, 33, 2048)):
-        for grouped in GGUF_GROUPED_FORMS:
-            form = kquant.moe_form(tokens, topk, 6144, inter, grouped=grouped)
-            assert kquant.moe_form_error(form, tokens, topk, 6144, inter) is None
+        form = kquant.moe_form(tokens, topk, 6144, inter)
+        assert kquant.moe_form_error(form, tokens, topk, 6144, inter) is None
 
 
 def test_segment_tables_are_built_once_per_weight():

@@ -30,8 +30,8 @@ def _load(first, config_dir, out, swap=False):
     import json
 
     env = {**os.environ, "PORT": str(_free_port()), "VLLM_LOGGING_LEVEL": "WARNING"}
-    r = subprocess.run([sys.executable, str(WORKER), str(first), str(config_dir), str(out)] + (["swap"] if swap else []),
-                       capture_output=True, text=True, timeout=600, env=env)
+    argv = [sys.executable, str(WORKER), str(first), str(config_dir), str(out)] + (["swap"] if swap else [])
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(Path(out).read_text())
 
@@ -191,7 +191,8 @@ def embedding(quantized):
 def share(quantized):
     target = nn.Module(); target.model = nn.Module(); target.model.embed_tokens = embedding(quantized)
     proposer = object.__new__(SpecDecodeBaseProposer)   # vLLM's own method, without building an engine
-    proposer.model = nn.Module(); proposer.model.model = nn.Module(); proposer.model.model.embed_tokens = embedding(quantized)
+    proposer.model = nn.Module(); proposer.model.model = nn.Module()
+    proposer.model.model.embed_tokens = embedding(quantized)
     try:
         proposer._maybe_share_embeddings(target)
     except Exception as e:
@@ -233,28 +234,24 @@ def test_the_dp4a_setting_keeps_the_products_off_the_tensor_cores(monkeypatch):
 
 
 def test_the_token_thresholds_reach_the_kernels(monkeypatch):
-    """FASTCOMM_GGUF_MMA_MIN_TOKENS / _GROUPED_MIN_TOKENS move the tensor-core forms' thresholds and
-    FASTCOMM_GGUF_GROUPED_FORM picks the grouped MoE kernels; unset, the policy's constants serve; a bad value is
-    named and the kernels keep their last setting."""
+    """FASTCOMM_GGUF_MMA_MIN_TOKENS / _GROUPED_MIN_TOKENS move the tensor-core forms' thresholds; unset, the
+    policy's constants serve; a bad value is named and the kernels keep their last setting."""
     from fastcomm_vllm.gguf import kquant, kquant_vllm, plugin
 
     try:
         monkeypatch.setenv("FASTCOMM_GGUF_MMA_MIN_TOKENS", "2")
         monkeypatch.setenv("FASTCOMM_GGUF_GROUPED_MIN_TOKENS", "9")
-        monkeypatch.setenv("FASTCOMM_GGUF_GROUPED_FORM", "grouped1")
         plugin._decode_kernels()
         assert (kquant_vllm._FORMS["mma_min"], kquant_vllm._FORMS["grouped_min"]) == (2, 9)
-        assert kquant_vllm._FORMS["grouped_form"] == "grouped1"
         monkeypatch.delenv("FASTCOMM_GGUF_MMA_MIN_TOKENS")
         monkeypatch.delenv("FASTCOMM_GGUF_GROUPED_MIN_TOKENS")
-        monkeypatch.delenv("FASTCOMM_GGUF_GROUPED_FORM")
         plugin._decode_kernels()
-        assert (kquant_vllm._FORMS["mma_min"], kquant_vllm._FORMS["grouped_min"]) == (
-            kquant.MMA_MIN_TOKENS, kquant.MOE_GROUPED_MIN_TOKENS)
-        assert kquant_vllm._FORMS["grouped_form"] == "grouped"
-        monkeypatch.setenv("FASTCOMM_GGUF_GROUPED_FORM", "onepass")  # named, and the last setting stays
+        defaults = (kquant.MMA_MIN_TOKENS, kquant.MOE_GROUPED_MIN_TOKENS)
+        assert (kquant_vllm._FORMS["mma_min"], kquant_vllm._FORMS["grouped_min"]) == defaults
+        monkeypatch.setenv("FASTCOMM_GGUF_MMA_MIN_TOKENS", "2")
+        monkeypatch.setenv("FASTCOMM_GGUF_GROUPED_MIN_TOKENS", "0")  # named, and the last setting stays
         plugin._decode_kernels()
-        assert kquant_vllm._FORMS["grouped_form"] == "grouped"
+        assert (kquant_vllm._FORMS["mma_min"], kquant_vllm._FORMS["grouped_min"]) == defaults
     finally:
         kquant_vllm._FORMS.update(tensor_cores=True, mma_min=kquant.MMA_MIN_TOKENS,
-                                  grouped_min=kquant.MOE_GROUPED_MIN_TOKENS, grouped_form="grouped")
+                                  grouped_min=kquant.MOE_GROUPED_MIN_TOKENS)

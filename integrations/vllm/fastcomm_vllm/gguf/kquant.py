@@ -37,10 +37,7 @@ QUANTIZE_THREADS = 256
 STAGED_BLOCKS_PER_SM = 2
 STAGE_BYTES_PER_CHUNK = 40  # two 16-byte halves and a (scale, sum) float2, per 32 values of a row
 FORMS_LINEAR = ("mma", "staged", "unstaged")
-# grouped1: the grouped form in one pass (106 registers a thread against 161; not measured yet, so no policy
-# picks it: form="grouped1" asks for it, and bench/gguf_kernels.py times it beside the others).
-FORMS_MOE = ("grouped", "grouped1", "pairs")
-GROUPED1_MAX_TOPK = 32  # kq_route_tokens: a ballot over one token's pairs
+FORMS_MOE = ("grouped", "pairs")
 # Which form serves, from bench/gguf_kernels.py on an H200 (bench/RESULTS.md, run 4b38652; its --suggest): from 4
 # tokens the tensor-core linears win the per-step sum (o_proj 33 against 54 us at 4, 35 against 90 at 8), below it
 # the staged dp4a form (which needs no quantize launch: fused_qkv_a 9 against 13 us at 1 token); the MoE grouped
@@ -121,30 +118,24 @@ def moe_types_ok(t13: int, t2: int, hidden: int, inter: int, row13: int, row2: i
 
 
 def moe_form(tokens: int, topk: int, hidden: int, inter: int, tensor_cores: bool = True,
-             min_tokens: int = MOE_GROUPED_MIN_TOKENS, grouped: str = "grouped") -> str:
-    """A form grouped by expert where allowed (from ``min_tokens``: FASTCOMM_GGUF_GROUPED_MIN_TOKENS) and its
-    tiles and route table hold the shapes, ``grouped`` (FASTCOMM_GGUF_GROUPED_FORM) first, then the looping
-    one; else ``pairs``."""
-    if tensor_cores and tokens >= min_tokens:
-        for form in (grouped, "grouped"):
-            if moe_form_error(form, tokens, topk, hidden, inter) is None:
-                return form
+             min_tokens: int = MOE_GROUPED_MIN_TOKENS) -> str:
+    """``grouped`` where allowed (from ``min_tokens``: FASTCOMM_GGUF_GROUPED_MIN_TOKENS) and its tiles and route
+    table hold the shapes, else ``pairs``."""
+    if tensor_cores and tokens >= min_tokens and moe_form_error("grouped", tokens, topk, hidden, inter) is None:
+        return "grouped"
     return "pairs"
 
 
 def moe_form_error(form: str, tokens: int, topk: int, hidden: int, inter: int) -> str | None:
-    """Why ``form`` cannot serve these shapes, or None: the grouped forms' route tables and tiles bound them."""
+    """Why ``form`` cannot serve these shapes, or None: the grouped form's route table and tiles bound it."""
     if form not in FORMS_MOE:
         return f"MoE form {form!r} is not one of {', '.join(FORMS_MOE)}"
     if form == "pairs":
         return None
     if hidden % abi.KQ_UNIT or inter % abi.KQ_UNIT:
         return f"form {form} needs hidden and inter multiples of {abi.KQ_UNIT} (got {hidden}, {inter})"
-    if form == "grouped" and tokens * topk > abi.KQ_MAX_PAIRS:
-        return f"form grouped routes at most {abi.KQ_MAX_PAIRS} pairs (got {tokens} tokens x top-{topk})"
-    if form == "grouped1" and (tokens > abi.KQ_MMA_COLS or topk > GROUPED1_MAX_TOPK):
-        return (f"form grouped1 holds at most {abi.KQ_MMA_COLS} tokens and top-{GROUPED1_MAX_TOPK} "
-                f"(got {tokens} tokens, top-{topk})")
+    if tokens * topk > abi.KQ_MAX_PAIRS:
+        return f"form {form} routes at most {abi.KQ_MAX_PAIRS} pairs (got {tokens} tokens x top-{topk})"
     return None
 
 
@@ -363,14 +354,13 @@ def linear(x, qweight, segments: tuple[Segment, ...], form: str | None = None, t
 
 
 def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu: bool = False,
-        form: str | None = None, tensor_cores: bool = True, grouped_min: int = MOE_GROUPED_MIN_TOKENS,
-        grouped: str = "grouped"):
+        form: str | None = None, tensor_cores: bool = True, grouped_min: int = MOE_GROUPED_MIN_TOKENS):
     """The routed experts of 1-8 tokens: x [T, hidden], w13 [E, 2 inter, row13], w2 [E, hidden, row2] (uint8
     blocks); returns [T, hidden], each token's experts summed in their top-k order, router weights applied.
     ``activation`` maps [pairs, 2 inter] to [pairs, inter]; ``silu``: it is vLLM's silu_and_mul, which the
     activations' quantize launch then applies itself (``activation`` is not called). ``form``: one of FORMS_MOE
-    (None: ``moe_form``'s, the grouped form ``grouped`` only with ``tensor_cores``, from ``grouped_min`` tokens); a
-    form that cannot serve the shapes raises ValueError (``moe_form_error`` says why)."""
+    (None: ``moe_form``'s, the grouped form only with ``tensor_cores``, from ``grouped_min`` tokens); a form that
+    cannot serve the shapes raises ValueError (``moe_form_error`` says why)."""
     import torch
 
     x = _aligned(x)
@@ -384,20 +374,17 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu:
     dt, dev, stream = _dt(x), x.device.index, _stream(x)
     e13, r13 = w13.stride(0) * w13.element_size(), w13.stride(1) * w13.element_size()
     e2, r2 = w2.stride(0) * w2.element_size(), w2.stride(1) * w2.element_size()
-    form = form or moe_form(tokens, topk, hidden, inter, tensor_cores, grouped_min, grouped)
+    form = form or moe_form(tokens, topk, hidden, inter, tensor_cores, grouped_min)
     error = moe_form_error(form, tokens, topk, hidden, inter)
     if error:
         raise ValueError(error)
     busy = min(experts, pairs)  # experts a grouped launch's blocks can find work for
-    grouped = form != "pairs"
-    # the grouped kernels (one pass or a loop over passes) and their bound: the tokens or the pairs
-    up_k, down_k, bound = ((abi.KQ_MOE_MMA1_UP, abi.KQ_MOE_MMA1_DOWN, tokens) if form == "grouped1"
-                           else (abi.KQ_MOE_MMA_UP, abi.KQ_MOE_MMA_DOWN, pairs))
+    grouped = form == "grouped"
     xq, xds = quantize(x, mma=grouped)
     up = torch.empty(pairs, rows13, dtype=x.dtype, device=x.device)
     if grouped:
-        _mma_launch(dev, up_k, dt, tiles(rows13), experts, tiles(rows13) * busy, hidden, [t13], stream,
-                    (w13.data_ptr(), e13, r13, t13, rows13, hidden, ids.data_ptr(), topk, bound, xq.data_ptr(),
+        _mma_launch(dev, abi.KQ_MOE_MMA_UP, dt, tiles(rows13), experts, tiles(rows13) * busy, hidden, [t13], stream,
+                    (w13.data_ptr(), e13, r13, t13, rows13, hidden, ids.data_ptr(), topk, pairs, xq.data_ptr(),
                      xds.data_ptr(), up.data_ptr()), moe=True)
     else:
         _launch(dev, abi.KQ_MOE_UP, dt, ((rows13 + abi.KQ_ROWS_PER_BLOCK - 1) // abi.KQ_ROWS_PER_BLOCK, pairs),
@@ -407,9 +394,9 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu:
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     if grouped:
         y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-        _mma_launch(dev, down_k, None, tiles(hidden), experts, tiles(hidden) * busy, inter, [t2], stream,
-                    (w2.data_ptr(), e2, r2, t2, hidden, inter, ids.data_ptr(), topk, bound, aq.data_ptr(),
-                     ads.data_ptr(), y.data_ptr()), moe=True)
+        _mma_launch(dev, abi.KQ_MOE_MMA_DOWN, None, tiles(hidden), experts, tiles(hidden) * busy, inter, [t2],
+                    stream, (w2.data_ptr(), e2, r2, t2, hidden, inter, ids.data_ptr(), topk, pairs, aq.data_ptr(),
+                             ads.data_ptr(), y.data_ptr()), moe=True)
         _launch(dev, abi.KQ_MOE_SUM, dt, ((tokens * hidden + 255) // 256, 1), 256, stream,
                 (y.data_ptr(), ids.data_ptr(), weights.data_ptr(), topk, experts, tokens, hidden, out.data_ptr()))
         return out

@@ -7,8 +7,7 @@
 kernels and a prefill runs exactly as the plugin would. Layers the kernels cannot read keep the plugin's
 ``apply``. Idempotent. ``install(tensor_cores=False)`` (FASTCOMM_GGUF_KERNELS=dp4a) keeps the products on
 the dp4a forms; ``mma_min`` / ``grouped_min`` move the tensor-core forms' token thresholds
-(FASTCOMM_GGUF_MMA_MIN_TOKENS / FASTCOMM_GGUF_GROUPED_MIN_TOKENS); ``grouped_form`` picks the MoE kernels grouped
-by expert (FASTCOMM_GGUF_GROUPED_FORM).
+(FASTCOMM_GGUF_MMA_MIN_TOKENS / FASTCOMM_GGUF_GROUPED_MIN_TOKENS).
 """
 import functools
 
@@ -18,8 +17,7 @@ from . import kquant
 
 _PLAN = "_fastcomm_kq_plan"  # per layer: the segments (linear), True (MoE), or None (the plugin's path)
 # Set once by install(), from the FASTCOMM_GGUF_* settings, before any layer runs.
-_FORMS = {"tensor_cores": True, "mma_min": kquant.MMA_MIN_TOKENS, "grouped_min": kquant.MOE_GROUPED_MIN_TOKENS,
-          "grouped_form": "grouped"}
+_FORMS = {"tensor_cores": True, "mma_min": kquant.MMA_MIN_TOKENS, "grouped_min": kquant.MOE_GROUPED_MIN_TOKENS}
 
 
 def _linear_fn(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts: list[int],
@@ -63,7 +61,7 @@ def _moe_fn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: 
     if kquant.decode_tokens_ok(x.shape[0]) and w13.data_ptr() % 16 == 0 and w2.data_ptr() % 16 == 0:
         return kquant.moe(x, w13, w2, topk_weights, topk_ids, t13, t2, _activation(activation),
                           silu=activation == "silu", tensor_cores=_FORMS["tensor_cores"],
-                          grouped_min=_FORMS["grouped_min"], grouped=_FORMS["grouped_form"])
+                          grouped_min=_FORMS["grouped_min"])
     return pmoe._fused_moe_gguf(x, w13, w2, topk_weights, topk_ids, t13, t2, activation)
 
 
@@ -127,8 +125,7 @@ def _after_loading(original, plan):
     return process
 
 
-def install(tensor_cores: bool = True, mma_min: int | None = None, grouped_min: int | None = None,
-            grouped_form: str = "grouped") -> bool:
+def install(tensor_cores: bool = True, mma_min: int | None = None, grouped_min: int | None = None) -> bool:
     """Wrap the plugin's methods (once); False when the plugin is not importable here."""
     try:
         from vllm_gguf_plugin.quantization import fused_moe as pmoe, linear as plin
@@ -137,7 +134,6 @@ def install(tensor_cores: bool = True, mma_min: int | None = None, grouped_min: 
     _FORMS["tensor_cores"] = tensor_cores
     _FORMS["mma_min"] = mma_min or kquant.MMA_MIN_TOKENS
     _FORMS["grouped_min"] = grouped_min or kquant.MOE_GROUPED_MIN_TOKENS
-    _FORMS["grouped_form"] = grouped_form
     if getattr(plin.GGUFLinearMethod.apply, "_fastcomm", False):
         return True
     register_ops()
