@@ -38,6 +38,12 @@
 #    python -m fastcomm_bench.gguf_kernels (plugin vs fastcomm per product at GLM-5's shapes, $OUT/gguf-kernels.json):
 #        eval "$(bash .stage/install.sh)" && bash bench/device_gguf.sh kquant .gguf_stage
 #    The figures above take fastcomm's kernels by default; FASTCOMM_GGUF_KERNELS=plugin gives the plugin's.
+# 3c. A/B of kernel variants, committed revisions side by side in one call (no vLLM needed; ~90 s a tree):
+#    here, `bench/device_gguf.sh ab-prepare .gguf_stage REV...` writes each revision's tree (git archive) into the
+#    folder beside its gguf wheel; on the device, carry [".gguf_stage"]:
+#        AB_TESTS=1 AB_TOKENS=4,8 bash bench/device_gguf.sh ab .gguf_stage REV...
+#    runs the GPU tests on the first tree (AB_TESTS set) and python -m fastcomm_bench.gguf_kernels on each
+#    ($OUT/kernels-REV.{json,txt}, tests-REV.log). Why in one call: the same GPU, clocks and minute for every tree.
 # 4. `fastcomm-serve` itself, end to end (one call, same carry; ~2-4 min, bounded at 540 s):
 #        eval "$(bash .stage/install.sh)" && bash bench/device_gguf.sh serve .gguf_stage
 #    tests/gguf/serve_gpu.py: the tiny GLM-5 GGUF (3 shards + MTP block) through `fastcomm-serve --dry-run`
@@ -46,8 +52,8 @@
 #    $OUT/serve/serve_gpu.json and serve.log. SERVE_GPU_ARGS adds options, e.g. "--compare-no-mtp" (a
 #    second start with --no-mtp, greedy tokens must match; only if the budget holds it).
 set -uo pipefail
-mode=${1:?usage: device_gguf.sh prepare|run|kquant|model|figures|serve DIR}
-dir=${2:?usage: device_gguf.sh prepare|run|model|figures|serve DIR}
+mode=${1:?usage: device_gguf.sh prepare|run|kquant|model|figures|serve|ab-prepare|ab DIR}
+dir=${2:?usage: device_gguf.sh prepare|run|kquant|model|figures|serve|ab-prepare|ab DIR}
 here=$(cd "$(dirname "$0")/.." && pwd)
 PLUGIN=vllm-gguf-plugin==0.0.5
 GGUF=gguf==0.19.0
@@ -219,6 +225,43 @@ kquant() {   # fastcomm's K-quant decode kernels: GPU test, then plugin-vs-fastc
   return $rc
 }
 
+ab_prepare() {   # here: each revision's tree as DIR/REV.tar
+  mkdir -p "$dir"
+  local rev
+  for rev in "$@"; do
+    git -C "$here" archive --format=tar -o "$(cd "$dir" && pwd)/$rev.tar" "$rev" || return 1
+  done
+  ls -l "$dir"/*.tar
+}
+
+ab() {   # on the device: GPU tests on the first tree, the kernel table on each; trees run from /tmp, not installed
+  local out=${OUT:-$here/out} first=1 rev d rc=0 wheel
+  mkdir -p "$out"
+  wheel=$(ls "$dir"/gguf-*.whl 2>/dev/null | head -1)
+  [ -n "$wheel" ] || { echo "ab: no gguf wheel in $dir (bench/device_gguf.sh prepare $dir)" >&2; return 1; }
+  wheel=$(cd "$(dirname "$wheel")" && pwd)/$(basename "$wheel")
+  for rev in "$@"; do
+    d=/tmp/fc-ab/$rev
+    rm -rf "$d" && mkdir -p "$d/.pp" && tar -xf "$dir/$rev.tar" -C "$d" || return 1
+    ln -sfn "$d/bench" "$d/.pp/fastcomm_bench"  # the bench package by its installed name, without installing
+    (
+      cd "$d" || exit 1
+      # a pure-Python wheel imports from its zip; the kernel cache keys on the source, so trees can share it
+      export PYTHONPATH="$d:$d/integrations/vllm:$d/.pp:$wheel" FASTCOMM_CACHE_DIR=/tmp/fc-ab-cache
+      if [ "$first" = 1 ] && [ -n "${AB_TESTS:-}" ]; then
+        timeout 300 python -m pytest -q -p no:cacheprovider tests/gguf/test_kquant_gpu.py 2>&1 | tail -n 5 \
+          | tee "$out/tests-$rev.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || exit 1
+      fi
+      timeout 300 python -m fastcomm_bench.gguf_kernels --tokens "${AB_TOKENS:-1,4,8}" --json "$out/kernels-$rev.json" \
+        > "$out/kernels-$rev.txt" 2>&1 || exit 1
+      grep "^# per decode step" "$out/kernels-$rev.txt" | sed "s/^/$rev /"
+    ) || { echo "== ab: $rev failed (see $out/*-$rev.*)"; rc=1; }
+    first=0
+  done
+  return $rc
+}
+
 serve() {
   local out=${OUT:-$here/out}
   mkdir -p "$out/serve"
@@ -252,5 +295,8 @@ case "$mode" in
   kquant) kquant ;;
   model) model ;;
   figures) figures "${3:-}" ;;
-  *) echo "usage: device_gguf.sh prepare|run|kquant|model|figures|serve DIR [gguf|mtp|fp8|fp8-spread|gguf-profile|fp8-profile]" >&2; exit 2 ;;
+  ab-prepare) ab_prepare "${@:3}" ;;
+  ab) ab "${@:3}" ;;
+  *) echo "usage: device_gguf.sh prepare|run|kquant|model|figures|serve DIR [gguf|mtp|fp8|fp8-spread|gguf-profile|fp8-profile]" >&2
+     echo "       device_gguf.sh ab-prepare|ab DIR REV..." >&2; exit 2 ;;
 esac

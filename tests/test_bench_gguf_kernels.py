@@ -45,3 +45,25 @@ def test_suggest_prints_settings_from_a_saved_run(tmp_path, capsys):
     path.write_text(json.dumps({"rows": _rows({4: 3.0, 8: 2.0}, {4: 90.0, 8: 50.0})}))
     assert gk.main(["--suggest", str(path)]) == 0
     assert capsys.readouterr().out.strip() == "FASTCOMM_GGUF_MMA_MIN_TOKENS=4 FASTCOMM_GGUF_GROUPED_MIN_TOKENS=8"
+
+
+def test_device_ab_takes_committed_trees_and_names_what_is_missing(tmp_path):
+    """bench/device_gguf.sh ab-prepare writes a revision's tree as DIR/REV.tar (what `ab` runs on the device);
+    `ab` without the gguf wheel in DIR stops with a line naming it, before running anything."""
+    import shutil
+    import subprocess
+    import tarfile
+    from pathlib import Path
+
+    import pytest
+
+    root = Path(__file__).resolve().parents[1]
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("needs a git checkout")
+    script = root / "bench" / "device_gguf.sh"
+    done = subprocess.run(["bash", str(script), "ab-prepare", str(tmp_path), "HEAD"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    with tarfile.open(tmp_path / "HEAD.tar") as tar:
+        assert {"csrc/kquant_mma.cuh", "bench/gguf_kernels.py", "tests/gguf/test_kquant_gpu.py"} <= set(tar.getnames())
+    done = subprocess.run(["bash", str(script), "ab", str(tmp_path), "HEAD"], capture_output=True, text=True)
+    assert done.returncode == 1 and "no gguf wheel in" in done.stderr
