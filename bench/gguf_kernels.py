@@ -127,7 +127,8 @@ def bench_linear(name, shards, cols, tokens, rng):
 
         default = kquant.linear_form(n, kquant.mma_ok(segs, cols), kquant.staged_fits(x.device.index, n, cols))
         row = {"op": name, "tokens": n, "weight_MB": round(nbytes / 1e6, 2),
-               "plugin_us": round(_graph_time_us([plugin(w) for w in ws]), 2) if plin else None, "default": default}
+               "plugin_us": round(_graph_time_us([plugin(w) for w in ws]), 2) if plin else None, "default": default,
+               "mma_entry": kquant.mma_variant(types, moe=False) or "any"}  # the kernel entry the mma form runs
         for form in kquant.FORMS_LINEAR:
             row[f"{form}_us"] = round(_graph_time_us([lambda w=w, f=form: kquant.linear(x, w, segs, form=f)
                                                       for w in ws]), 2)
@@ -167,7 +168,8 @@ def bench_moe(tokens, rng):
         distinct = len(set(ids.flatten().tolist()))
         row = {"op": name, "tokens": n, "weight_MB_read": round(nbytes * distinct / experts / 1e6, 1),
                "plugin_us": round(_graph_time_us(plugin), 2) if pmoe else None,
-               "default": kquant.moe_form(n, topk, hidden, inter)}
+               "default": kquant.moe_form(n, topk, hidden, inter),
+               "mma_entry": "/".join(kquant.mma_variant([q], moe=True) or "any" for q in (q13, q2))}
         for form in kquant.FORMS_MOE:
             row[f"{form}_us"] = round(_graph_time_us([lambda a=a, b=b, f=form: kquant.moe(
                 x, a, b, wts, ids, q13, q2, act, silu=True, form=f) for a, b in zip(w13s, w2s)]), 2)
