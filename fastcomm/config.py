@@ -198,6 +198,9 @@ VARIABLES: tuple[Var, ...] = (
 )
 _BY_NAME = {v.name: v for v in VARIABLES}
 _BY_FIELD = {v.field: v for v in VARIABLES}
+# FASTCOMM_* names the repository's scripts read (bench/device_*.sh, .ci/run, the GPU test runner): not settings.
+TOOLING_NAMES = frozenset({"FASTCOMM_COMMIT", "FASTCOMM_INSTAFAIL", "FASTCOMM_TEST_BUDGET_S", "FASTCOMM_CI_CACHE",
+                           "FASTCOMM_CI_VENV", "FASTCOMM_CI_NOVLLM_VENV", "FASTCOMM_CI_TORCH"})
 
 
 
@@ -352,6 +355,13 @@ def check_environment(env: Mapping[str, str] | None = None) -> list[Status]:
             named = [s for s in out if s.var.name in str(e)] or out[:1]
             out = [dataclasses.replace(s, error=str(e)) if s in named else s for s in out]
     return out
+
+
+def unknown_variables(env: Mapping[str, str] | None = None) -> list[str]:
+    """FASTCOMM_* names set in ``env`` that are no setting: a typo, or a setting a release removed (such as
+    FASTCOMM_GGUF_GROUPED_FORM). fastcomm ignores them, so `fastcomm env` and the vLLM plugin name them."""
+    env = os.environ if env is None else env
+    return sorted(n for n in env if n.startswith("FASTCOMM_") and n not in _BY_NAME and n not in TOOLING_NAMES)
 
 
 def describe_variables() -> str:

@@ -17,8 +17,10 @@ from fastcomm.config import VARIABLES
 @pytest.fixture
 def run(monkeypatch, capsys):
     """fastcomm ARGV -> (exit status, stdout, stderr), argparse's exits included, with a clean environment."""
-    for var in VARIABLES:
-        monkeypatch.delenv(var.name, raising=False)
+    import os
+
+    for name in [n for n in os.environ if n.startswith("FASTCOMM_")]:
+        monkeypatch.delenv(name)
 
     def call(*argv, env=None):
         for k, v in (env or {}).items():
@@ -57,6 +59,16 @@ def test_env_shows_current_values_and_exits_1_on_a_bad_one(run):
     assert "FASTCOMM_ALGO = unset (default 'auto')  [ok]" in out
     assert "Bound on every device-side wait" in out  # the meaning
     assert one_line(err) == "fastcomm env: 1 invalid setting: FASTCOMM_TIMEOUT_S"
+
+
+def test_env_names_a_fastcomm_name_that_is_no_setting(run):
+    """A typo or a removed setting is ignored by fastcomm: env says so (and still exits 0 when all else is
+    valid); the repository's own script variables are not settings and are not named."""
+    rc, out, err = run("env", env={"FASTCOMM_GGUF_GROUPED_FORM": "grouped1", "FASTCOMM_TIMOUT_S": "5",
+                                   "FASTCOMM_COMMIT": "abc1234"})
+    assert rc == 0
+    assert err.splitlines() == ["fastcomm env: FASTCOMM_GGUF_GROUPED_FORM is not a fastcomm setting; it is ignored",
+                                "fastcomm env: FASTCOMM_TIMOUT_S is not a fastcomm setting; it is ignored"]
 
 
 def test_env_all_valid_exits_0(run):

@@ -1,5 +1,6 @@
 """`fastcomm env`: every FASTCOMM_* variable: its current value (or default), whether it is valid, its meaning.
-Exits 1 when any is invalid, so scripts can check a setup before starting anything."""
+Exits 1 when any is invalid, so scripts can check a setup before starting anything. A FASTCOMM_* name that is no
+setting (a typo, a removed setting) is named on stderr: fastcomm ignores it."""
 from __future__ import annotations
 
 import sys
@@ -21,10 +22,12 @@ def render(statuses) -> list[str]:
 
 
 def run(args) -> int:
-    from ..config import check_environment
+    from ..config import check_environment, unknown_variables
 
     statuses = check_environment()
     print("\n".join(render(statuses)))
+    for name in unknown_variables():
+        print(f"fastcomm env: {name} is not a fastcomm setting; it is ignored", file=sys.stderr)
     bad = [s for s in statuses if s.error]
     if bad:
         print(f"fastcomm env: {len(bad)} invalid setting{'s' if len(bad) > 1 else ''}: "

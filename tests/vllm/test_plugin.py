@@ -47,6 +47,19 @@ print("loaded")
     assert "fastcomm: plugin off (FASTCOMM_VLLM=0)" in r.stdout and "loaded" in r.stdout
 
 
+def test_vllm_loader_names_a_fastcomm_name_that_is_no_setting():
+    # vLLM's users see no `fastcomm env`: a typo or a removed setting (fastcomm ignores both) is named in the log.
+    code = """
+import logging, sys
+logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(name)s %(message)s")
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+"""
+    r = W.run_python(code, env={"FASTCOMM_VLLM": "0", "VLLM_PLUGINS": "fastcomm", "FASTCOMM_GGUF_GROUPED_FORM": "x"})
+    assert r.returncode == 0, r.stderr
+    assert "fastcomm: FASTCOMM_GGUF_GROUPED_FORM is not a fastcomm setting; it is ignored" in r.stdout
+
+
 def test_register_is_inert_off_cuda():
     # This machine's vLLM platform is not CUDA: register() must not touch anything.
     code = """

@@ -29,9 +29,11 @@ FUSION_MODULES = ("fused_op.py", "helper_route.py", "compile_pass.py")
 
 def register() -> None:
     """Entry point. A no-op with a log line when FASTCOMM_VLLM=0 or the platform is not CUDA."""
-    from fastcomm.config import Config
+    from fastcomm.config import Config, unknown_variables
 
     config = Config.from_env()
+    for name in unknown_variables():
+        logger.warning("fastcomm: %s is not a fastcomm setting; it is ignored (`fastcomm env` lists them)", name)
     if not config.vllm_enabled:
         logger.info("fastcomm: plugin off (FASTCOMM_VLLM=0); vLLM runs unchanged")
         return
