@@ -433,13 +433,6 @@ FC_KQ_HD void kq_xunit_scales(const float* xs, int cols, int u, int v0, int v1, 
   }
 }
 
-template <bool MINS>
-FC_KQ_HD void kq_xunit_load(const kq_u32* xq, const float* xs, int cols, int u, int vop, int v0, int v1, int t,
-                            KqXUnit* x) {
-  kq_xunit_ops(xq, cols, u, vop, t, x);
-  kq_xunit_scales<MINS>(xs, cols, u, v0, v1, x);
-}
-
 // Chunk m's part of the unit's sums: uacc[j] (rows g, g, g + 8, g + 8 by vectors v0, v1, v0, v1, the mma's C
 // layout) from the integer dots r (Q6_K: r of the first half, r2 of the second), umin[j] the mins' part.
 FC_KQ_HD void kq_mma_chunk(int type, const KqFrag& fa, const KqFrag& fb, const int r[4], const int r2[4],

@@ -14,8 +14,8 @@
 // (kquant.mma_warps): the most warps a tile for which every tile's block is resident at once, so a weight of
 // few tiles (GLM-5's fused_qkv_a: 164) still has enough warps streaming it, and no launch runs a second, thin
 // wave. Each warp's weights arrive through its shared-memory ring (kq_mma_copy). Operands: kq_unit_load /
-// kq_unit_chunk / kq_xunit_load's layout (kquant.cuh), the activations quantized first into the order the
-// threads read (fc_kq_quantize with mma = 1).
+// kq_unit_chunk / kq_xunit_ops / kq_xunit_scales' layout (kquant.cuh), the activations quantized first into the
+// order the threads read (fc_kq_quantize with mma = 1).
 #pragma once
 #include "kquant.cuh"
 

@@ -4,8 +4,8 @@
 // warps = 0: the dp4a forms: each row summed as a warp does, lane l holding chunks l, l + 32, ..., the 32
 //   lane partials meeting in the xor tree of kq_warp_sum.
 // warps = W > 0: the mma forms (kquant_mma.cuh) with W warps a tile: the activations in their order
-//   (kq_mma_x_put), every lane's operands from kq_unit_load / kq_unit_chunk / kq_xunit_load, the int8 mma done
-//   as PTX defines its fragments (m16n8k32: A regs 0-3 = (row g, k-int t), (g + 8, t), (g, 4 + t),
+//   (kq_mma_x_put), every lane's operands from kq_unit_load / kq_unit_chunk / kq_xunit_ops / kq_xunit_scales, the
+//   int8 mma done as PTX defines its fragments (m16n8k32: A regs 0-3 = (row g, k-int t), (g + 8, t), (g, 4 + t),
 //   (g + 8, 4 + t); B regs 0-1 = (k-int t, column g), (4 + t, g); C regs 0-3 = (g, 2t), (g, 2t + 1), (g + 8, 2t),
 //   (g + 8, 2t + 1)), Q6_K's two half-masked mma, the kernel's per-chunk and per-unit scaling
 //   (kq_mma_chunk / kq_mma_unit_end) and its warp-order reduction.
@@ -53,10 +53,11 @@ static void mma_forms(int type, const kq_u8* w, long row_bytes, int rows, int co
           kq_unit_load(type, w + (long)std::min(r0 + g, rows - 1) * row_bytes, u, t, &ua[lane]);
           kq_unit_load(type, w + (long)std::min(r0 + g + 8, rows - 1) * row_bytes, u, t, &ub[lane]);
           const int vop = std::min(g, n - 1), v0 = std::min(2 * t, n - 1), v1 = std::min(2 * t + 1, n - 1);
+          kq_xunit_ops(xq.data(), cols, u, vop, t, &x[lane]);  // as kq_mma_tile: operands, then scales
           if (mins) {
-            kq_xunit_load<true>(xq.data(), xs.data(), cols, u, vop, v0, v1, t, &x[lane]);
+            kq_xunit_scales<true>(xs.data(), cols, u, v0, v1, &x[lane]);
           } else {
-            kq_xunit_load<false>(xq.data(), xs.data(), cols, u, vop, v0, v1, t, &x[lane]);
+            kq_xunit_scales<false>(xs.data(), cols, u, v0, v1, &x[lane]);
           }
         }
         for (int m = 0; m < 8; ++m) {
