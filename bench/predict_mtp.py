@@ -83,6 +83,16 @@ def allreduce_us(tokens: int) -> float:
                for a in ALLREDUCE_ALGOS)
 
 
+def _verify_allreduce_ms(k: int) -> float:
+    """The all-reduces of a verify step of k drafts (k + 1 tokens each)."""
+    return ALLREDUCES_PER_STEP * allreduce_us(k + 1) / 1e3
+
+
+def _draft_allreduce_ms() -> float:
+    """The all-reduces of one draft (one token each)."""
+    return ALLREDUCES_PER_DRAFT * allreduce_us(1) / 1e3
+
+
 def acceptance_rate(length: float, k: int) -> float:
     """Per-draft acceptance a with (1 - a^(k+1)) / (1 - a) = length (geometric acceptance), by bisection."""
     if not 1.0 <= length <= k + 1:
@@ -129,8 +139,8 @@ def predict(fit: Fit, k: int, length: float, *, scaled: bool, share: float = EST
     one draft's cost as a share of a plain step."""
     compute_1 = pcie_model.step_ms(0.0)     # ~17 ms of the brief's step is not all-reduce
     per_token = fit.per_token_ms * ((1 / WORLD) * (H200_TBPS / RTX_PRO_6000_TBPS) if scaled else 1.0)
-    verify = compute_1 + k * per_token + ALLREDUCES_PER_STEP * allreduce_us(k + 1) / 1e3
-    draft = compute_1 * share + ALLREDUCES_PER_DRAFT * allreduce_us(1) / 1e3
+    verify = compute_1 + k * per_token + _verify_allreduce_ms(k)
+    draft = compute_1 * share + _draft_allreduce_ms()
     step = verify + k * draft
     tokens = length if k else 1.0
     return {"k": k, "acceptance_length": round(tokens, 2), "verify_ms": round(verify, 2),
@@ -141,8 +151,7 @@ def predict_whole(run: MtpRun, plain_ms: float, length: float) -> dict:
     """Single-request tok/s on 8 x RTX PRO 6000 with the H200's whole MTP step (``run``, verify and drafts)
     kept as the same multiple of a plain step (``plain_ms``, the H200's): launch-bound, as the H200 rows."""
     ratio = run.step_ms / plain_ms
-    step = (pcie_model.step_ms(0.0) * ratio + ALLREDUCES_PER_STEP * allreduce_us(run.k + 1) / 1e3
-            + run.k * ALLREDUCES_PER_DRAFT * allreduce_us(1) / 1e3)
+    step = pcie_model.step_ms(0.0) * ratio + _verify_allreduce_ms(run.k) + run.k * _draft_allreduce_ms()
     return {"k": run.k, "acceptance_length": round(length, 2), "step_ms": round(step, 2),
             "tok_s": round(length / step * 1e3, 1)}
 
