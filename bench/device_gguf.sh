@@ -212,16 +212,30 @@ PY
   return $rc
 }
 
+kernel_tests() {   # the tree in the current folder: its K-quant GPU tests, the log's tail into $1
+  timeout 300 python -m pytest -q -p no:cacheprovider --durations=8 tests/gguf/test_kquant_gpu.py 2>&1 \
+    | tail -n 40 | tee "$1"
+  local rc=${PIPESTATUS[0]}
+  echo "== kquant GPU test exit $rc"
+  return "$rc"
+}
+
+kernel_table() {   # the tree in the current folder: the kernel table at $1 tokens, into $2.json and $2.txt
+  timeout 300 python -m fastcomm_bench.gguf_kernels --tokens "$1" --json "$2.json" > "$2.txt" 2>&1
+  local rc=$?
+  tail -n 40 "$2.txt"
+  return $rc
+}
+
 kquant() {   # fastcomm's K-quant decode kernels: GPU test, then plugin-vs-fastcomm timings at GLM-5's shapes
   local out=${OUT:-$here/out}
   mkdir -p "$out"
   exec > >(tee "$out/kquant.log") 2>&1
   install || return 1
   export FASTCOMM_CACHE_DIR=${FASTCOMM_CACHE_DIR:-/tmp/fastcomm-cache}
-  timeout 280 python -m pytest -q -p no:cacheprovider --durations=8 tests/gguf/test_kquant_gpu.py 2>&1 | tail -n 40
-  local rc=${PIPESTATUS[0]}
-  echo "== kquant GPU test exit $rc"
-  timeout 270 python -m fastcomm_bench.gguf_kernels --json "$out/gguf-kernels.json" || rc=1
+  local rc=0
+  kernel_tests "$out/kquant-tests.log" || rc=1
+  kernel_table "${KQUANT_TOKENS:-1,2,4,8}" "$out/gguf-kernels" || rc=1
   return $rc
 }
 
@@ -248,13 +262,8 @@ ab() {   # on the device: GPU tests on the first tree, the kernel table on each;
       cd "$d" || exit 1
       # a pure-Python wheel imports from its zip; the kernel cache keys on the source, so trees can share it
       export PYTHONPATH="$d:$d/integrations/vllm:$d/.pp:$wheel" FASTCOMM_CACHE_DIR=/tmp/fc-ab-cache
-      if [ "$first" = 1 ] && [ -n "${AB_TESTS:-}" ]; then
-        timeout 300 python -m pytest -q -p no:cacheprovider tests/gguf/test_kquant_gpu.py 2>&1 | tail -n 5 \
-          | tee "$out/tests-$rev.log"
-        [ "${PIPESTATUS[0]}" = 0 ] || exit 1
-      fi
-      timeout 300 python -m fastcomm_bench.gguf_kernels --tokens "${AB_TOKENS:-1,4,8}" --json "$out/kernels-$rev.json" \
-        > "$out/kernels-$rev.txt" 2>&1 || exit 1
+      if [ "$first" = 1 ] && [ -n "${AB_TESTS:-}" ]; then kernel_tests "$out/tests-$rev.log" || exit 1; fi
+      kernel_table "${AB_TOKENS:-1,4,8}" "$out/kernels-$rev" > /dev/null || exit 1
       grep "^# per decode step" "$out/kernels-$rev.txt" | sed "s/^/$rev /"
     ) || { echo "== ab: $rev failed (see $out/*-$rev.*)"; rc=1; }
     first=0
