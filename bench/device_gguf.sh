@@ -44,6 +44,7 @@
 #        AB_TESTS=1 AB_TOKENS=4,8 bash bench/device_gguf.sh ab .gguf_stage REV...
 #    runs the GPU tests on the first tree (AB_TESTS set) and python -m fastcomm_bench.gguf_kernels on each
 #    ($OUT/kernels-REV.{json,txt}, tests-REV.log). Why in one call: the same GPU, clocks and minute for every tree.
+#    AB_TAG=-x names a second table of the same trees (e.g. FASTCOMM_GGUF_PDL=0 AB_TAG=-nopdl: kernels-REV-nopdl).
 # 4. `fastcomm-serve` itself, end to end (one call, same carry; ~2-4 min, bounded at 540 s):
 #        eval "$(bash .stage/install.sh)" && bash bench/device_gguf.sh serve .gguf_stage
 #    tests/gguf/serve_gpu.py: the tiny GLM-5 GGUF (3 shards + MTP block) through `fastcomm-serve --dry-run`
@@ -263,8 +264,8 @@ ab() {   # on the device: GPU tests on the first tree, the kernel table on each;
       # a pure-Python wheel imports from its zip; the kernel cache keys on the source, so trees can share it
       export PYTHONPATH="$d:$d/integrations/vllm:$d/.pp:$wheel" FASTCOMM_CACHE_DIR=/tmp/fc-ab-cache
       if [ "$first" = 1 ] && [ -n "${AB_TESTS:-}" ]; then kernel_tests "$out/tests-$rev.log" || exit 1; fi
-      kernel_table "${AB_TOKENS:-1,4,8}" "$out/kernels-$rev" > /dev/null || exit 1
-      grep "^# per decode step" "$out/kernels-$rev.txt" | sed "s/^/$rev /"
+      kernel_table "${AB_TOKENS:-1,4,8}" "$out/kernels-$rev${AB_TAG:-}" > /dev/null || exit 1
+      grep "^# per decode step" "$out/kernels-$rev${AB_TAG:-}.txt" | sed "s/^/$rev${AB_TAG:-} /"
     ) || { echo "== ab: $rev failed (see $out/*-$rev.*)"; rc=1; }
     first=0
   done

@@ -10,7 +10,9 @@ plugin's path (as its ``apply`` runs it: per-shard copies for a mixed-type fused
 ``mma`` on the tensor cores, ``staged`` and ``unstaged`` dp4a; MoE: ``grouped`` by expert on the tensor cores,
 ``pairs`` dp4a per (token, expert) pair; kquant.FORMS_*), the form its policy takes marked (kquant.linear_form /
 moe_form, whose thresholds come from this table), and a bf16 cuBLAS matmul of the same shape for scale. Each
-timing is a CUDA graph of 16 calls replayed (launch overhead out, as in vLLM's decode graphs), over enough
+timing is a CUDA graph of 16 calls replayed (launch overhead out, as in vLLM's decode graphs; each call after
+a one-element torch add, whose own time is taken off, as another library's kernel stands between two products
+in a decode step), over enough
 copies of the weight that no call finds it in L2. Also checks that fastcomm's result matches the plugin's
 (relative error), and prints a per-step sum: 75 MoE layers, 3 dense layers and the LM head, as in one decode
 step of the 78-layer model.
@@ -39,18 +41,32 @@ def _blocks(rng, qtype, rows_shape, cols):
 
 
 def _graph_time_us(fns) -> float:
-    """GPU time of one call: a graph of CALLS_PER_GRAPH calls (cycling over ``fns``), replayed."""
+    """GPU time of one call: a graph of CALLS_PER_GRAPH calls (cycling over ``fns``), each after a one-element
+    torch add, replayed; minus the same graph of the adds alone. Why the add: in a decode step another
+    library's kernel (a norm, the attention, an all-reduce) stands between two products, so one product's
+    kernels cannot overlap the next one's (programmatic dependent launch, FASTCOMM_GGUF_PDL), and neither may
+    they here."""
+    import torch
+
+    fence = torch.zeros(1, device="cuda")
+    return _replay_us(fns, fence) - _replay_us([], fence)
+
+
+def _replay_us(fns, fence) -> float:
     import torch
 
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         for f in fns:
             f()
+        fence.add_(1)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for i in range(CALLS_PER_GRAPH):
-            fns[i % len(fns)]()
+            fence.add_(1)
+            if fns:
+                fns[i % len(fns)]()
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize()

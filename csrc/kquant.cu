@@ -67,6 +67,7 @@ __device__ __forceinline__ void kq_row_any(int type, const kq_u8* row, const kq_
 template <typename D, bool SILU>
 __device__ void kq_quantize(const typename D::raw* x, int n, int cols, kq_u64 x_stride, kq_u32* xq, float2* xds,
                             int mma) {
+  kq_grid_enter();
   const int chunks = cols / FC_KQ_CHUNK;
   const kq_u64 i = (kq_u64)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= (kq_u64)n * chunks) return;
@@ -97,6 +98,7 @@ __device__ void kq_quantize(const typename D::raw* x, int n, int cols, kq_u64 x_
 template <typename D, int N>
 __device__ void kq_gemv(const KqSegs& segs, const kq_u32* xq, const float2* xds, int n, int cols,
                         typename D::raw* out, kq_u64 out_stride) {
+  kq_grid_enter();
   const int r = blockIdx.x * FC_KQ_ROWS_PER_BLOCK + (threadIdx.x >> 5);
   if (r >= segs.total_rows) return;
   const KqSeg sg = kq_segment(segs, r);
@@ -117,6 +119,7 @@ template <typename D>
 __device__ void kq_moe_up(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows, int cols,
                           const int* topk_ids, int topk, const kq_u32* xq, const float2* xds,
                           typename D::raw* out) {
+  kq_grid_enter();
   const int r = blockIdx.x * FC_KQ_ROWS_PER_BLOCK + (threadIdx.x >> 5), p = blockIdx.y;
   if (r >= rows) return;
   const int chunks = cols / FC_KQ_CHUNK;
@@ -153,6 +156,7 @@ template <typename D>
 __device__ void kq_moe_down(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows, int cols,
                             const int* topk_ids, const float* topk_weights, int topk, const kq_u32* xq,
                             const float2* xds, typename D::raw* out) {
+  kq_grid_enter();
   const int r = blockIdx.x * FC_KQ_ROWS_PER_BLOCK + (threadIdx.x >> 5), t = blockIdx.y;
   if (r >= rows) return;
   const int chunks = cols / FC_KQ_CHUNK;
@@ -258,6 +262,7 @@ template <typename D, int N>
 __device__ void kq_gemv_s(const KqSegs& segs, const typename D::raw* x, int n, int cols, kq_u64 x_stride,
                           typename D::raw* out, kq_u64 out_stride) {
   extern __shared__ uint4 kq_smem[];
+  kq_grid_enter();
   const KqStage xs = kq_stage<D>(x, n, cols, x_stride, kq_smem);
   const int warps = blockDim.x >> 5;
   for (int r = blockIdx.x * warps + (threadIdx.x >> 5); r < segs.total_rows; r += gridDim.x * warps) {

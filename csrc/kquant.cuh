@@ -77,6 +77,34 @@ FC_KQ_HD KqSeg kq_segment(const KqSegs& segs, int r) {
   return sg;
 }
 
+// ---- kernel boundaries (device only) -----------------------------------------------------------------------
+// Programmatic dependent launch (sm_90+, where the host launches with it: FASTCOMM_GGUF_PDL): a kernel may start
+// while the kernel before it in the stream is still running. Why: a decode step runs ~20 of these kernels a
+// layer, most two or three in a row (quantize, product; the MoE's five), and each boundary costs the next one
+// its launch and its first DRAM round trip. Every kernel here lets the next one launch as it starts
+// (kq_grid_launch_dependents: the next is scheduled once all of this grid's blocks have run it, so it never
+// takes an SM from a block of this grid), and waits (kq_grid_wait: until the kernel before has finished and its
+// writes are visible) before it reads anything a kernel wrote or writes anything; only weights, which no
+// kernel writes, are read before (the dense mma form's first stages). Launched without the attribute, both are
+// no-ops; older targets compile neither.
+#if defined(__CUDACC__)
+__device__ __forceinline__ void kq_grid_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void kq_grid_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+// The start of a kernel that reads nothing before it waits.
+__device__ __forceinline__ void kq_grid_enter() {
+  kq_grid_launch_dependents();
+  kq_grid_wait();
+}
+#endif
+
 // ---- primitives with a host twin ---------------------------------------------------------------------------
 
 FC_KQ_HD int kq_dp4a(int a, int b, int c) {

@@ -92,6 +92,7 @@ __device__ __forceinline__ void kq_mma_tile(const kq_u8* tile, kq_u64 row_stride
     if (w + s * W < units) kq_mma_copy<T>(tile, row_stride, rows, w + s * W, ring + s * STAGE);
     kq_cp_commit();
   }
+  kq_grid_wait();  // the first stages' weights are on their way; the activations are the kernel before's
   int k = 0;
   for (int u = w; u < units; u += W, ++k) {
     if (u + (S - 1) * W < units)
@@ -174,6 +175,7 @@ template <typename D, int TT>
 __device__ void kq_mma_gemv(const KqSegs& segs, const kq_u32* xq, const float* xs, int n, int cols,
                             typename D::raw* out, kq_u64 out_stride) {
   __shared__ float part[FC_KQ_MMA_WARPS - 1][4][32];
+  kq_grid_launch_dependents();  // and waits in kq_mma_tile, once its first weights are in flight
   const int r0 = blockIdx.x * FC_KQ_MMA_ROWS, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const KqSeg sg = kq_segment(segs, r0);  // the host keeps segment starts on tile boundaries
   const int last = segs.total_rows - 1;    // a last partial tile reads its last row again, writes nothing
@@ -255,6 +257,7 @@ __device__ void kq_mma_moe(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stri
   __shared__ float part[FC_KQ_MMA_WARPS - 1][4][32];
   __shared__ int s_pair[FC_KQ_MAX_PAIRS];
   __shared__ unsigned s_mask[FC_KQ_MAX_PAIRS / 32];
+  kq_grid_enter();  // the routes are a kernel's output: no weight is fetched before them (most experts idle)
   const int count = kq_route(topk_ids, pairs, blockIdx.y, s_pair, s_mask);
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, r0 = blockIdx.x * FC_KQ_MMA_ROWS;
   for (int base = 0; base < count; base += FC_KQ_MMA_COLS) {  // block-uniform; one pass unless > 8 pairs
@@ -277,6 +280,7 @@ __device__ void kq_mma_moe(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stri
 template <typename D>
 __device__ void kq_moe_sum(const float* y, const int* topk_ids, const float* topk_weights, int topk, int experts,
                            int tokens, int rows, typename D::raw* out) {
+  kq_grid_enter();
   const kq_u64 i = (kq_u64)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= (kq_u64)tokens * rows) return;
   const int t = (int)(i / rows), r = (int)(i - (kq_u64)t * rows);

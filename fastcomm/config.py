@@ -187,6 +187,9 @@ VARIABLES: tuple[Var, ...] = (
     Var("FASTCOMM_GGUF_GROUPED_MIN_TOKENS", "gguf_grouped_min_tokens", "", "Tokens from which a GGUF MoE layer's "
         "experts take the tensor-core form grouped by expert (unset: kquant.MOE_GROUPED_MIN_TOKENS; 9: never).",
         _decode_tokens),
+    Var("FASTCOMM_GGUF_PDL", "gguf_pdl", "1", "1 launches fastcomm's K-quant kernels with programmatic dependent "
+        "launch on sm_90+ (each may start while the kernel before it ends, and waits for that one's output on the "
+        "GPU); 0: plain launches.", _bool),
     Var("FASTCOMM_LOG", "log_level", "warning", "debug | info | warning | error | off: level of the 'fastcomm' "
         "logger; info prints the transport and policy each workspace chose (like NCCL_DEBUG=INFO).",
         _choice(*LOG_LEVELS)),
@@ -243,6 +246,7 @@ class Config:
     gguf_kernels: str = "auto"  # FASTCOMM_GGUF_KERNELS (fastcomm_vllm.gguf.kquant)
     gguf_mma_min_tokens: int | None = None      # FASTCOMM_GGUF_MMA_MIN_TOKENS (None: the kquant policy's)
     gguf_grouped_min_tokens: int | None = None  # FASTCOMM_GGUF_GROUPED_MIN_TOKENS
+    gguf_pdl: bool = True  # FASTCOMM_GGUF_PDL (fastcomm_vllm.gguf.kquant.dependent_launch)
     log_level: str = "warning"
     test_mode: bool = False
     test_shared_gpu: bool = False

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import abi, cluster, jit
+from . import abi, jit, launch_ex
 from .config import Config
 from .errors import FastcommError
 from .policy import Facts, LinkType, islands, worst_link
@@ -129,7 +129,7 @@ def _cluster_support(device_index: int) -> tuple[int, bool]:
     """(compute capability major, launches thread-block clusters) of this rank's device; (0, False) where the
     driver cannot say (then no rank uses the cluster form)."""
     try:
-        return cluster.device_supports_clusters(device_index)
+        return launch_ex.device_supports_clusters(device_index)
     except Exception:  # a driver without the attribute or entry point: the block-per-split form serves
         return 0, False
 

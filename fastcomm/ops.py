@@ -10,7 +10,7 @@ import contextlib
 
 import torch
 
-from . import abi, cluster, policy
+from . import abi, launch_ex, policy
 from .abi import FLAT, ISLAND, PARTNER
 from .errors import FastcommError
 from .policy import Algo, Transport
@@ -118,7 +118,7 @@ def _fused_cluster(ws: Workspace, x: torch.Tensor, residual, weight, out, residu
                                     weight.data_ptr(), out.data_ptr(),
                                     residual_out.data_ptr() if residual_out is not None else 0, tokens, hidden,
                                     lc.splits, eps)
-    cluster.launch(fn, lc.grid, lc.block, lc.splits, ws.stream(), packed.address)
+    launch_ex.launch_cluster(fn, lc.grid, lc.block, lc.splits, ws.stream(), packed.address)
     return True
 
 

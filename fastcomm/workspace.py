@@ -25,7 +25,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from . import abi, cluster, jit
+from . import abi, jit, launch_ex
 from . import layout as L
 from . import policy
 from .abi import ErrorRecord
@@ -342,7 +342,7 @@ class Workspace:
         functions) that fit on its device at once: asked once per shape, kept as long as the module is."""
         key = (fn, block, cluster_blocks)
         if key not in self._resident:
-            self._resident[key] = cluster.max_active_clusters(fn, block, cluster_blocks)
+            self._resident[key] = launch_ex.max_active_clusters(fn, block, cluster_blocks)
         return self._resident[key]
 
     def algo_for(self, nbytes: int, forced: str | None = None) -> Algo:

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from fastcomm import abi, cluster
+from fastcomm import abi, launch_ex
 from fastcomm.config import Config, ConfigError
 from fastcomm.jit import source_dir
 from fastcomm.policy.fused import fused_cluster_form
@@ -67,14 +67,14 @@ def test_launch_spreads_each_chunk_over_its_block(tokens, hidden, elem, max_bloc
 
 def test_launch_structs_match_cuda_h():
     # cuda.h: CUlaunchAttribute = {id, pad to 8, 64-byte value}; CUlaunchConfig = 7 uints, stream, attrs, count.
-    assert ctypes.sizeof(cluster._LaunchAttribute) == 72
-    assert cluster._LaunchAttribute.value.offset == 8
-    assert [f for f, _ in cluster._LaunchConfig._fields_][-3:] == ["hStream", "attrs", "numAttrs"]
-    assert cluster._LaunchConfig.hStream.offset == 32 and cluster._LaunchConfig.attrs.offset == 40
-    attr = cluster._LaunchAttribute()
-    cfg = cluster._config(12, 128, 6, 0, attr)
-    assert (cfg.gridDimX, cfg.blockDimX, cfg.numAttrs) == (12, 128, 1)
-    assert cfg.attrs.contents.id == cluster.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    assert ctypes.sizeof(launch_ex._LaunchAttribute) == 72
+    assert launch_ex._LaunchAttribute.value.offset == 8
+    assert [f for f, _ in launch_ex._LaunchConfig._fields_][-3:] == ["hStream", "attrs", "numAttrs"]
+    assert launch_ex._LaunchConfig.hStream.offset == 32 and launch_ex._LaunchConfig.attrs.offset == 40
+    attr = launch_ex._LaunchAttribute()
+    cfg = launch_ex._cluster_config(12, 128, 6, 0, attr)
+    assert (cfg.gridDimX, cfg.gridDimY, cfg.blockDimX, cfg.numAttrs) == (12, 1, 128, 1)
+    assert cfg.attrs.contents.id == launch_ex.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
     assert list(cfg.attrs.contents.value[:3]) == [6, 1, 1]
 
 

@@ -315,3 +315,58 @@ def test_cuda_graph_replays_with_changing_inputs(form):
         graph.replay()
         if i % 250 == 0 or i == 1999:
             check(out, xi.astype(np.float64) @ truth.T, np.abs(xi) @ np.abs(truth).T, torch.bfloat16)
+
+
+@pytest.mark.parametrize("form", LINEAR_FORMS)
+def test_back_to_back_products_wait_for_each_other(form, monkeypatch):
+    """Dependent launches (FASTCOMM_GGUF_PDL, sm_90+): a MoE, then a product of its output, then a product of
+    that: each kernel starts while the one before it still runs and must wait for its output. The chain
+    (eager, and a CUDA graph replayed with new inputs and routes) is bitwise equal to the same chain launched
+    plainly. Product 1 has 256 tiles / 1024 dp4a blocks, so the next kernel starts long before it ends."""
+    k = kq()
+    if not k._dependent_launch(0):
+        pytest.skip("no dependent launch on this GPU (sm_90+) or FASTCOMM_GGUF_PDL=0")
+    rng = np.random.default_rng(31)
+    experts, hidden, inter, topk, tokens = 8, 512, 256, 2, 5
+    w13, _ = weights("Q4_K", (experts, 2 * inter, hidden), seed=32)
+    w2, _ = weights("Q5_K", (experts, hidden, inter), seed=33)
+    wa, _ = weights("Q4_K", (4096, hidden), seed=34)
+    wb, _ = weights("Q6_K", (40, 4096), seed=35)
+    w13g, w2g, wag, wbg = (torch.from_numpy(a).cuda() for a in (w13, w2, wa, wb))
+    sa, sb = (k.Segment(k.Q4_K, 0, 4096),), (k.Segment(k.Q6_K, 0, 40),)
+    moe_form = "grouped" if form == "mma" else "pairs"
+    x = torch.zeros(tokens, hidden, dtype=torch.bfloat16, device="cuda")
+    ids = torch.zeros(tokens, topk, dtype=torch.int32, device="cuda")
+    wts = torch.zeros(tokens, topk, device="cuda")
+
+    def chain():
+        y = k.moe(x, w13g, w2g, wts, ids, k.Q4_K, k.Q5_K, _act, silu=True, form=moe_form)
+        return k.linear(k.linear(y, wag, sa, form=form), wbg, sb, form=form)
+
+    def plain():
+        with monkeypatch.context() as m:
+            m.setattr(k, "_dependent_launch", lambda device: False)
+            return chain().clone()
+
+    def new_inputs(i):
+        x.copy_(torch.from_numpy(rng.standard_normal((tokens, hidden)).astype(np.float32)))
+        ids.copy_(torch.from_numpy(np.stack([rng.permutation(experts if i % 2 else 3)[:topk]
+                                             for _ in range(tokens)]).astype(np.int32)))
+        wts.copy_(torch.from_numpy(rng.random((tokens, topk)).astype(np.float32)))
+
+    for i in range(20):
+        new_inputs(i)
+        got = chain()
+        assert torch.equal(got, plain()), i
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        chain()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for i in range(300):
+        new_inputs(i)
+        graph.replay()
+        if i % 30 == 0 or i == 299:
+            assert torch.equal(out, plain()), i

@@ -112,3 +112,48 @@ def test_segment_tables_are_built_once_per_weight():
     assert (table.nseg, table.total_rows) == (2, 2624)
     assert (table.s[1].w, table.s[1].row0, table.s[1].out_col, table.s[1].type) == ((1 << 20) + 2048 * 6528, 2048,
                                                                                     2048, kquant.Q8_0)
+
+
+def test_dependent_launch_where_the_gpu_has_it_and_the_setting_allows():
+    assert kquant.dependent_launch(9, True) and kquant.dependent_launch(12, True)   # H200, RTX PRO 6000 (sm_120)
+    assert not kquant.dependent_launch(8, True)                                      # sm_80: no griddepcontrol
+    assert not kquant.dependent_launch(9, False)                                     # FASTCOMM_GGUF_PDL=0
+
+
+def _bodies(text: str) -> dict[str, str]:
+    """Each function defined in ``text``, by name: its body's text (braces matched)."""
+    import re
+
+    out = {}
+    for m in re.finditer(r"\b(kq_\w+)\([^;{]*\)\s*\{", text):
+        depth, i = 1, m.end()
+        while depth:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        out.setdefault(m.group(1), text[m.end():i - 1])
+    return out
+
+
+def test_every_kernel_lets_the_next_launch_and_waits_before_it_reads():
+    """A dependent launch is only correct if every kernel waits (kq_grid_wait) before it reads what a kernel
+    before it wrote: each extern "C" entry of kquant.cu calls a device function that starts with kq_grid_enter
+    (or, the dense mma form, lets the next launch first and waits in kq_mma_tile after its first weight copies)."""
+    import pathlib
+    import re
+
+    csrc = pathlib.Path(__file__).resolve().parents[2] / "csrc"
+    launch = (csrc / "kquant.cu").read_text()
+    bodies = _bodies(launch + (csrc / "kquant_mma.cuh").read_text())
+    entries = re.findall(r'extern "C" __global__ void[^{]*\{[\s\\]*(kq_\w+)<', launch)
+    assert len(set(entries)) == 8, sorted(set(entries))  # quantize, gemv, gemv_s, moe_up/down, mma_gemv/moe, sum
+    for name in set(entries):
+        body = bodies[name]
+        assert "kq_grid_" in body, f"{name} neither lets the next kernel launch nor waits"
+        first = body.index("kq_grid_")
+        reads = [body.find(s) for s in ("__ldg", "kq_route", "kq_stage", "kq_row", "kq_mma_tile", "y[", "x +")]
+        assert all(r < 0 or r > first for r in reads), name
+        if "kq_grid_enter();" not in body:
+            assert "kq_grid_launch_dependents();" in body and "kq_mma_tile_any" in body, name
+    tile = bodies["kq_mma_tile"]
+    assert tile.index("kq_grid_wait();") < tile.index("kq_xunit_ops(")  # activations only after the wait
+    assert "griddepcontrol.wait" in (csrc / "kquant.cuh").read_text()

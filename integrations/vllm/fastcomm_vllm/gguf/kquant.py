@@ -203,12 +203,34 @@ _MAX_DYNAMIC_SMEM_ATTR = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 def _launch(device: int, kernel: abi.Kernel, dtype: str | None, grid: tuple[int, int], block: int, stream: int,
             args: tuple, variant: str = "", smem: int = 0) -> None:
-    from cupy_backends.cuda.api import driver
-
+    """Every kernel of csrc/kquant.cu, as a dependent launch where ``dependent_launch`` allows (each kernel waits
+    for the one before it in the stream before it reads its output: kq_grid_wait)."""
     packed = kernel.pack(*args)
     symbol = kernel.symbol(dtype, variant)  # an untyped kernel's symbol ignores the dtype
     fn = _smem_function(device, symbol) if smem else _function(device, symbol)
+    if _dependent_launch(device):
+        from fastcomm import launch_ex
+
+        launch_ex.launch_dependent(fn, grid, block, smem, stream, packed.address)
+        return
+    from cupy_backends.cuda.api import driver
+
     driver.launchKernel(fn, grid[0], grid[1], 1, block, 1, 1, smem, stream, packed.address, 0)
+
+
+def dependent_launch(capability_major: int, allowed: bool) -> bool:
+    """Launch the kernels with programmatic dependent launch? It needs sm_90+ (griddepcontrol); ``allowed``:
+    FASTCOMM_GGUF_PDL."""
+    return allowed and capability_major >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _dependent_launch(device: int) -> bool:
+    import torch
+
+    from fastcomm.config import read
+
+    return dependent_launch(torch.cuda.get_device_properties(device).major, read("FASTCOMM_GGUF_PDL"))
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,9 +1,13 @@
-"""Thread-block cluster launches (fused_cluster.cuh): the driver calls CuPy does not wrap, through ctypes.
+"""Launches through cuLaunchKernelEx, the driver call CuPy does not wrap (ctypes): thread-block clusters
+(fused_cluster.cuh) and programmatic dependent launch (the K-quant decode kernels, csrc/kquant.cu).
 
-cuLaunchKernelEx with CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION launches a grid whose blocks are grouped into
-clusters; it is captured into CUDA graphs like any launch. cuOccupancyMaxActiveClusters says how many such
-clusters fit on the device at once (the fused op needs its whole grid resident). Both act on the current
-context (ops runs them on the workspace's device). Struct layouts follow cuda.h (CUDA 12+).
+A cluster launch (CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION) groups a grid's blocks into clusters;
+cuOccupancyMaxActiveClusters says how many such clusters fit on the device at once (the fused op needs its whole
+grid resident). A dependent launch (CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, sm_90+) lets a kernel
+start while the kernel before it in the stream is still running, once that one's blocks have all run
+`griddepcontrol.launch_dependents`; its `griddepcontrol.wait` then blocks until the earlier kernel has finished
+and its writes are visible. Both are captured into CUDA graphs like any launch and act on the current context.
+Struct layouts follow cuda.h (CUDA 12+).
 """
 from __future__ import annotations
 
@@ -15,10 +19,12 @@ from .errors import FastcommError
 CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
 CU_DEVICE_ATTRIBUTE_CLUSTER_LAUNCH = 120       # cudaDevAttrClusterLaunch
 CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
 class _LaunchAttribute(ctypes.Structure):
-    # CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value union (clusterDim: three unsigned ints).
+    # CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value union (clusterDim: three unsigned ints;
+    # programmaticStreamSerializationAllowed: one int).
     _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint32 * 16)]
 
 
@@ -49,10 +55,17 @@ def _check(rc: int, what: str) -> None:
         raise FastcommError(f"{what} failed (CUresult {rc})")
 
 
-def _config(grid: int, block: int, cluster: int, stream: int, attr: _LaunchAttribute) -> _LaunchConfig:
-    attr.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-    attr.value[0], attr.value[1], attr.value[2] = cluster, 1, 1
-    return _LaunchConfig(grid, 1, 1, block, 1, 1, 0, stream or None, ctypes.pointer(attr), 1)
+def _config(grid: tuple[int, int], block: int, smem: int, stream: int, attr: _LaunchAttribute, attr_id: int,
+            values: tuple[int, ...]) -> _LaunchConfig:
+    """A launch of ``grid`` (x, y) blocks with one attribute (``attr`` must outlive the launch call)."""
+    attr.id = attr_id
+    for i, v in enumerate(values):
+        attr.value[i] = v
+    return _LaunchConfig(grid[0], grid[1], 1, block, 1, 1, smem, stream or None, ctypes.pointer(attr), 1)
+
+
+def _cluster_config(grid: int, block: int, cluster: int, stream: int, attr: _LaunchAttribute) -> _LaunchConfig:
+    return _config((grid, 1), block, 0, stream, attr, CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, (cluster, 1, 1))
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,15 +84,25 @@ def device_supports_clusters(device_index: int) -> tuple[int, bool]:
 def max_active_clusters(fn: int, block: int, cluster: int) -> int:
     """Clusters of ``cluster`` blocks of ``block`` threads of ``fn`` that can be resident at once."""
     attr = _LaunchAttribute()
-    cfg = _config(cluster, block, cluster, 0, attr)
+    cfg = _cluster_config(cluster, block, cluster, 0, attr)
     n = ctypes.c_int()
     _check(_libcuda().cuOccupancyMaxActiveClusters(ctypes.byref(n), fn, ctypes.byref(cfg)),
            "cuOccupancyMaxActiveClusters")
     return n.value
 
 
-def launch(fn: int, grid: int, block: int, cluster: int, stream: int, params_address: int) -> None:
+def launch_cluster(fn: int, grid: int, block: int, cluster: int, stream: int, params_address: int) -> None:
     """``fn`` on ``grid`` blocks of ``block`` threads, in clusters of ``cluster`` blocks (grid % cluster == 0)."""
     attr = _LaunchAttribute()
-    cfg = _config(grid, block, cluster, stream, attr)
+    cfg = _cluster_config(grid, block, cluster, stream, attr)
+    _check(_libcuda().cuLaunchKernelEx(ctypes.byref(cfg), fn, params_address, None), "cuLaunchKernelEx")
+
+
+def launch_dependent(fn: int, grid: tuple[int, int], block: int, smem: int, stream: int,
+                     params_address: int) -> None:
+    """``fn`` on ``grid`` blocks of ``block`` threads (``smem`` bytes of dynamic shared memory each), allowed to
+    start before the stream's previous kernel has finished (sm_90+: the kernel must `griddepcontrol.wait` before
+    it reads what that kernel wrote)."""
+    attr = _LaunchAttribute()
+    cfg = _config(grid, block, smem, stream, attr, CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, (1,))
     _check(_libcuda().cuLaunchKernelEx(ctypes.byref(cfg), fn, params_address, None), "cuLaunchKernelEx")
