@@ -187,9 +187,9 @@ VARIABLES: tuple[Var, ...] = (
     Var("FASTCOMM_GGUF_GROUPED_MIN_TOKENS", "gguf_grouped_min_tokens", "", "Tokens from which a GGUF MoE layer's "
         "experts take the tensor-core form grouped by expert (unset: kquant.MOE_GROUPED_MIN_TOKENS; 9: never).",
         _decode_tokens),
-    Var("FASTCOMM_GGUF_PDL", "gguf_pdl", "1", "1 launches fastcomm's K-quant kernels with programmatic dependent "
-        "launch on sm_90+ (each may start while the kernel before it ends, and waits for that one's output on the "
-        "GPU); 0: plain launches.", _bool),
+    Var("FASTCOMM_GGUF_PDL", "gguf_pdl", "1", "1 lets fastcomm's dense tensor-core K-quant product start while the "
+        "quantize launch before it runs (programmatic dependent launch, sm_90+: it fetches its first weights, then "
+        "waits on the GPU for the activations); 0: plain launches.", _bool),
     Var("FASTCOMM_LOG", "log_level", "warning", "debug | info | warning | error | off: level of the 'fastcomm' "
         "logger; info prints the transport and policy each workspace chose (like NCCL_DEBUG=INFO).",
         _choice(*LOG_LEVELS)),

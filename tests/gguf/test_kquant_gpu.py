@@ -319,12 +319,13 @@ def test_cuda_graph_replays_with_changing_inputs(form):
 
 @pytest.mark.parametrize("form", LINEAR_FORMS)
 def test_back_to_back_products_wait_for_each_other(form, monkeypatch):
-    """Dependent launches (FASTCOMM_GGUF_PDL, sm_90+): a MoE, then a product of its output, then a product of
-    that: each kernel starts while the one before it still runs and must wait for its output. The chain
-    (eager, and a CUDA graph replayed with new inputs and routes) is bitwise equal to the same chain launched
-    plainly. Product 1 has 256 tiles / 1024 dp4a blocks, so the next kernel starts long before it ends."""
+    """Dependent launches (FASTCOMM_GGUF_PDL, sm_90+; the dense mma form's kernel, kquant.dependent_launch): a
+    MoE, then a product of its output, then a product of that, each mma product's kernel starting while the
+    quantize before it runs and fetching weights before it waits for it. The chain (eager, and a CUDA graph
+    replayed with new inputs and routes) is bitwise equal to the same chain launched plainly (every form: the
+    dp4a ones run beside it as a control)."""
     k = kq()
-    if not k._dependent_launch(0):
+    if not k.dependent_launch(k._capability(0), k._pdl_allowed(), True):
         pytest.skip("no dependent launch on this GPU (sm_90+) or FASTCOMM_GGUF_PDL=0")
     rng = np.random.default_rng(31)
     experts, hidden, inter, topk, tokens = 8, 512, 256, 2, 5
@@ -345,7 +346,7 @@ def test_back_to_back_products_wait_for_each_other(form, monkeypatch):
 
     def plain():
         with monkeypatch.context() as m:
-            m.setattr(k, "_dependent_launch", lambda device: False)
+            m.setattr(k, "_pdl_allowed", lambda: False)
             return chain().clone()
 
     def new_inputs(i):

@@ -114,10 +114,11 @@ def test_segment_tables_are_built_once_per_weight():
                                                                                     2048, kquant.Q8_0)
 
 
-def test_dependent_launch_where_the_gpu_has_it_and_the_setting_allows():
-    assert kquant.dependent_launch(9, True) and kquant.dependent_launch(12, True)   # H200, RTX PRO 6000 (sm_120)
-    assert not kquant.dependent_launch(8, True)                                      # sm_80: no griddepcontrol
-    assert not kquant.dependent_launch(9, False)                                     # FASTCOMM_GGUF_PDL=0
+def test_dependent_launch_for_a_kernel_that_prefetches_where_the_gpu_has_it_and_the_setting_allows():
+    assert kquant.dependent_launch(9, True, True) and kquant.dependent_launch(12, True, True)  # H200, sm_120
+    assert not kquant.dependent_launch(8, True, True)      # sm_80: no griddepcontrol
+    assert not kquant.dependent_launch(9, False, True)     # FASTCOMM_GGUF_PDL=0
+    assert not kquant.dependent_launch(9, True, False)     # quantize, dp4a, grouped MoE: measured no gain (or loss)
 
 
 def _bodies(text: str) -> dict[str, str]:

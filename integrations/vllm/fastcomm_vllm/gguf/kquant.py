@@ -202,13 +202,13 @@ _MAX_DYNAMIC_SMEM_ATTR = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
 def _launch(device: int, kernel: abi.Kernel, dtype: str | None, grid: tuple[int, int], block: int, stream: int,
-            args: tuple, variant: str = "", smem: int = 0) -> None:
-    """Every kernel of csrc/kquant.cu, as a dependent launch where ``dependent_launch`` allows (each kernel waits
-    for the one before it in the stream before it reads its output: kq_grid_wait)."""
+            args: tuple, variant: str = "", smem: int = 0, prefetches: bool = False) -> None:
+    """A kernel of csrc/kquant.cu; ``prefetches``: it has work to do before it waits for the kernel before it
+    (the dense mma form's first weight stages), and launches as a dependent where ``dependent_launch`` says."""
     packed = kernel.pack(*args)
     symbol = kernel.symbol(dtype, variant)  # an untyped kernel's symbol ignores the dtype
     fn = _smem_function(device, symbol) if smem else _function(device, symbol)
-    if _dependent_launch(device):
+    if dependent_launch(_capability(device), _pdl_allowed(), prefetches):
         from fastcomm import launch_ex
 
         launch_ex.launch_dependent(fn, grid, block, smem, stream, packed.address)
@@ -218,19 +218,29 @@ def _launch(device: int, kernel: abi.Kernel, dtype: str | None, grid: tuple[int,
     driver.launchKernel(fn, grid[0], grid[1], 1, block, 1, 1, smem, stream, packed.address, 0)
 
 
-def dependent_launch(capability_major: int, allowed: bool) -> bool:
-    """Launch the kernels with programmatic dependent launch? It needs sm_90+ (griddepcontrol); ``allowed``:
-    FASTCOMM_GGUF_PDL."""
-    return allowed and capability_major >= 9
+def dependent_launch(capability_major: int, allowed: bool, prefetches: bool) -> bool:
+    """Launch a kernel with programmatic dependent launch (it may start while the kernel before it runs)? It
+    needs sm_90+ (griddepcontrol) and FASTCOMM_GGUF_PDL (``allowed``), and only a kernel with work to do before
+    it waits gains (``prefetches``). Measured on an H200 (bench/RESULTS.md, tenth session): the dense mma
+    form, which fetches its first weight stages before it waits, gained 2-3 us a product at 8 tokens (o_proj
+    35.3 -> 32.6 us, q_b 18.2 -> 15.9, shared down 13.2 -> 10.8; dense gate_up, 1536 tiles, lost 48.6 -> 52.1);
+    dependent launches of the quantize kernels cost the grouped MoE 11-13 us (173.4 -> 184-186 at 8 tokens) and
+    those of its other kernels gained nothing, so everything else launches plainly."""
+    return allowed and prefetches and capability_major >= 9
 
 
 @functools.lru_cache(maxsize=None)
-def _dependent_launch(device: int) -> bool:
+def _capability(device: int) -> int:
     import torch
 
+    return torch.cuda.get_device_properties(device).major
+
+
+@functools.lru_cache(maxsize=1)
+def _pdl_allowed() -> bool:
     from fastcomm.config import read
 
-    return dependent_launch(torch.cuda.get_device_properties(device).major, read("FASTCOMM_GGUF_PDL"))
+    return read("FASTCOMM_GGUF_PDL")
 
 
 @functools.lru_cache(maxsize=None)
@@ -271,12 +281,14 @@ def _resident(device: int, symbol: str, ring: int) -> tuple[int, ...]:
 def _mma_launch(dev: int, kernel: abi.Kernel, dtype: str | None, tiles_x: int, grid_y: int, busy_tiles: int,
                 cols: int, types, stream: int, args: tuple, warps: int | None = None, moe: bool = False) -> None:
     """An mma-form launch: the entry ``mma_variant`` picks, warps a tile from the occupancy of its symbol (or as
-    given), a ring per warp."""
+    given), a ring per warp; the dense form as a dependent launch (its first weight stages before its wait; the
+    grouped MoE's blocks wait for the routes before they know whether their expert has work)."""
     ring = mma_ring_bytes(types)
     variant = mma_variant(types, moe)
     symbol = kernel.symbol(dtype, variant)
     warps = warps or mma_warps(cols, busy_tiles, _device(dev)[0], _resident(dev, symbol, ring))
-    _launch(dev, kernel, dtype, (tiles_x, grid_y), 32 * warps, stream, args, variant=variant, smem=warps * ring)
+    _launch(dev, kernel, dtype, (tiles_x, grid_y), 32 * warps, stream, args, variant=variant, smem=warps * ring,
+            prefetches=not moe)
 
 
 @functools.lru_cache(maxsize=None)
