@@ -239,10 +239,10 @@ def test_the_token_thresholds_reach_the_kernels(monkeypatch):
     from fastcomm_vllm.gguf import kquant, kquant_vllm, plugin
 
     try:
-        monkeypatch.setenv("FASTCOMM_GGUF_MMA_MIN_TOKENS", "2")
+        monkeypatch.setenv("FASTCOMM_GGUF_MMA_MIN_TOKENS", "5")
         monkeypatch.setenv("FASTCOMM_GGUF_GROUPED_MIN_TOKENS", "9")
         plugin._decode_kernels()
-        assert (kquant_vllm._FORMS["mma_min"], kquant_vllm._FORMS["grouped_min"]) == (2, 9)
+        assert (kquant_vllm._FORMS["mma_min"], kquant_vllm._FORMS["grouped_min"]) == (5, 9)
         monkeypatch.delenv("FASTCOMM_GGUF_MMA_MIN_TOKENS")
         monkeypatch.delenv("FASTCOMM_GGUF_GROUPED_MIN_TOKENS")
         plugin._decode_kernels()

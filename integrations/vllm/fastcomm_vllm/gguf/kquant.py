@@ -38,14 +38,15 @@ STAGED_BLOCKS_PER_SM = 2
 STAGE_BYTES_PER_CHUNK = 40  # two 16-byte halves and a (scale, sum) float2, per 32 values of a row
 FORMS_LINEAR = ("mma", "staged", "unstaged")
 FORMS_MOE = ("grouped", "pairs")
-# Which form serves, from bench/gguf_kernels.py on an H200 (bench/RESULTS.md, run 4b38652; its --suggest): from 4
-# tokens the tensor-core linears win the per-step sum (o_proj 33 against 54 us at 4, 35 against 90 at 8), below it
-# the staged dp4a form (which needs no quantize launch: fused_qkv_a 9 against 13 us at 1 token); the MoE grouped
-# by expert wins at 4 tokens (171 against 239 us) and loses at 1-2 (119 / 140 against 78 / 132). 3 tokens (an MTP
-# verify of 2 drafts) has no per-product run; end to end, grouped from 3 gave a 3-request step of 27.4 ms
-# (run b3b4269) and per pair 31.9 (run 842e68a), so the MoE is grouped from 3.
+# Which form serves, from bench/gguf_kernels.py on an H200 (bench/RESULTS.md): the tensor-core linears win the
+# per-step sum from 2 tokens since the dense mma form launches as a dependent of its quantize launch (tenth
+# session, run d845068, its --suggest: at 2 tokens o_proj 27.2 against 34.5 us staged, dense down 34.7 / 40.5,
+# though fused_qkv_a 12.8 / 10.1 and q_b 12.6 / 12.1 lose; the sum, -0.15 ms a step); at 1 token the staged dp4a
+# form (no quantize launch) wins. The MoE grouped by expert wins from 4 tokens and loses at 1-2 (137 / 131 us
+# at 2). 3 tokens (an MTP verify of 2 drafts) has no per-product run; end to end, grouped from 3 gave a
+# 3-request step of 27.4 ms (run b3b4269) and per pair 31.9 (run 842e68a), so the MoE is grouped from 3.
 # FASTCOMM_GGUF_MMA_MIN_TOKENS / _GROUPED_MIN_TOKENS move them per GPU.
-MMA_MIN_TOKENS = 4          # linears: the tensor-core form from this many tokens, below it the staged dp4a
+MMA_MIN_TOKENS = 2          # linears: the tensor-core form from this many tokens, below it the staged dp4a
 MOE_GROUPED_MIN_TOKENS = 3  # MoE: grouped by expert from this many tokens, below it per pair
 # The mma kernels come built for one weight type each, beside one for any type (a switch on the type, its
 # registers the widest type's). Which serves, from bench/gguf_kernels.py on an H200 (bench/RESULTS.md, 2026-12-02,
