@@ -79,3 +79,35 @@ def test_pdl_scope_names_kernels_that_exist():
     for names in (*pdl_scope.MOE_VARIANTS.values(), *pdl_scope.DENSE_VARIANTS.values()):
         for part in names:
             assert any(part in s for s in symbols), part
+
+
+def test_device_ab_times_a_tree_whose_tests_fail(tmp_path):
+    """`ab` runs the first tree's GPU tests, then every tree's kernel table: a failed test marks the call failed
+    but still leaves the table (one call is a session's scarce device time). A stand-in `python` fails pytest
+    and writes a table line."""
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    import pytest
+
+    root = Path(__file__).resolve().parents[1]
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("needs a git checkout")
+    script = root / "bench" / "device_gguf.sh"
+    stage, out, bindir = tmp_path / "stage", tmp_path / "out", tmp_path / "bin"
+    bindir.mkdir()
+    subprocess.run(["bash", str(script), "ab-prepare", str(stage), "HEAD"], check=True, capture_output=True)
+    (stage / "gguf-0.19.0-py3-none-any.whl").write_bytes(b"")
+    fake = bindir / "python"
+    fake.write_text('#!/bin/bash\nif [ "$2" = pytest ]; then echo "1 failed, 2 passed"; exit 1; fi\n'
+                    'for a in "$@"; do [ "$prev" = --json ] && echo "{}" > "$a"; prev=$a; done\n'
+                    'echo "# per decode step at 8 token(s), these products only (ms): fastcomm 1.0"\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "OUT": str(out), "AB_TESTS": "1",
+           "AB_TOKENS": "8"}
+    done = subprocess.run(["bash", str(script), "ab", str(stage), "HEAD"], capture_output=True, text=True, env=env)
+    assert done.returncode == 1 and "== ab: HEAD failed" in done.stdout
+    assert "HEAD # per decode step at 8 token(s)" in done.stdout
+    assert (out / "kernels-HEAD.json").exists() and "1 failed" in (out / "tests-HEAD.log").read_text()

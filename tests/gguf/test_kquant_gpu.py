@@ -224,8 +224,9 @@ def test_moe_bf16_and_the_activation_hook(form):
 @pytest.mark.parametrize("form", MOE_FORMS)
 def test_moe_repeated_and_foreign_expert_ids(form):
     """A token routed twice to one expert (16 pairs on expert 0 at 8 tokens: two passes of the grouped tile)
-    counts twice; an id outside [0, experts) (expert parallelism's "not here") adds nothing. vLLM's router
-    gives neither to these kernels, but neither may turn into a wrong sum or a read out of bounds."""
+    counts twice; for the grouped form, an id outside [0, experts) (expert parallelism's "not here") adds
+    nothing. The pairs form has no such guard and is not given one: vLLM's router gives these kernels neither
+    at tensor parallelism (the GGUF MoE does not run expert parallel)."""
     k = kq()
     rng = np.random.default_rng(24)
     experts, hidden, inter, topk, tokens = 4, 512, 256, 3, 8
@@ -371,3 +372,17 @@ def test_back_to_back_products_wait_for_each_other(form, monkeypatch):
         graph.replay()
         if i % 30 == 0 or i == 299:
             assert torch.equal(out, plain()), i
+
+
+@pytest.mark.parametrize("form", LINEAR_FORMS)
+def test_a_weight_off_16_byte_alignment_is_refused(form):
+    """Every form reads Q4_K rows by 16 bytes: a weight viewed 8 bytes into its storage faulted the kernels
+    (tenth session); it is refused with its address named, and the vLLM wiring sends it to the plugin."""
+    k = kq()
+    rows, cols = 32, 512
+    stored, _ = weights("Q4_K", (rows, cols), seed=41)
+    flat = torch.zeros(stored.size + 8, dtype=torch.uint8, device="cuda")
+    w = flat[8:].view(rows, -1)
+    x = torch.zeros(4, cols, device="cuda")
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        k.linear(x, w, (k.Segment(k.Q4_K, 0, rows),), form=form)

@@ -158,3 +158,10 @@ def test_every_kernel_lets_the_next_launch_and_waits_before_it_reads():
     tile = bodies["kq_mma_tile"]
     assert tile.index("kq_grid_wait();") < tile.index("kq_xunit_ops(")  # activations only after the wait
     assert "griddepcontrol.wait" in (csrc / "kquant.cuh").read_text()
+
+
+def test_only_16_byte_aligned_weights_reach_the_kernels():
+    # every form reads Q4_K / Q5_K rows by 16 bytes; the vLLM wiring sends any other weight to the plugin
+    assert kquant.weights_aligned(0x7F0000000000, 0x7F0000000010)
+    assert not kquant.weights_aligned(0x7F0000000000, 0x7F0000000008)
+    assert all(kquant.ROW_ALIGN[t] == 16 for t in (kquant.Q4_K, kquant.Q5_K))

@@ -189,6 +189,13 @@ def staged_grid(items: int, sms: int) -> int:
     return max(1, min((items + warps - 1) // warps, sms * STAGED_BLOCKS_PER_SM))
 
 
+def weights_aligned(*addresses: int) -> bool:
+    """Can the kernels read weights stored from these addresses? Every form reads Q4_K / Q5_K rows by 16-byte
+    loads (ROW_ALIGN), so a weight's base must be 16-byte aligned as its row stride is: torch's allocations
+    are, a view into one may not be (an 8-byte offset faults the kernels: tenth session)."""
+    return all(a % 16 == 0 for a in addresses)
+
+
 def decode_tokens_ok(tokens: int) -> bool:
     return 1 <= tokens <= MAX_TOKENS
 
@@ -360,6 +367,8 @@ def linear(x, qweight, segments: tuple[Segment, ...], form: str | None = None, t
     from ``mma_min`` tokens); ``warps``: the mma form's warps a tile (None: ``mma_warps``')."""
     import torch
 
+    if not weights_aligned(qweight.data_ptr()):
+        raise ValueError(f"the K-quant kernels need a 16-byte aligned weight (at {qweight.data_ptr():#x})")
     x = _aligned(x)
     n, cols = x.shape
     dev, dt, stream = x.device.index, _dt(x), _stream(x)
@@ -398,6 +407,9 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu:
     cannot serve the shapes raises ValueError (``moe_form_error`` says why)."""
     import torch
 
+    if not weights_aligned(w13.data_ptr(), w2.data_ptr()):
+        raise ValueError(f"the K-quant kernels need 16-byte aligned expert weights (at {w13.data_ptr():#x}, "
+                         f"{w2.data_ptr():#x})")
     x = _aligned(x)
     tokens, hidden = x.shape
     topk = topk_ids.shape[1]

@@ -24,7 +24,7 @@ def _linear_fn(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts:
                rows: list[int]) -> torch.Tensor:
     from vllm_gguf_plugin.quantization import linear as plin
 
-    if kquant.decode_tokens_ok(x.shape[0]) and qweight.data_ptr() % 16 == 0:
+    if kquant.decode_tokens_ok(x.shape[0]) and kquant.weights_aligned(qweight.data_ptr()):
         segs = tuple(kquant.Segment(t, s, r) for t, s, r in zip(types, starts, rows))
         return kquant.linear(x, qweight, segs, tensor_cores=_FORMS["tensor_cores"], mma_min=_FORMS["mma_min"])
     # Bytes of a row a segment uses (its shard's type over x's columns; the stored rows are padded to the widest).
@@ -58,7 +58,7 @@ def _moe_fn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: 
             topk_ids: torch.Tensor, t13: int, t2: int, activation: str) -> torch.Tensor:
     from vllm_gguf_plugin.quantization import fused_moe as pmoe
 
-    if kquant.decode_tokens_ok(x.shape[0]) and w13.data_ptr() % 16 == 0 and w2.data_ptr() % 16 == 0:
+    if kquant.decode_tokens_ok(x.shape[0]) and kquant.weights_aligned(w13.data_ptr(), w2.data_ptr()):
         return kquant.moe(x, w13, w2, topk_weights, topk_ids, t13, t2, _activation(activation),
                           silu=activation == "silu", tensor_cores=_FORMS["tensor_cores"],
                           grouped_min=_FORMS["grouped_min"])
