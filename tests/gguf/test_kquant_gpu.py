@@ -326,7 +326,7 @@ def test_back_to_back_products_wait_for_each_other(form, monkeypatch):
     replayed with new inputs and routes) is bitwise equal to the same chain launched plainly (every form: the
     dp4a ones run beside it as a control)."""
     k = kq()
-    if not k.dependent_launch(k._capability(0), k._pdl_allowed(), True):
+    if not k.dependent_launch(k._device(0)[2], k._pdl_allowed(), True):
         pytest.skip("no dependent launch on this GPU (sm_90+) or FASTCOMM_GGUF_PDL=0")
     rng = np.random.default_rng(31)
     experts, hidden, inter, topk, tokens = 8, 512, 256, 2, 5

@@ -216,7 +216,7 @@ def _launch(device: int, kernel: abi.Kernel, dtype: str | None, grid: tuple[int,
     packed = kernel.pack(*args)
     symbol = kernel.symbol(dtype, variant)  # an untyped kernel's symbol ignores the dtype
     fn = _smem_function(device, symbol) if smem else _function(device, symbol)
-    if dependent_launch(_capability(device), _pdl_allowed(), prefetches):
+    if dependent_launch(_device(device)[2], _pdl_allowed(), prefetches):
         from fastcomm import launch_ex
 
         launch_ex.launch_dependent(fn, grid, block, smem, stream, packed.address)
@@ -235,13 +235,6 @@ def dependent_launch(capability_major: int, allowed: bool, prefetches: bool) -> 
     dependent launches of the quantize kernels cost the grouped MoE 11-13 us (173.4 -> 184-186 at 8 tokens) and
     those of its other kernels gained nothing, so everything else launches plainly."""
     return allowed and prefetches and capability_major >= 9
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(device: int) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(device).major
 
 
 @functools.lru_cache(maxsize=1)
@@ -300,12 +293,12 @@ def _mma_launch(dev: int, kernel: abi.Kernel, dtype: str | None, tiles_x: int, g
 
 
 @functools.lru_cache(maxsize=None)
-def _device(device: int) -> tuple[int, int]:
-    """(SMs, opt-in shared memory per block) of a device."""
+def _device(device: int) -> tuple[int, int, int]:
+    """(SMs, opt-in shared memory per block, compute capability major) of a device."""
     import torch
 
     p = torch.cuda.get_device_properties(device)
-    return p.multi_processor_count, int(getattr(p, "shared_memory_per_block_optin", 48 << 10))
+    return p.multi_processor_count, int(getattr(p, "shared_memory_per_block_optin", 48 << 10)), p.major
 
 
 def staged_fits(device: int, rows: int, cols: int) -> bool:
