@@ -43,6 +43,19 @@ def check(got: torch.Tensor, want: np.ndarray, terms: np.ndarray, dtype) -> floa
     return worst
 
 
+def _captured(fn):
+    """``fn`` run once outside a capture (its kernels compiled and loaded), then captured into a CUDA graph:
+    (the graph, the output its replays write)."""
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 LINEAR_FORMS = ("mma", "staged", "unstaged")
 MOE_FORMS = ("grouped", "pairs")
 
@@ -259,13 +272,7 @@ def test_moe_graph_replays_with_new_routing():
     wts = torch.zeros(tokens, topk, device="cuda")
     w13g, w2g = torch.from_numpy(w13).cuda(), torch.from_numpy(w2).cuda()
     run = lambda: k.moe(x, w13g, w2g, wts, ids, k.Q4_K, k.Q5_K, _act, silu=True, form="grouped")  # noqa: E731
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
+    graph, out = _captured(run)
     for i in range(200):
         xi = rng.standard_normal((tokens, hidden)).astype(np.float32)
         idi = np.stack([rng.permutation(experts if i % 2 else 3)[:topk] for _ in range(tokens)]).astype(np.int32)
@@ -303,13 +310,7 @@ def test_cuda_graph_replays_with_changing_inputs(form):
     w = torch.from_numpy(stored).cuda()
     segs = (k.Segment(k.Q6_K, 0, rows),)
     x = torch.zeros(2, cols, dtype=torch.bfloat16, device="cuda")
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        k.linear(x, w, segs, form=form)  # compile and load outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = k.linear(x, w, segs, form=form)
+    graph, out = _captured(lambda: k.linear(x, w, segs, form=form))
     for i in range(2000):
         xi = exact_activations(rng, 2, cols)
         x.copy_(torch.from_numpy(xi))
@@ -360,13 +361,7 @@ def test_back_to_back_products_wait_for_each_other(form, monkeypatch):
         new_inputs(i)
         got = chain()
         assert torch.equal(got, plain()), i
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        chain()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain()
+    graph, out = _captured(chain)
     for i in range(300):
         new_inputs(i)
         graph.replay()
