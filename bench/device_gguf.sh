@@ -45,6 +45,9 @@
 #    runs the GPU tests on the first tree (AB_TESTS set) and python -m fastcomm_bench.gguf_kernels on each
 #    ($OUT/kernels-REV.{json,txt}, tests-REV.log). Why in one call: the same GPU, clocks and minute for every tree.
 #    AB_TAG=-x names a second table of the same trees (e.g. FASTCOMM_GGUF_PDL=0 AB_TAG=-nopdl: kernels-REV-nopdl).
+#    Where a kernel's time goes (ncu, one call, carry .gguf_stage; no vLLM): bash bench/device_gguf.sh ncu .gguf_stage
+#    profiles the grouped MoE and o_proj at 8 tokens (NCU_OPS=op:form:kernel-regex;..., NCU_TOKENS) into
+#    $OUT/ncu-OP-FORM.txt, through python -m fastcomm_bench.kquant_profile.
 # 4. `fastcomm-serve` itself, end to end (one call, same carry; ~2-4 min, bounded at 540 s):
 #        eval "$(bash .stage/install.sh)" && bash bench/device_gguf.sh serve .gguf_stage
 #    tests/gguf/serve_gpu.py: the tiny GLM-5 GGUF (3 shards + MTP block) through `fastcomm-serve --dry-run`
@@ -53,8 +56,8 @@
 #    $OUT/serve/serve_gpu.json and serve.log. SERVE_GPU_ARGS adds options, e.g. "--compare-no-mtp" (a
 #    second start with --no-mtp, greedy tokens must match; only if the budget holds it).
 set -uo pipefail
-mode=${1:?usage: device_gguf.sh prepare|run|kquant|model|figures|serve|ab-prepare|ab DIR}
-dir=${2:?usage: device_gguf.sh prepare|run|kquant|model|figures|serve|ab-prepare|ab DIR}
+mode=${1:?usage: device_gguf.sh prepare|run|kquant|model|figures|serve|ab-prepare|ab|ncu DIR}
+dir=${2:?usage: device_gguf.sh prepare|run|kquant|model|figures|serve|ab-prepare|ab|ncu DIR}
 here=$(cd "$(dirname "$0")/.." && pwd)
 PLUGIN=vllm-gguf-plugin==0.0.5
 GGUF=gguf==0.19.0
@@ -275,6 +278,32 @@ ab() {   # on the device: GPU tests on the first tree, the kernel table on each;
   return $rc
 }
 
+profile_ncu() {   # on the device: ncu on single products (NCU_OPS: op:form:kernel-regex;...), sections per kernel
+  local out=${OUT:-$here/out} tool wheel spec op form kernels rc=0
+  tool=$(command -v ncu || echo "$(cuda_home)/bin/ncu")
+  [ -x "$tool" ] || { echo "ncu: no ncu on PATH or in $(cuda_home)/bin" >&2; return 1; }
+  wheel=$(ls "$dir"/gguf-*.whl 2>/dev/null | head -1)
+  [ -n "$wheel" ] || { echo "ncu: no gguf wheel in $dir (bench/device_gguf.sh prepare $dir)" >&2; return 1; }
+  mkdir -p "$out" /tmp/fc-ncu-pp && ln -sfn "$here/bench" /tmp/fc-ncu-pp/fastcomm_bench
+  export PYTHONPATH="$here:$here/integrations/vllm:/tmp/fc-ncu-pp:$(cd "$(dirname "$wheel")" && pwd)/$(basename "$wheel")"
+  export FASTCOMM_CACHE_DIR=${FASTCOMM_CACHE_DIR:-/tmp/fastcomm-cache}
+  IFS=';' read -ra specs <<< "${NCU_OPS:-moe:grouped:fc_kq_moe_mma;o_proj:mma:fc_kq_mma_}"
+  for spec in "${specs[@]}"; do
+    IFS=: read -r op form kernels <<< "$spec"
+    python -m fastcomm_bench.kquant_profile --op "$op" --tokens "${NCU_TOKENS:-8}" --form "$form" --calls 1 \
+      > /dev/null || { rc=1; continue; }  # compiles the kernels outside the profile
+    # --clock-control none: the device notes ask to leave the clocks alone; the first call's launches skipped
+    timeout 280 "$tool" --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --section WarpStateStats --section SchedulerStats --section InstructionStats --section Occupancy \
+      --section LaunchStats --section SourceCounters --kernel-name "regex:$kernels" --launch-skip 2 \
+      --launch-count 2 python -m fastcomm_bench.kquant_profile --op "$op" --tokens "${NCU_TOKENS:-8}" \
+      --form "$form" --calls 3 > "$out/ncu-${op// /_}-${form}.txt" 2>&1 || rc=1
+    grep -E "^  [a-z_0-9]+ \(|Duration|DRAM Throughput|L1/TEX Cache Throughput|Issued Warp|Registers Per" \
+      "$out/ncu-${op// /_}-${form}.txt" | head -n 40
+  done
+  return $rc
+}
+
 serve() {
   local out=${OUT:-$here/out}
   mkdir -p "$out/serve"
@@ -310,6 +339,7 @@ case "$mode" in
   figures) figures "${3:-}" ;;
   ab-prepare) ab_prepare "${@:3}" ;;
   ab) ab "${@:3}" ;;
+  ncu) profile_ncu ;;
   *) echo "usage: device_gguf.sh prepare|run|kquant|model|figures|serve DIR [gguf|mtp|fp8|fp8-spread|gguf-profile|fp8-profile]" >&2
-     echo "       device_gguf.sh ab-prepare|ab DIR REV..." >&2; exit 2 ;;
+     echo "       device_gguf.sh ab-prepare|ab DIR REV...; device_gguf.sh ncu DIR" >&2; exit 2 ;;
 esac

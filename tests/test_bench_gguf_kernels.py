@@ -111,3 +111,36 @@ def test_device_ab_times_a_tree_whose_tests_fail(tmp_path):
     assert done.returncode == 1 and "== ab: HEAD failed" in done.stdout
     assert "HEAD # per decode step at 8 token(s)" in done.stdout
     assert (out / "kernels-HEAD.json").exists() and "1 failed" in (out / "tests-HEAD.log").read_text()
+
+
+def test_kquant_profile_takes_every_benchmarked_product_and_refuses_a_token_count_the_kernels_do_not_serve(capsys):
+    import pytest
+
+    from fastcomm_bench import gguf_kernels as gk
+    from fastcomm_bench import kquant_profile as kp
+
+    assert set(kp._ops()) == {"moe"} | {name.split(" (")[0] for name, *_ in gk.LINEARS}
+    args = kp.parse(["--op", "o_proj", "--form", "mma"])
+    assert (args.op, args.tokens, args.form, args.calls) == ("o_proj", 8, "mma", 4)
+    with pytest.raises(SystemExit):
+        kp.parse(["--op", "moe", "--tokens", "9"])
+    assert "--tokens 9: the kernels serve 1-8" in capsys.readouterr().err
+
+
+def test_device_ncu_names_what_is_missing(tmp_path):
+    """`bash bench/device_gguf.sh ncu DIR` stops with one line naming the missing tool or wheel."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "device_gguf.sh"
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    env = {**os.environ, "PATH": f"{bindir}:/usr/bin:/bin", "CUDA_HOME": str(tmp_path / "nocuda")}
+    done = subprocess.run(["bash", str(script), "ncu", str(tmp_path)], capture_output=True, text=True, env=env)
+    assert done.returncode == 1 and "no ncu on PATH" in done.stderr
+    ncu = bindir / "ncu"
+    ncu.write_text("#!/bin/bash\nexit 0\n")
+    ncu.chmod(0o755)
+    done = subprocess.run(["bash", str(script), "ncu", str(tmp_path)], capture_output=True, text=True, env=env)
+    assert done.returncode == 1 and "no gguf wheel in" in done.stderr
