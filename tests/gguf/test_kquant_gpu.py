@@ -320,15 +320,15 @@ def test_cuda_graph_replays_with_changing_inputs(form):
 
 
 @pytest.mark.parametrize("form", LINEAR_FORMS)
-def test_back_to_back_products_wait_for_each_other(form, monkeypatch):
+def test_back_to_back_products_wait_for_each_other(form):
     """Dependent launches (FASTCOMM_GGUF_PDL, sm_90+; the dense mma form's kernel, kquant.dependent_launch): a
     MoE, then a product of its output, then a product of that, each mma product's kernel starting while the
     quantize before it runs and fetching weights before it waits for it. The chain (eager, and a CUDA graph
     replayed with new inputs and routes) is bitwise equal to the same chain launched plainly (every form: the
     dp4a ones run beside it as a control)."""
     k = kq()
-    if not k.dependent_launch(k._device(0)[2], k._pdl_allowed(), True):
-        pytest.skip("no dependent launch on this GPU (sm_90+) or FASTCOMM_GGUF_PDL=0")
+    if not k.dependent_launch(k._device(0)[2], True, True):
+        pytest.skip("no dependent launch on this GPU (sm_90+)")
     rng = np.random.default_rng(31)
     experts, hidden, inter, topk, tokens = 8, 512, 256, 2, 5
     w13, _ = weights("Q4_K", (experts, 2 * inter, hidden), seed=32)
@@ -342,14 +342,12 @@ def test_back_to_back_products_wait_for_each_other(form, monkeypatch):
     ids = torch.zeros(tokens, topk, dtype=torch.int32, device="cuda")
     wts = torch.zeros(tokens, topk, device="cuda")
 
-    def chain():
+    def chain(pdl=True):
         y = k.moe(x, w13g, w2g, wts, ids, k.Q4_K, k.Q5_K, _act, silu=True, form=moe_form)
-        return k.linear(k.linear(y, wag, sa, form=form), wbg, sb, form=form)
+        return k.linear(k.linear(y, wag, sa, form=form, pdl=pdl), wbg, sb, form=form, pdl=pdl)
 
     def plain():
-        with monkeypatch.context() as m:
-            m.setattr(k, "_pdl_allowed", lambda: False)
-            return chain().clone()
+        return chain(pdl=False).clone()
 
     def new_inputs(i):
         x.copy_(torch.from_numpy(rng.standard_normal((tokens, hidden)).astype(np.float32)))

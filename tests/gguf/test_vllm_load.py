@@ -234,24 +234,35 @@ def test_the_dp4a_setting_keeps_the_products_off_the_tensor_cores(monkeypatch):
 
 
 def test_the_token_thresholds_reach_the_kernels(monkeypatch):
-    """FASTCOMM_GGUF_MMA_MIN_TOKENS / _GROUPED_MIN_TOKENS move the tensor-core forms' thresholds; unset, the
-    policy's constants serve; a bad value is named and the kernels keep their last setting."""
+    """FASTCOMM_GGUF_MMA_MIN_TOKENS / _GROUPED_MIN_TOKENS move the tensor-core forms' thresholds and
+    FASTCOMM_GGUF_PDL the dense one's dependent launch; unset, the policy's constants serve; a bad value is named
+    when the plugin loads (not at the first product, inside vLLM's model) and the kernels keep their last
+    setting."""
     from fastcomm_vllm.gguf import kquant, kquant_vllm, plugin
+
+    def forms():
+        return kquant_vllm._FORMS["mma_min"], kquant_vllm._FORMS["grouped_min"], kquant_vllm._FORMS["pdl"]
 
     try:
         monkeypatch.setenv("FASTCOMM_GGUF_MMA_MIN_TOKENS", "5")
         monkeypatch.setenv("FASTCOMM_GGUF_GROUPED_MIN_TOKENS", "9")
+        monkeypatch.setenv("FASTCOMM_GGUF_PDL", "0")
         plugin._decode_kernels()
-        assert (kquant_vllm._FORMS["mma_min"], kquant_vllm._FORMS["grouped_min"]) == (5, 9)
+        assert forms() == (5, 9, False)
         monkeypatch.delenv("FASTCOMM_GGUF_MMA_MIN_TOKENS")
         monkeypatch.delenv("FASTCOMM_GGUF_GROUPED_MIN_TOKENS")
+        monkeypatch.delenv("FASTCOMM_GGUF_PDL")
         plugin._decode_kernels()
-        defaults = (kquant.MMA_MIN_TOKENS, kquant.MOE_GROUPED_MIN_TOKENS)
-        assert (kquant_vllm._FORMS["mma_min"], kquant_vllm._FORMS["grouped_min"]) == defaults
+        defaults = (kquant.MMA_MIN_TOKENS, kquant.MOE_GROUPED_MIN_TOKENS, True)
+        assert forms() == defaults
         monkeypatch.setenv("FASTCOMM_GGUF_MMA_MIN_TOKENS", "2")
         monkeypatch.setenv("FASTCOMM_GGUF_GROUPED_MIN_TOKENS", "0")  # named, and the last setting stays
         plugin._decode_kernels()
-        assert (kquant_vllm._FORMS["mma_min"], kquant_vllm._FORMS["grouped_min"]) == defaults
+        assert forms() == defaults
+        monkeypatch.delenv("FASTCOMM_GGUF_GROUPED_MIN_TOKENS")
+        monkeypatch.setenv("FASTCOMM_GGUF_PDL", "maybe")  # named, and the last setting stays
+        plugin._decode_kernels()
+        assert forms() == defaults
     finally:
         kquant_vllm._FORMS.update(tensor_cores=True, mma_min=kquant.MMA_MIN_TOKENS,
-                                  grouped_min=kquant.MOE_GROUPED_MIN_TOKENS)
+                                  grouped_min=kquant.MOE_GROUPED_MIN_TOKENS, pdl=True)

@@ -52,8 +52,8 @@ MOE_GROUPED_MIN_TOKENS = 3  # MoE: grouped by expert from this many tokens, belo
 # registers the widest type's). Which serves, from bench/gguf_kernels.py on an H200 (bench/RESULTS.md, 2026-12-02,
 # ninth session): built for their type, the grouped MoE took 179 against 200 us at 8 tokens (161 / 176 at 4) and
 # the Q6_K LM head 365 against 461 (346 / 381), but the Q4_K linears lost (o_proj 38.5 against 35.1 us at 8,
-# dense gate_up 56.6 / 48.4): ptxas gives that entry 80 registers, so mma_warps splits o_proj's tiles over 8
-# warps instead of 5 (occupancy arithmetic, not profiled). So the MoE and Q6_K linears take their type's entry.
+# dense gate_up 56.6 / 48.4), and still lost given the switch entry's warps a tile (tenth session: o_proj 38.2
+# against 35.0), so not for their warp count; why is not known. So the MoE and Q6_K linears take their type's entry.
 MMA_TYPED_LINEAR = frozenset({Q6_K})
 # 16-byte loads read Q4_K/Q5_K rows; Q6_K/Q8_0 blocks are only 2-byte aligned and are read by words.
 ROW_ALIGN = {Q4_K: 16, Q5_K: 16, Q6_K: 2, Q8_0: 2}
@@ -210,13 +210,14 @@ _MAX_DYNAMIC_SMEM_ATTR = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
 def _launch(device: int, kernel: abi.Kernel, dtype: str | None, grid: tuple[int, int], block: int, stream: int,
-            args: tuple, variant: str = "", smem: int = 0, prefetches: bool = False) -> None:
+            args: tuple, variant: str = "", smem: int = 0, prefetches: bool = False, pdl: bool = True) -> None:
     """A kernel of csrc/kquant.cu; ``prefetches``: it has work to do before it waits for the kernel before it
-    (the dense mma form's first weight stages), and launches as a dependent where ``dependent_launch`` says."""
+    (the dense mma form's first weight stages), and launches as a dependent where ``dependent_launch`` says
+    (``pdl``: FASTCOMM_GGUF_PDL)."""
     packed = kernel.pack(*args)
     symbol = kernel.symbol(dtype, variant)  # an untyped kernel's symbol ignores the dtype
     fn = _smem_function(device, symbol) if smem else _function(device, symbol)
-    if dependent_launch(_device(device)[2], _pdl_allowed(), prefetches):
+    if dependent_launch(_device(device)[2], pdl, prefetches):
         from fastcomm import launch_ex
 
         launch_ex.launch_dependent(fn, grid, block, smem, stream, packed.address)
@@ -235,13 +236,6 @@ def dependent_launch(capability_major: int, allowed: bool, prefetches: bool) -> 
     dependent launches of the quantize kernels cost the grouped MoE 11-13 us (173.4 -> 184-186 at 8 tokens) and
     those of its other kernels gained nothing, so everything else launches plainly."""
     return allowed and prefetches and capability_major >= 9
-
-
-@functools.lru_cache(maxsize=1)
-def _pdl_allowed() -> bool:
-    from fastcomm.config import read
-
-    return read("FASTCOMM_GGUF_PDL")
 
 
 @functools.lru_cache(maxsize=None)
@@ -280,7 +274,8 @@ def _resident(device: int, symbol: str, ring: int) -> tuple[int, ...]:
 
 
 def _mma_launch(dev: int, kernel: abi.Kernel, dtype: str | None, tiles_x: int, grid_y: int, busy_tiles: int,
-                cols: int, types, stream: int, args: tuple, warps: int | None = None, moe: bool = False) -> None:
+                cols: int, types, stream: int, args: tuple, warps: int | None = None, moe: bool = False,
+                pdl: bool = True) -> None:
     """An mma-form launch: the entry ``mma_variant`` picks, warps a tile from the occupancy of its symbol (or as
     given), a ring per warp; the dense form as a dependent launch (its first weight stages before its wait; the
     grouped MoE's blocks wait for the routes before they know whether their expert has work)."""
@@ -289,7 +284,7 @@ def _mma_launch(dev: int, kernel: abi.Kernel, dtype: str | None, tiles_x: int, g
     symbol = kernel.symbol(dtype, variant)
     warps = warps or mma_warps(cols, busy_tiles, _device(dev)[0], _resident(dev, symbol, ring))
     _launch(dev, kernel, dtype, (tiles_x, grid_y), 32 * warps, stream, args, variant=variant, smem=warps * ring,
-            prefetches=not moe)
+            prefetches=not moe, pdl=pdl)
 
 
 @functools.lru_cache(maxsize=None)
@@ -354,10 +349,11 @@ def _aligned(x):
 
 
 def linear(x, qweight, segments: tuple[Segment, ...], form: str | None = None, tensor_cores: bool = True,
-           mma_min: int = MMA_MIN_TOKENS, warps: int | None = None):
+           mma_min: int = MMA_MIN_TOKENS, warps: int | None = None, pdl: bool = True):
     """x [n, cols] (n <= 8) times the segments' rows of ``qweight`` (uint8 [rows, row_stride]): [n, sum rows].
     ``form``: one of FORMS_LINEAR (None: ``linear_form``'s choice, the mma form only with ``tensor_cores``,
-    from ``mma_min`` tokens); ``warps``: the mma form's warps a tile (None: ``mma_warps``')."""
+    from ``mma_min`` tokens); ``warps``: the mma form's warps a tile (None: ``mma_warps``'); ``pdl``: the mma form
+    may launch as a dependent of its quantize launch (FASTCOMM_GGUF_PDL, ``dependent_launch``)."""
     import torch
 
     if not weights_aligned(qweight.data_ptr()):
@@ -375,7 +371,7 @@ def linear(x, qweight, segments: tuple[Segment, ...], form: str | None = None, t
             raise ValueError(f"the mma form cannot read these segments ({segments}, {cols} columns)")
         xq, xds = quantize(x, mma=True)
         _mma_launch(dev, abi.KQ_MMA, dt, tiles(total), 1, tiles(total), cols, [s.type for s in segments], stream,
-                    (table, xq.data_ptr(), xds.data_ptr(), n, cols, out.data_ptr(), total), warps)
+                    (table, xq.data_ptr(), xds.data_ptr(), n, cols, out.data_ptr(), total), warps, pdl=pdl)
         return out
     variant = str(gemv_variant(n))
     if form == "staged" and fits:

@@ -7,7 +7,8 @@
 kernels and a prefill runs exactly as the plugin would. Layers the kernels cannot read keep the plugin's
 ``apply``. Idempotent. ``install(tensor_cores=False)`` (FASTCOMM_GGUF_KERNELS=dp4a) keeps the products on
 the dp4a forms; ``mma_min`` / ``grouped_min`` move the tensor-core forms' token thresholds
-(FASTCOMM_GGUF_MMA_MIN_TOKENS / FASTCOMM_GGUF_GROUPED_MIN_TOKENS).
+(FASTCOMM_GGUF_MMA_MIN_TOKENS / FASTCOMM_GGUF_GROUPED_MIN_TOKENS); ``pdl`` allows the dense tensor-core form's
+dependent launch (FASTCOMM_GGUF_PDL).
 """
 import functools
 
@@ -17,7 +18,8 @@ from . import kquant
 
 _PLAN = "_fastcomm_kq_plan"  # per layer: the segments (linear), True (MoE), or None (the plugin's path)
 # Set once by install(), from the FASTCOMM_GGUF_* settings, before any layer runs.
-_FORMS = {"tensor_cores": True, "mma_min": kquant.MMA_MIN_TOKENS, "grouped_min": kquant.MOE_GROUPED_MIN_TOKENS}
+_FORMS = {"tensor_cores": True, "mma_min": kquant.MMA_MIN_TOKENS, "grouped_min": kquant.MOE_GROUPED_MIN_TOKENS,
+          "pdl": True}
 
 
 def _linear_fn(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts: list[int],
@@ -26,7 +28,8 @@ def _linear_fn(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts:
 
     if kquant.decode_tokens_ok(x.shape[0]) and kquant.weights_aligned(qweight.data_ptr()):
         segs = tuple(kquant.Segment(t, s, r) for t, s, r in zip(types, starts, rows))
-        return kquant.linear(x, qweight, segs, tensor_cores=_FORMS["tensor_cores"], mma_min=_FORMS["mma_min"])
+        return kquant.linear(x, qweight, segs, tensor_cores=_FORMS["tensor_cores"], mma_min=_FORMS["mma_min"],
+                             pdl=_FORMS["pdl"])
     # Bytes of a row a segment uses (its shard's type over x's columns; the stored rows are padded to the widest).
     used = [kquant.BLOCKS[t][1] * (x.shape[1] // kquant.BLOCKS[t][0]) for t in types]
     if len(types) == 1 and used[0] == qweight.shape[1] and rows[0] == qweight.shape[0]:
@@ -125,7 +128,8 @@ def _after_loading(original, plan):
     return process
 
 
-def install(tensor_cores: bool = True, mma_min: int | None = None, grouped_min: int | None = None) -> bool:
+def install(tensor_cores: bool = True, mma_min: int | None = None, grouped_min: int | None = None,
+            pdl: bool = True) -> bool:
     """Wrap the plugin's methods (once); False when the plugin is not importable here."""
     try:
         from vllm_gguf_plugin.quantization import fused_moe as pmoe, linear as plin
@@ -134,6 +138,7 @@ def install(tensor_cores: bool = True, mma_min: int | None = None, grouped_min: 
     _FORMS["tensor_cores"] = tensor_cores
     _FORMS["mma_min"] = mma_min or kquant.MMA_MIN_TOKENS
     _FORMS["grouped_min"] = grouped_min or kquant.MOE_GROUPED_MIN_TOKENS
+    _FORMS["pdl"] = pdl
     if getattr(plin.GGUFLinearMethod.apply, "_fastcomm", False):
         return True
     register_ops()

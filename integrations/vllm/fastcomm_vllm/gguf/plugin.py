@@ -60,6 +60,7 @@ def _decode_kernels() -> None:
     try:
         setting = read("FASTCOMM_GGUF_KERNELS")
         mma_min, grouped_min = read("FASTCOMM_GGUF_MMA_MIN_TOKENS"), read("FASTCOMM_GGUF_GROUPED_MIN_TOKENS")
+        pdl = read("FASTCOMM_GGUF_PDL")
     except ConfigError as e:  # a plugin hook must not stop vLLM: say it, keep the plugin's kernels
         logger.warning("fastcomm: %s; GGUF products stay with vllm-gguf-plugin's kernels", e)
         return
@@ -67,7 +68,7 @@ def _decode_kernels() -> None:
         return
     from . import kquant_vllm
 
-    if kquant_vllm.install(tensor_cores=setting != "dp4a", mma_min=mma_min, grouped_min=grouped_min):
+    if kquant_vllm.install(tensor_cores=setting != "dp4a", mma_min=mma_min, grouped_min=grouped_min, pdl=pdl):
         logger.info("fastcomm: GGUF products of 1-%d tokens through fastcomm's K-quant kernels%s "
                     "(FASTCOMM_GGUF_KERNELS=plugin: the plugin's)", kquant_vllm.kquant.MAX_TOKENS,
                     " (dp4a forms only)" if setting == "dp4a" else "")
