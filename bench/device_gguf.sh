@@ -252,20 +252,30 @@ ab_prepare() {   # here: each revision's tree as DIR/REV.tar
   ls -l "$dir"/*.tar
 }
 
+gguf_wheel() {   # the gguf wheel in DIR, as an absolute path; $1 names the caller in the error
+  local w
+  w=$(ls "$dir"/gguf-*.whl 2>/dev/null | head -1)
+  [ -n "$w" ] || { echo "$1: no gguf wheel in $dir (bench/device_gguf.sh prepare $dir)" >&2; return 1; }
+  echo "$(cd "$(dirname "$w")" && pwd)/$(basename "$w")"
+}
+
+run_path() {   # the PYTHONPATH that runs tree $1 without installing it: bench by its installed name (a link
+  # under $2) and the gguf wheel $3 (a pure-Python wheel imports from its zip)
+  mkdir -p "$2" && ln -sfn "$1/bench" "$2/fastcomm_bench"
+  echo "$1:$1/integrations/vllm:$2:$3"
+}
+
 ab() {   # on the device: GPU tests on the first tree, the kernel table on each; trees run from /tmp, not installed
   local out=${OUT:-$here/out} first=1 rev d rc=0 wheel
   mkdir -p "$out"
-  wheel=$(ls "$dir"/gguf-*.whl 2>/dev/null | head -1)
-  [ -n "$wheel" ] || { echo "ab: no gguf wheel in $dir (bench/device_gguf.sh prepare $dir)" >&2; return 1; }
-  wheel=$(cd "$(dirname "$wheel")" && pwd)/$(basename "$wheel")
+  wheel=$(gguf_wheel ab) || return 1
   for rev in "$@"; do
     d=/tmp/fc-ab/$rev
-    rm -rf "$d" && mkdir -p "$d/.pp" && tar -xf "$dir/$rev.tar" -C "$d" || return 1
-    ln -sfn "$d/bench" "$d/.pp/fastcomm_bench"  # the bench package by its installed name, without installing
+    rm -rf "$d" && mkdir -p "$d" && tar -xf "$dir/$rev.tar" -C "$d" || return 1
     (
       cd "$d" || exit 1
-      # a pure-Python wheel imports from its zip; the kernel cache keys on the source, so trees can share it
-      export PYTHONPATH="$d:$d/integrations/vllm:$d/.pp:$wheel" FASTCOMM_CACHE_DIR=/tmp/fc-ab-cache
+      # the kernel cache keys on the source, so trees can share it
+      PYTHONPATH=$(run_path "$d" "$d/.pp" "$wheel") && export PYTHONPATH FASTCOMM_CACHE_DIR=/tmp/fc-ab-cache
       # A failed test does not stop the table (the call is the session's device time); the call's status does.
       t=0
       if [ "$first" = 1 ] && [ -n "${AB_TESTS:-}" ]; then kernel_tests "$out/tests-$rev.log" || t=1; fi
@@ -282,10 +292,9 @@ profile_ncu() {   # on the device: ncu on single products (NCU_OPS: op:form:kern
   local out=${OUT:-$here/out} tool wheel spec op form kernels rc=0
   tool=$(command -v ncu || echo "$(cuda_home)/bin/ncu")
   [ -x "$tool" ] || { echo "ncu: no ncu on PATH or in $(cuda_home)/bin" >&2; return 1; }
-  wheel=$(ls "$dir"/gguf-*.whl 2>/dev/null | head -1)
-  [ -n "$wheel" ] || { echo "ncu: no gguf wheel in $dir (bench/device_gguf.sh prepare $dir)" >&2; return 1; }
-  mkdir -p "$out" /tmp/fc-ncu-pp && ln -sfn "$here/bench" /tmp/fc-ncu-pp/fastcomm_bench
-  export PYTHONPATH="$here:$here/integrations/vllm:/tmp/fc-ncu-pp:$(cd "$(dirname "$wheel")" && pwd)/$(basename "$wheel")"
+  wheel=$(gguf_wheel ncu) || return 1
+  mkdir -p "$out"
+  PYTHONPATH=$(run_path "$here" /tmp/fc-ncu-pp "$wheel") && export PYTHONPATH
   export FASTCOMM_CACHE_DIR=${FASTCOMM_CACHE_DIR:-/tmp/fastcomm-cache}
   IFS=';' read -ra specs <<< "${NCU_OPS:-moe:grouped:fc_kq_moe_mma;o_proj:mma:fc_kq_mma_}"
   for spec in "${specs[@]}"; do

@@ -108,28 +108,46 @@ def _plugin(module: str):
         return None
 
 
-def bench_linear(name, shards, cols, tokens, rng):
+def linear_weight(rng, shards, cols):
+    """A linear layer's weight as the plugin stores it (shards of ``(type, rows)`` one under the other, rows
+    padded to the widest): (uint8 array, per shard (start row, end row, bytes used of a row), kquant segments,
+    ggml type ids)."""
     import gguf
-    import torch
 
     from fastcomm_vllm.gguf import kquant
 
-    plin = _plugin("linear")
-
     stored = [_blocks(rng, t, (r,), cols) for t, r in shards]
     width = max(s.shape[1] for s in stored)
-    rows = sum(r for _, r in shards)
-    padded = np.zeros((rows, width), np.uint8)
+    padded = np.zeros((sum(r for _, r in shards), width), np.uint8)
     offsets, start = [], 0
     for s in stored:
         padded[start:start + s.shape[0], :s.shape[1]] = s
         offsets.append((start, start + s.shape[0], s.shape[1]))
         start += s.shape[0]
+    types = [int(gguf.GGMLQuantizationType[t]) for t, _ in shards]
+    return padded, offsets, kquant.plan_linear(types, offsets, width, cols), types
+
+
+def pdl_setting() -> bool:
+    """FASTCOMM_GGUF_PDL, which the vLLM plugin hands the kernels (kquant_vllm.install) and the benchmarks take
+    here (e.g. FASTCOMM_GGUF_PDL=0 for a table without dependent launches)."""
+    from fastcomm.config import read
+
+    return read("FASTCOMM_GGUF_PDL")
+
+
+def bench_linear(name, shards, cols, tokens, rng):
+    import torch
+
+    from fastcomm_vllm.gguf import kquant
+
+    plin = _plugin("linear")
+    pdl = pdl_setting()
+    padded, offsets, segs, types = linear_weight(rng, shards, cols)
+    rows = padded.shape[0]
     nbytes = padded.nbytes
     copies = max(1, min(8, math.ceil(L2_CLEAR_BYTES / nbytes)))
     ws = [torch.from_numpy(padded).cuda() for _ in range(copies)]
-    types = [int(gguf.GGMLQuantizationType[t]) for t, _ in shards]
-    segs = kquant.plan_linear(types, offsets, width, cols)
     dense = [torch.randn(rows, cols, dtype=torch.bfloat16, device="cuda") for _ in range(max(1, copies // 4))]
     rowsout = []
     for n in tokens:
@@ -146,12 +164,12 @@ def bench_linear(name, shards, cols, tokens, rng):
                "plugin_us": round(_graph_time_us([plugin(w) for w in ws]), 2) if plin else None, "default": default,
                "mma_entry": kquant.mma_variant(types, moe=False) or "any"}  # the kernel entry the mma form runs
         for form in kquant.FORMS_LINEAR:
-            row[f"{form}_us"] = round(_graph_time_us([lambda w=w, f=form: kquant.linear(x, w, segs, form=f)
+            row[f"{form}_us"] = round(_graph_time_us([lambda w=w, f=form: kquant.linear(x, w, segs, form=f, pdl=pdl)
                                                       for w in ws]), 2)
         row["bf16_cublas_us"] = round(_graph_time_us([lambda d=d: x @ d.T for d in dense]), 2)
         row["rel_diff_vs_plugin"] = None
         if plin:
-            mine, theirs = kquant.linear(x, ws[0], segs).float(), plugin(ws[0])().float()
+            mine, theirs = kquant.linear(x, ws[0], segs, pdl=pdl).float(), plugin(ws[0])().float()
             row["rel_diff_vs_plugin"] = round(float((mine - theirs).norm() / theirs.norm()), 5)
         rowsout.append(row)
     return rowsout

@@ -39,7 +39,7 @@ def main(argv=None) -> int:
 
     from fastcomm_vllm.gguf import kquant
 
-    from .gguf_kernels import _blocks
+    from .gguf_kernels import _blocks, linear_weight, pdl_setting
 
     rng = np.random.default_rng(0)
     n = args.tokens
@@ -53,19 +53,12 @@ def main(argv=None) -> int:
         wts = torch.rand(n, topk, device="cuda")
         run = lambda: kquant.moe(x, w13, w2, wts, ids, q13, q2, None, silu=True, form=args.form)  # noqa: E731
     else:
-        name, shards, cols = _ops()[args.op]
-        stored = [_blocks(rng, t, (r,), cols) for t, r in shards]
-        width = max(s.shape[1] for s in stored)
-        padded = np.zeros((sum(r for _, r in shards), width), np.uint8)
-        offsets, start = [], 0
-        for s in stored:
-            padded[start:start + s.shape[0], :s.shape[1]] = s
-            offsets.append((start, start + s.shape[0], s.shape[1]))
-            start += s.shape[0]
-        segs = kquant.plan_linear([int(gguf.GGMLQuantizationType[t]) for t, _ in shards], offsets, width, cols)
+        _, shards, cols = _ops()[args.op]
+        padded, _, segs, _ = linear_weight(rng, shards, cols)
         w = torch.from_numpy(padded).cuda()
         x = torch.randn(n, cols, dtype=torch.bfloat16, device="cuda") * 0.1
-        run = lambda: kquant.linear(x, w, segs, form=args.form)  # noqa: E731
+        pdl = pdl_setting()
+        run = lambda: kquant.linear(x, w, segs, form=args.form, pdl=pdl)  # noqa: E731
     for _ in range(args.calls):
         run()
     torch.cuda.synchronize()

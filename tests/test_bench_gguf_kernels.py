@@ -75,6 +75,9 @@ def test_pdl_scope_names_kernels_that_exist():
     from fastcomm import abi
     from fastcomm_bench import pdl_scope
 
+    from fastcomm_bench import gguf_kernels as gk
+
+    assert set(pdl_scope.DENSE_OPS) <= {name.split(" (")[0] for name, *_ in gk.LINEARS}
     symbols = [k.symbol("bfloat16", v) for k in abi.KQ_KERNELS for v in k.variants or ("",)]
     for names in (*pdl_scope.MOE_VARIANTS.values(), *pdl_scope.DENSE_VARIANTS.values()):
         for part in names:
