@@ -216,40 +216,11 @@ __device__ __forceinline__ int kq_route(const int* topk_ids, int pairs, int e, i
   return count;
 }
 
-// A pass of the grouped MoE: block (tile, expert blockIdx.y) multiplies the tile of its expert's weight
-// (rows of w + e * expert_stride) by the n <= 8 vectors of the pairs pair[0 .. n); UP: a pair's vector is its
-// token's row of xq, else the pair's own row. True on warp 0, which then holds the sums in acc (every thread
-// calls it: it synchronizes the block).
-template <bool UP, int TT>
-__device__ __forceinline__ bool kq_mma_expert_tile(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride,
-                                                   int type, int rows, int cols, int topk, const int* pair, int n,
-                                                   const kq_u32* xq, const float* xs, float (*part)[4][32],
-                                                   float acc[4]) {
-  const int r0 = blockIdx.x * FC_KQ_MMA_ROWS, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  auto vec = [&](int j) {
-    const int p = pair[min(j, n - 1)];
-    return UP ? p / topk : p;
-  };
-  const KqCols col = {vec(g), vec(2 * t), vec(2 * t + 1)};
-  const kq_u8* tile = w + (kq_u64)blockIdx.y * expert_stride + (kq_u64)r0 * row_stride;
-  kq_mma_tile_any<TT>(type, tile, row_stride, min(FC_KQ_MMA_ROWS, rows - r0), cols, col, xq, xs, acc);
-  return kq_mma_reduce(acc, part);
-}
-
-// Row r of pair p's output: UP in the dtype, else fp32 (kq_moe_sum weights and adds the rows).
-template <typename D, bool UP>
-__device__ __forceinline__ void kq_moe_put(void* out, int rows, int p, int r, float v) {
-  const kq_u64 at = (kq_u64)p * rows + r;
-  if (UP) {
-    static_cast<typename D::raw*>(out)[at] = D::from_f(v);
-  } else {
-    static_cast<float*>(out)[at] = v;
-  }
-}
-
-// Grouped MoE: each block reads its expert's tile once per 8 pairs routed to it. UP: vector = the pair's token
-// (xq: one row per token), else vector = the pair itself (xq: one row per pair); out [pairs][rows]. A pair whose
-// expert is no block's (outside [0, gridDim.y)) is written by none and read by none.
+// Grouped MoE: block (tile, expert blockIdx.y) reads the tile of its expert's weight (rows of w + e *
+// expert_stride) once per 8 pairs routed to it. UP: vector = the pair's token (xq: one row per token), out
+// [pairs][rows] in the dtype; else vector = the pair itself (xq: one row per pair), out [pairs][rows] in fp32
+// (kq_moe_sum weights and adds them). A pair whose expert is no block's (outside [0, gridDim.y)) is written by
+// none and read by none.
 template <typename D, bool UP, int TT>
 __device__ void kq_mma_moe(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows, int cols,
                            const int* topk_ids, int topk, int pairs, const kq_u32* xq, const float* xs,
@@ -257,18 +228,33 @@ __device__ void kq_mma_moe(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stri
   __shared__ float part[FC_KQ_MMA_WARPS - 1][4][32];
   __shared__ int s_pair[FC_KQ_MAX_PAIRS];
   __shared__ unsigned s_mask[FC_KQ_MAX_PAIRS / 32];
-  kq_grid_enter();  // the routes are a kernel's output: no weight is fetched before them (most experts idle)
+  // The routes are a kernel's output, and no weight is fetched before them: a real model's 256 experts leave
+  // most blocks without a token at decode, whose weights would be read for nothing.
+  kq_grid_enter();
   const int count = kq_route(topk_ids, pairs, blockIdx.y, s_pair, s_mask);
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, r0 = blockIdx.x * FC_KQ_MMA_ROWS;
+  const int r0 = blockIdx.x * FC_KQ_MMA_ROWS, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const kq_u8* tile = w + (kq_u64)blockIdx.y * expert_stride + (kq_u64)r0 * row_stride;
   for (int base = 0; base < count; base += FC_KQ_MMA_COLS) {  // block-uniform; one pass unless > 8 pairs
     const int n = min(count - base, FC_KQ_MMA_COLS);
+    auto vec = [&](int j) {
+      const int p = s_pair[base + min(j, n - 1)];
+      return UP ? p / topk : p;
+    };
+    const KqCols col = {vec(g), vec(2 * t), vec(2 * t + 1)};
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    if (kq_mma_expert_tile<UP, TT>(w, expert_stride, row_stride, type, rows, cols, topk, s_pair + base, n, xq,
-                                   xs, part, acc)) {
+    kq_mma_tile_any<TT>(type, tile, row_stride, min(FC_KQ_MMA_ROWS, rows - r0), cols, col, xq, xs, acc);
+    if (kq_mma_reduce(acc, part)) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int r = r0 + g + 8 * (j >> 1), v = 2 * t + (j & 1);
-        if (r < rows && v < n) kq_moe_put<D, UP>(out, rows, s_pair[base + v], r, acc[j]);
+        if (r < rows && v < n) {
+          const kq_u64 at = (kq_u64)s_pair[base + v] * rows + r;
+          if (UP) {
+            static_cast<typename D::raw*>(out)[at] = D::from_f(acc[j]);
+          } else {
+            static_cast<float*>(out)[at] = acc[j];
+          }
+        }
       }
     }
     if (base + FC_KQ_MMA_COLS < count) __syncthreads();  // warp 0 has read `part` before the next pass writes it
