@@ -12,10 +12,9 @@ plugin's path (as its ``apply`` runs it: per-shard copies for a mixed-type fused
 moe_form, whose thresholds come from this table), and a bf16 cuBLAS matmul of the same shape for scale. Each
 timing is a CUDA graph of 16 calls replayed (launch overhead out, as in vLLM's decode graphs; each call after
 a one-element torch add, whose own time is taken off, as another library's kernel stands between two products
-in a decode step), over enough
-copies of the weight that no call finds it in L2. Also checks that fastcomm's result matches the plugin's
-(relative error), and prints a per-step sum: 75 MoE layers, 3 dense layers and the LM head, as in one decode
-step of the 78-layer model.
+in a decode step), over enough copies of the weight that no call finds it in L2. Also checks that fastcomm's
+result matches the plugin's (relative error), and prints a per-step sum: 75 MoE layers, 3 dense layers and the
+LM head, as in one decode step of the 78-layer model. FASTCOMM_GGUF_PDL=0 times the mma form launched plainly.
 Needs a GPU; the plugin's rows need vllm-gguf-plugin with its CUDA extension (without it they read '-').
 """
 from __future__ import annotations
