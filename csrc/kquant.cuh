@@ -424,41 +424,46 @@ FC_KQ_HD void kq_mma_x_put(int c, const kq_u32 q[8], float d, float s, kq_u32* x
   xs[u * 16 + 8 + m] = s;
 }
 
-// One thread's activations for unit u: the operand words of vector vop (every chunk's two at b[2 m ..]), and the
-// scales (and, MINS, sums) of vectors v0 and v1, whose outputs it holds.
+// The activations of one unit in a warp's ring stage, copied there with the unit's weights (kq_mma_tile): for
+// each of the pass's 8 vector slots j, its 64 operand words (16 pieces of 16 bytes) and its 16 floats (4
+// pieces: scales, then sums). Why in the ring: read from L2 at the top of each unit they were the warp's
+// exposed latency, and each 16-byte load used half of every sector it touched (ncu, eleventh session).
+// Pieces are placed so that a warp's reads meet no bank conflict: the operand piece p of slot j at
+// 16 (p ^ (j % 4)) in the slot's 256 bytes (the 32 lanes of a read hit 8 distinct 16-byte bank groups, 4 each),
+// the float piece q at 16 (q ^ (j / 2 % 4)) in the slot's 64 (the 4 slots read at once sit in distinct groups).
+#define FC_KQ_MMA_XOPS 2048    // bytes of operand words in a stage: 8 slots x 256
+#define FC_KQ_MMA_XSTAGE 2560  // and the slots' floats, 8 x 64
+static_assert(FC_KQ_MMA_XSTAGE == FC_KQ_MMA_XOPS + 8 * 64, "a stage's activations: operands, then floats");
+FC_KQ_HD int kq_xstage_op(int j, int p) { return 256 * j + 16 * (p ^ (j & 3)); }
+FC_KQ_HD int kq_xstage_float(int j, int q) { return FC_KQ_MMA_XOPS + 64 * j + 16 * (q ^ ((j >> 1) & 3)); }
+
+// One thread's activations for unit u, read from the stage as its chunks need them: the operand words of slot g
+// (chunk m's two at b[2 m ..]), and the scales (and, MINS, sums) of slots 2t and 2t + 1, whose outputs it holds.
 struct KqXUnit {
   kq_u32 b[16];
   float d[2][8], s[2][8];
 };
 
-FC_KQ_HD void kq_load16f(const float* p, float f[4]) {  // p 16-byte aligned
+FC_KQ_HD void kq_load16f_shared(const kq_u8* p, float f[4]) {  // p 16-byte aligned, in shared memory on the GPU
 #if defined(__CUDA_ARCH__)
-  const float4 v = __ldg(reinterpret_cast<const float4*>(p));
+  const float4 v = *reinterpret_cast<const float4*>(p);
   f[0] = v.x; f[1] = v.y; f[2] = v.z; f[3] = v.w;
 #else
   memcpy(f, p, 16);
 #endif
 }
 
-// The operand words of vector vop (every chunk's two at b[2 m ..]).
-FC_KQ_HD void kq_xunit_ops(const kq_u32* xq, int cols, int u, int vop, int t, KqXUnit* x) {
-  const kq_u8* q = reinterpret_cast<const kq_u8*>(xq + (kq_u64)vop * (cols / 4) + u * 64 + 16 * t);
-  for (int i = 0; i < 4; ++i) kq_load16(q + 16 * i, x->b + 4 * i);
+// Chunks 2i and 2i + 1's operand words of slot g (thread t's piece 4t + i: kq_mma_x_put's order).
+FC_KQ_HD void kq_xstage_ops(const kq_u8* xst, int g, int t, int i, KqXUnit* x) {
+  kq_load16<true>(xst + kq_xstage_op(g, 4 * t + i), x->b + 4 * i);
 }
 
-// The scales (and, MINS, sums) of vectors v0 and v1.
+// Half h's (chunks 4h .. 4h + 3) scales (and, MINS, sums) of slots 2t and 2t + 1.
 template <bool MINS>
-FC_KQ_HD void kq_xunit_scales(const float* xs, int cols, int u, int v0, int v1, KqXUnit* x) {
-  const int per = cols / 16;  // floats per vector: (scale, sum) per 32 values
-  const int vs[2] = {v0, v1};
+FC_KQ_HD void kq_xstage_scales(const kq_u8* xst, int t, int h, KqXUnit* x) {
   for (int j = 0; j < 2; ++j) {
-    const float* p = xs + (kq_u64)vs[j] * per + u * 16;
-    kq_load16f(p, x->d[j]);
-    kq_load16f(p + 4, x->d[j] + 4);
-    if (MINS) {
-      kq_load16f(p + 8, x->s[j]);
-      kq_load16f(p + 12, x->s[j] + 4);
-    }
+    kq_load16f_shared(xst + kq_xstage_float(2 * t + j, h), x->d[j] + 4 * h);
+    if (MINS) kq_load16f_shared(xst + kq_xstage_float(2 * t + j, 2 + h), x->s[j] + 4 * h);
   }
 }
 

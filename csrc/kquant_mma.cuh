@@ -32,13 +32,6 @@ __device__ __forceinline__ void kq_mma_k32(const kq_u32 a[4], const kq_u32 b[2],
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(0), "r"(0), "r"(0), "r"(0));
 }
 
-// The activation rows a thread reads: vector g's operands, and the scales of the vectors 2t and 2t + 1 whose
-// outputs it holds (the mma's C layout: rows g and g + 8, columns 2t and 2t + 1). A column past the call's
-// vectors reads a real one (its outputs are written nowhere, and an mma's columns do not mix).
-struct KqCols {
-  int op, d0, d1;
-};
-
 // The weights reach the tensor cores through shared memory: each warp keeps FC_KQ_MMA_STAGES units of its
 // 16 rows in flight with cp.async, a ring of stages. Why: loaded into registers, a unit's weights were
 // waited for before its compute and the compiler sank any load issued ahead to the end of the loop, so a warp
@@ -72,44 +65,75 @@ __device__ __forceinline__ void kq_mma_copy(const kq_u8* tile, kq_u64 row_stride
   }
 }
 
+// Unit u's activations into a stage's activation part (kq_xstage_op / kq_xstage_float), by the warp's lanes:
+// lane l copies operand pieces l % 16 of slots l / 16 + 2k (k < 4), source ops[k] bytes into a vector's operand
+// words, and float piece l % 4 of slot l / 4 (Q6_K / Q8_0 have no sums: pieces 0-1), source fl.
+template <bool MINS>
+__device__ __forceinline__ void kq_mma_xcopy(const kq_u8* xq, const kq_u8* xs, const int ops[4], int fl, int u,
+                                             kq_u8* xst) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    kq_cp_async16(xst + kq_xstage_op((lane >> 4) + 2 * k, lane & 15), xq + ops[k] + (kq_u64)u * 256);
+  if (MINS || (lane & 3) < 2)
+    kq_cp_async16(xst + kq_xstage_float(lane >> 2, lane & 3), xs + fl + (kq_u64)u * 64);
+}
+
 // One warp's share of a tile: rows g and g + 8 of the tile (rows past `rows` read its last row again), against
-// the vectors of `col`. acc: row g with vectors 2t and 2t + 1, then row g + 8 with the same. The activations'
-// operands (L2) are loaded at the top of each unit, their scales once the unit's weights have landed (the order
-// that measured fastest, bench/RESULTS.md).
+// the vectors of the pass's 8 slots, slot j's vector being lane 4j's `vop`. acc: row g with slots 2t and 2t + 1,
+// then row g + 8 with the same. A stage holds a unit's weights and, after them, its activations; both are
+// copied S - 1 units ahead, so the unit's compute reads shared memory only.
 template <int T>
 __device__ __forceinline__ void kq_mma_tile(const kq_u8* tile, kq_u64 row_stride, int rows, int units, int cols,
-                                            const KqCols& col, const kq_u32* xq, const float* xs, float acc[4]) {
+                                            int vop, const kq_u32* xq, const float* xs, float acc[4]) {
   constexpr bool mins = T == FC_KQ_Q4_K || T == FC_KQ_Q5_K;
-  constexpr int UB = kq_mma_unit_bytes(T), STAGE = FC_KQ_MMA_ROWS * kq_mma_span(T), S = FC_KQ_MMA_STAGES;
+  constexpr int UB = kq_mma_unit_bytes(T), WB = FC_KQ_MMA_ROWS * kq_mma_span(T), S = FC_KQ_MMA_STAGES;
+  constexpr int STAGE = WB + FC_KQ_MMA_XSTAGE;
   extern __shared__ __align__(16) kq_u8 kq_mma_ring[];
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, w = threadIdx.x >> 5, W = blockDim.x >> 5;
   kq_u8* ring = kq_mma_ring + w * S * STAGE;
   const kq_u64 ra = (kq_u64)(tile + (kq_u64)min(g, rows - 1) * row_stride);
   const kq_u64 rb = (kq_u64)(tile + (kq_u64)min(g + 8, rows - 1) * row_stride);
   const kq_u32 first = t < 2 ? 0xFFFFFFFFu : 0u;  // Q6_K: this thread's values are in the chunk's first half
+  // This lane's copy sources (byte offsets into xq and xs): the vectors of its slots, from the lanes holding them.
+  int ops[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    ops[k] = __shfl_sync(0xffffffffu, vop, 4 * ((lane >> 4) + 2 * k)) * cols + 16 * (lane & 15);
+  const int fl = __shfl_sync(0xffffffffu, vop, 4 * (lane >> 2)) * (cols / 16) * 4 + 16 * (lane & 3);
+  const kq_u8* xqb = reinterpret_cast<const kq_u8*>(xq);
+  const kq_u8* xsb = reinterpret_cast<const kq_u8*>(xs);
+  // The first stages' weights go out before the wait (no kernel writes them), their activations after it.
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s)
+    if (w + s * W < units) kq_mma_copy<T>(tile, row_stride, rows, w + s * W, ring + s * STAGE);
+  kq_grid_wait();
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) {
-    if (w + s * W < units) kq_mma_copy<T>(tile, row_stride, rows, w + s * W, ring + s * STAGE);
+    if (w + s * W < units) kq_mma_xcopy<mins>(xqb, xsb, ops, fl, w + s * W, ring + s * STAGE + WB);
     kq_cp_commit();
   }
-  kq_grid_wait();  // the first stages' weights are on their way; the activations are the kernel before's
   int k = 0;
   for (int u = w; u < units; u += W, ++k) {
-    if (u + (S - 1) * W < units)
-      kq_mma_copy<T>(tile, row_stride, rows, u + (S - 1) * W, ring + (k + S - 1) % S * STAGE);
+    if (u + (S - 1) * W < units) {
+      kq_u8* next = ring + (k + S - 1) % S * STAGE;
+      kq_mma_copy<T>(tile, row_stride, rows, u + (S - 1) * W, next);
+      kq_mma_xcopy<mins>(xqb, xsb, ops, fl, u + (S - 1) * W, next + WB);
+    }
     kq_cp_commit();
-    KqXUnit x;
-    kq_xunit_ops(xq, cols, u, col.op, t, &x);
     kq_cp_wait<S - 1>();  // this lane's copies of unit u have landed; the warp's, after the sync
     __syncwarp();
-    kq_xunit_scales<mins>(xs, cols, u, col.d0, col.d1, &x);
     const kq_u8* stage = ring + k % S * STAGE;
+    const kq_u8* xst = stage + WB;
     KqUnit ua, ub;
     kq_unit_load(T, stage + g * kq_mma_span(T) + ((ra + (kq_u64)u * UB) & 15), 0, t, &ua);
     kq_unit_load(T, stage + (g + 8) * kq_mma_span(T) + ((rb + (kq_u64)u * UB) & 15), 0, t, &ub);
+    KqXUnit x;
     float uacc[4] = {0.f, 0.f, 0.f, 0.f}, umin[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int m = 0; m < 8; ++m) {
+      if ((m & 3) == 0) kq_xstage_scales<mins>(xst, t, m >> 2, &x);
+      if ((m & 1) == 0) kq_xstage_ops(xst, g, t, m >> 1, &x);
       KqFrag fa, fb;
       kq_unit_chunk(T, ua, m, &fa);
       kq_unit_chunk(T, ub, m, &fb);
@@ -137,18 +161,17 @@ __device__ __forceinline__ void kq_mma_tile(const kq_u8* tile, kq_u64 row_stride
 #define FC_KQ_ANY (-1)
 template <int TT>
 __device__ __forceinline__ void kq_mma_tile_any(int type, const kq_u8* tile, kq_u64 row_stride, int rows, int cols,
-                                                const KqCols& col, const kq_u32* xq, const float* xs,
-                                                float acc[4]) {
+                                                int vop, const kq_u32* xq, const float* xs, float acc[4]) {
   const int units = cols / FC_KQ_UNIT;
   if constexpr (TT != FC_KQ_ANY) {
-    kq_mma_tile<TT>(tile, row_stride, rows, units, cols, col, xq, xs, acc);
+    kq_mma_tile<TT>(tile, row_stride, rows, units, cols, vop, xq, xs, acc);
     return;
   }
   switch (type) {  // block-uniform: a tile lies in one segment
-    case FC_KQ_Q4_K: kq_mma_tile<FC_KQ_Q4_K>(tile, row_stride, rows, units, cols, col, xq, xs, acc); break;
-    case FC_KQ_Q5_K: kq_mma_tile<FC_KQ_Q5_K>(tile, row_stride, rows, units, cols, col, xq, xs, acc); break;
-    case FC_KQ_Q6_K: kq_mma_tile<FC_KQ_Q6_K>(tile, row_stride, rows, units, cols, col, xq, xs, acc); break;
-    default: kq_mma_tile<FC_KQ_Q8_0>(tile, row_stride, rows, units, cols, col, xq, xs, acc); break;
+    case FC_KQ_Q4_K: kq_mma_tile<FC_KQ_Q4_K>(tile, row_stride, rows, units, cols, vop, xq, xs, acc); break;
+    case FC_KQ_Q5_K: kq_mma_tile<FC_KQ_Q5_K>(tile, row_stride, rows, units, cols, vop, xq, xs, acc); break;
+    case FC_KQ_Q6_K: kq_mma_tile<FC_KQ_Q6_K>(tile, row_stride, rows, units, cols, vop, xq, xs, acc); break;
+    default: kq_mma_tile<FC_KQ_Q8_0>(tile, row_stride, rows, units, cols, vop, xq, xs, acc); break;
   }
 }
 
@@ -179,10 +202,9 @@ __device__ void kq_mma_gemv(const KqSegs& segs, const kq_u32* xq, const float* x
   const int r0 = blockIdx.x * FC_KQ_MMA_ROWS, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const KqSeg sg = kq_segment(segs, r0);  // the host keeps segment starts on tile boundaries
   const int last = segs.total_rows - 1;    // a last partial tile reads its last row again, writes nothing
-  const KqCols col = {min(g, n - 1), min(2 * t, n - 1), min(2 * t + 1, n - 1)};
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   kq_mma_tile_any<TT>(sg.type, sg.w + (kq_u64)(r0 - sg.row0) * sg.row_stride, sg.row_stride,
-                      min(FC_KQ_MMA_ROWS, last + 1 - r0), cols, col, xq, xs, acc);
+                      min(FC_KQ_MMA_ROWS, last + 1 - r0), cols, min(g, n - 1), xq, xs, acc);
   if (!kq_mma_reduce(acc, part)) return;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -240,9 +262,8 @@ __device__ void kq_mma_moe(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stri
       const int p = s_pair[base + min(j, n - 1)];
       return UP ? p / topk : p;
     };
-    const KqCols col = {vec(g), vec(2 * t), vec(2 * t + 1)};
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    kq_mma_tile_any<TT>(type, tile, row_stride, min(FC_KQ_MMA_ROWS, rows - r0), cols, col, xq, xs, acc);
+    kq_mma_tile_any<TT>(type, tile, row_stride, min(FC_KQ_MMA_ROWS, rows - r0), cols, vec(g), xq, xs, acc);
     if (kq_mma_reduce(acc, part)) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {

@@ -194,6 +194,7 @@ KQ_MMA_ROWS = 16         # FC_KQ_MMA_ROWS (kquant_mma.cuh): rows of a tile
 KQ_MMA_COLS = 8          # FC_KQ_MMA_COLS: vectors per pass
 KQ_MMA_WARPS = 8         # FC_KQ_MMA_WARPS: the most warps a tile
 KQ_MMA_STAGES = 3        # FC_KQ_MMA_STAGES: units of a warp's rows in flight (its shared-memory ring)
+KQ_MMA_XSTAGE = 2560     # FC_KQ_MMA_XSTAGE (kquant.cuh): a stage's activations, after its 16 rows of weights
 KQ_MAX_PAIRS = 256       # FC_KQ_MAX_PAIRS: (token, expert) pairs of one grouped MoE launch
 
 

@@ -4,13 +4,14 @@
 // warps = 0: the dp4a forms: each row summed as a warp does, lane l holding chunks l, l + 32, ..., the 32
 //   lane partials meeting in the xor tree of kq_warp_sum.
 // warps = W > 0: the mma forms (kquant_mma.cuh) with W warps a tile: the activations in their order
-//   (kq_mma_x_put), every lane's operands from kq_unit_load / kq_unit_chunk / kq_xunit_ops / kq_xunit_scales, the
-//   int8 mma done as PTX defines its fragments (m16n8k32: A regs 0-3 = (row g, k-int t), (g + 8, t), (g, 4 + t),
+//   (kq_mma_x_put), every lane's operands from kq_unit_load / kq_unit_chunk and, through a stage filled as
+//   kq_mma_xcopy fills it, kq_xstage_ops / kq_xstage_scales, the int8 mma done as PTX defines its fragments (m16n8k32: A regs 0-3 = (row g, k-int t), (g + 8, t), (g, 4 + t),
 //   (g + 8, 4 + t); B regs 0-1 = (k-int t, column g), (4 + t, g); C regs 0-3 = (g, 2t), (g, 2t + 1), (g + 8, 2t),
 //   (g + 8, 2t + 1)), Q6_K's two half-masked mma, the kernel's per-chunk and per-unit scaling
 //   (kq_mma_chunk / kq_mma_unit_end) and its warp-order reduction.
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <vector>
 #include "kquant.cuh"
 
@@ -48,17 +49,30 @@ static void mma_forms(int type, const kq_u8* w, long row_bytes, int rows, int co
         static KqUnit ua[32], ub[32];
         static KqXUnit x[32];
         float uacc[32][4] = {}, umin[32][4] = {};
+        // The unit's activations into a stage as kq_mma_xcopy places them (slot j: vector min(j, n - 1)), every
+        // 16-byte piece from the same source bytes; Q6_K / Q8_0 copy no sums.
+        alignas(16) static kq_u8 xst[FC_KQ_MMA_XSTAGE];
+        std::fill(xst, xst + FC_KQ_MMA_XSTAGE, 0xA5);
+        const kq_u8* xqb = reinterpret_cast<const kq_u8*>(xq.data());
+        const kq_u8* xsb = reinterpret_cast<const kq_u8*>(xs.data());
+        for (int j = 0; j < 8; ++j) {
+          const long v = std::min(j, n - 1);
+          for (int p = 0; p < 16; ++p) memcpy(xst + kq_xstage_op(j, p), xqb + v * cols + u * 256L + 16 * p, 16);
+          for (int q = 0; q < (mins ? 4 : 2); ++q)
+            memcpy(xst + kq_xstage_float(j, q), xsb + v * (cols / 4) + u * 64L + 16 * q, 16);
+        }
         for (int lane = 0; lane < 32; ++lane) {
           const int g = lane / 4, t = lane % 4;
           kq_unit_load(type, w + (long)std::min(r0 + g, rows - 1) * row_bytes, u, t, &ua[lane]);
           kq_unit_load(type, w + (long)std::min(r0 + g + 8, rows - 1) * row_bytes, u, t, &ub[lane]);
-          const int vop = std::min(g, n - 1), v0 = std::min(2 * t, n - 1), v1 = std::min(2 * t + 1, n - 1);
-          kq_xunit_ops(xq.data(), cols, u, vop, t, &x[lane]);  // as kq_mma_tile: operands, then scales
-          if (mins) {
-            kq_xunit_scales<true>(xs.data(), cols, u, v0, v1, &x[lane]);
-          } else {
-            kq_xunit_scales<false>(xs.data(), cols, u, v0, v1, &x[lane]);
+          for (int h = 0; h < 2; ++h) {  // as kq_mma_tile, from the stage
+            if (mins) {
+              kq_xstage_scales<true>(xst, t, h, &x[lane]);
+            } else {
+              kq_xstage_scales<false>(xst, t, h, &x[lane]);
+            }
           }
+          for (int i = 0; i < 4; ++i) kq_xstage_ops(xst, g, t, i, &x[lane]);
         }
         for (int m = 0; m < 8; ++m) {
           KqFrag fa[32], fb[32];

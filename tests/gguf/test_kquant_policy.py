@@ -55,8 +55,8 @@ def test_the_mma_form_reads_whole_units_and_tiles_of_one_type():
     assert kquant.mma_warps(6144, 3, 132, (4, 2, 1, 0, 0, 0, 0, 0)) == 3  # no block of 4 warps fits an SM
     assert max(kquant.mma_warps(c, 1, 1000, res) for c in range(256, 65536, 256)) == abi.KQ_MMA_WARPS
     # the ring: KQ_MMA_STAGES units of 16 rows, each row the 16-byte span of the widest type's unit
-    assert kquant.mma_ring_bytes([kquant.Q4_K]) == abi.KQ_MMA_STAGES * 16 * 160
-    assert kquant.mma_ring_bytes([kquant.Q5_K, kquant.Q8_0]) == abi.KQ_MMA_STAGES * 16 * 288
+    assert kquant.mma_ring_bytes([kquant.Q4_K]) == abi.KQ_MMA_STAGES * (16 * 160 + 2560)
+    assert kquant.mma_ring_bytes([kquant.Q5_K, kquant.Q8_0]) == abi.KQ_MMA_STAGES * (16 * 288 + 2560)
     assert [kquant.tiles(r) for r in (1, 16, 17, 154880)] == [1, 1, 2, 9680]
 
 
@@ -156,7 +156,7 @@ def test_every_kernel_lets_the_next_launch_and_waits_before_it_reads():
         if "kq_grid_enter();" not in body:
             assert "kq_grid_launch_dependents();" in body and "kq_mma_tile_any" in body, name
     tile = bodies["kq_mma_tile"]
-    assert tile.index("kq_grid_wait();") < tile.index("kq_xunit_ops(")  # activations only after the wait
+    assert tile.index("kq_grid_wait();") < tile.index("kq_mma_xcopy<")  # activations only after the wait
     assert "griddepcontrol.wait" in (csrc / "kquant.cuh").read_text()
 
 
