@@ -13,9 +13,9 @@
 // output is summed in one fixed order whatever the vectors are. The host picks W per shape
 // (kquant.mma_warps): the most warps a tile for which every tile's block is resident at once, so a weight of
 // few tiles (GLM-5's fused_qkv_a: 164) still has enough warps streaming it, and no launch runs a second, thin
-// wave. Each warp's weights arrive through its shared-memory ring (kq_mma_copy). Operands: kq_unit_load /
-// kq_unit_chunk / kq_xunit_ops / kq_xunit_scales' layout (kquant.cuh), the activations quantized first into the
-// order the threads read (fc_kq_quantize with mma = 1).
+// wave. Each warp's weights and activations arrive through its shared-memory ring (kq_mma_copy,
+// kq_mma_xcopy). Operands: kq_unit_load / kq_unit_chunk / kq_xstage_ops / kq_xstage_scales' layout (kquant.cuh),
+// the activations quantized first into the order the threads read (fc_kq_quantize with mma = 1).
 #pragma once
 #include "kquant.cuh"
 

@@ -106,3 +106,48 @@ def test_a_wrong_decode_would_be_caught(host_binary, warps):
     want = x.astype(np.float64) @ truth.T
     assert np.allclose(good, want, rtol=1e-5, atol=1e-6)
     assert not np.allclose(bad, want, rtol=1e-3, atol=1e-4)
+
+
+_LAYOUT = r"""
+#include <cstdio>
+#include "kquant.cuh"
+int main() {  // every piece's stage offset, then each warp-wide read's 16-byte places (lane order)
+  for (int j = 0; j < 8; ++j) for (int p = 0; p < 16; ++p) printf("op %d\n", kq_xstage_op(j, p));
+  for (int j = 0; j < 8; ++j) for (int q = 0; q < 4; ++q) printf("float %d\n", kq_xstage_float(j, q));
+  for (int i = 0; i < 4; ++i) {  // kq_xstage_ops: lane (g, t) reads piece 4t + i of slot g
+    printf("read");
+    for (int lane = 0; lane < 32; ++lane) printf(" %d", kq_xstage_op(lane / 4, 4 * (lane % 4) + i));
+    printf("\n");
+  }
+  for (int q = 0; q < 4; ++q) for (int j = 0; j < 2; ++j) {  // kq_xstage_scales: lane (g, t) reads slot 2t + j
+    printf("read");
+    for (int lane = 0; lane < 32; ++lane) printf(" %d", kq_xstage_float(2 * (lane % 4) + j, q));
+    printf("\n");
+  }
+}
+"""
+
+
+def test_the_activation_stage_is_one_to_one_and_free_of_bank_conflicts(tmp_path):
+    """The mma forms' ring stage (kq_xstage_op / kq_xstage_float): every operand and float piece has its own
+    16 bytes inside FC_KQ_MMA_XSTAGE, and each warp-wide read of the compute loop is served at the minimum of
+    shared-memory wavefronts (a 16-byte read: 32 lanes over the 8 bank groups of 16 bytes, 4 lanes each, or all
+    lanes of a group at one address)."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    (tmp_path / "layout.cpp").write_text(_LAYOUT)
+    subprocess.run([cxx, "-std=c++17", f"-I{CSRC}", "-o", str(tmp_path / "layout"), str(tmp_path / "layout.cpp")],
+                   check=True, capture_output=True)
+    lines = subprocess.run([str(tmp_path / "layout")], capture_output=True, check=True, text=True).stdout.splitlines()
+    places = [int(line.split()[1]) for line in lines if not line.startswith("read")]
+    assert len(places) == 8 * 16 + 8 * 4 and len(set(places)) == len(places)
+    assert all(p % 16 == 0 and 0 <= p < 2560 for p in places)
+    for line in (line for line in lines if line.startswith("read")):
+        lanes = [int(v) for v in line.split()[1:]]
+        groups: dict[int, set[int]] = {}
+        for at in lanes:
+            groups.setdefault(at // 16 % 8, set()).add(at)
+        # wavefronts of a 16-byte read: per bank group, its distinct addresses; 4 is the least for 32 distinct
+        wavefronts = max(len(a) for a in groups.values())
+        assert wavefronts <= max(1, -(-len(set(lanes)) // 8)), (line, groups)
