@@ -48,6 +48,13 @@ __device__ __forceinline__ void kq_cp_async16(void* smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)s), "l"(gmem) : "memory");
 }
 __device__ __forceinline__ void kq_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// The same through L1 (.ca): the warps of an SM read the same activations (one expert's, or one linear's), which
+// L1 then serves; .cg sends every warp to L2 for them.
+__device__ __forceinline__ void kq_cp_async16_l1(void* smem, const void* gmem) {
+  unsigned long long s;
+  asm("cvta.to.shared.u64 %0, %1;" : "=l"(s) : "l"(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"((unsigned)s), "l"(gmem) : "memory");
+}
 template <int N>
 __device__ __forceinline__ void kq_cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
@@ -74,9 +81,9 @@ __device__ __forceinline__ void kq_mma_xcopy(const kq_u8* xq, const kq_u8* xs, c
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int k = 0; k < 4; ++k)
-    kq_cp_async16(xst + kq_xstage_op((lane >> 4) + 2 * k, lane & 15), xq + ops[k] + (kq_u64)u * 256);
+    kq_cp_async16_l1(xst + kq_xstage_op((lane >> 4) + 2 * k, lane & 15), xq + ops[k] + (kq_u64)u * 256);
   if (MINS || (lane & 3) < 2)
-    kq_cp_async16(xst + kq_xstage_float(lane >> 2, lane & 3), xs + fl + (kq_u64)u * 64);
+    kq_cp_async16_l1(xst + kq_xstage_float(lane >> 2, lane & 3), xs + fl + (kq_u64)u * 64);
 }
 
 // One warp's share of a tile: rows g and g + 8 of the tile (rows past `rows` read its last row again), against
