@@ -426,8 +426,9 @@ FC_KQ_HD void kq_mma_x_put(int c, const kq_u32 q[8], float d, float s, kq_u32* x
 
 // The activations of one unit in a warp's ring stage, copied there with the unit's weights (kq_mma_tile): for
 // each of the pass's 8 vector slots j, its 64 operand words (16 pieces of 16 bytes) and its 16 floats (4
-// pieces: scales, then sums). Why in the ring: read from L2 at the top of each unit they were the warp's
-// exposed latency, and each 16-byte load used half of every sector it touched (ncu, eleventh session).
+// pieces: scales, then sums). Why in the ring: loaded at the top of each unit, they were a latency the warp
+// waited out every unit (ncu, H200: 0.49 instructions issued per cycle and scheduler, DRAM 46 %); copied S - 1
+// units ahead, the grouped MoE at 8 tokens went 174 -> 162 us and o_proj 32.5 -> 26.6 (bench/RESULTS.md).
 // Pieces are placed so that a warp's reads meet no bank conflict: the operand piece p of slot j at
 // 16 (p ^ (j % 4)) in the slot's 256 bytes (the 32 lanes of a read hit 8 distinct 16-byte bank groups, 4 each),
 // the float piece q at 16 (q ^ (j / 2 % 4)) in the slot's 64 (the 4 slots read at once sit in distinct groups).

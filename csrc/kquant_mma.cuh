@@ -48,8 +48,9 @@ __device__ __forceinline__ void kq_cp_async16(void* smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)s), "l"(gmem) : "memory");
 }
 __device__ __forceinline__ void kq_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-// The same through L1 (.ca): the warps of an SM read the same activations (one expert's, or one linear's), which
-// L1 then serves; .cg sends every warp to L2 for them.
+// The same through L1 (.ca), for the activations: the warps of an SM read the same ones (an expert's tokens, a
+// linear's vectors), which L1 then serves. Through L2 only (.cg) L1's hit rate fell from 47 % to 0.3 % and the
+// grouped MoE at 8 tokens took 256 us instead of 162 (H200, eleventh session).
 __device__ __forceinline__ void kq_cp_async16_l1(void* smem, const void* gmem) {
   unsigned long long s;
   asm("cvta.to.shared.u64 %0, %1;" : "=l"(s) : "l"(smem));
