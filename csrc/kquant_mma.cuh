@@ -42,20 +42,22 @@ __device__ __forceinline__ void kq_mma_k32(const kq_u32 a[4], const kq_u32 b[2],
 __device__ constexpr int kq_mma_unit_bytes(int T) { return kq_block_bytes(T) * (FC_KQ_UNIT / kq_block_values(T)); }
 __device__ constexpr int kq_mma_span(int T) { return (kq_mma_unit_bytes(T) + 15 + 15) / 16 * 16; }
 
+// 16 bytes from global into shared memory, asynchronously (a cp.async group). L1 = false: through L2 only (.cg),
+// for the weights, which one warp streams once. L1 = true: through L1 (.ca), for the activations: the warps of an
+// SM read the same ones (an expert's tokens, a linear's vectors), which L1 then serves. With .cg for them too,
+// L1's hit rate fell from 47 % to 0.3 % and the grouped MoE at 8 tokens took 256 us instead of 162 (H200,
+// eleventh session).
+template <bool L1>
 __device__ __forceinline__ void kq_cp_async16(void* smem, const void* gmem) {
   unsigned long long s;
   asm("cvta.to.shared.u64 %0, %1;" : "=l"(s) : "l"(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)s), "l"(gmem) : "memory");
+  if constexpr (L1) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"((unsigned)s), "l"(gmem) : "memory");
+  } else {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)s), "l"(gmem) : "memory");
+  }
 }
 __device__ __forceinline__ void kq_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-// The same through L1 (.ca), for the activations: the warps of an SM read the same ones (an expert's tokens, a
-// linear's vectors), which L1 then serves. Through L2 only (.cg) L1's hit rate fell from 47 % to 0.3 % and the
-// grouped MoE at 8 tokens took 256 us instead of 162 (H200, eleventh session).
-__device__ __forceinline__ void kq_cp_async16_l1(void* smem, const void* gmem) {
-  unsigned long long s;
-  asm("cvta.to.shared.u64 %0, %1;" : "=l"(s) : "l"(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"((unsigned)s), "l"(gmem) : "memory");
-}
 template <int N>
 __device__ __forceinline__ void kq_cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
@@ -69,7 +71,7 @@ __device__ __forceinline__ void kq_mma_copy(const kq_u8* tile, kq_u64 row_stride
     const int i = lane + 32 * k, row = i / NC, c = i - row * NC;
     const kq_u64 a = (kq_u64)(tile + (kq_u64)min(row, rows - 1) * row_stride) + (kq_u64)u * UB;
     if (i < FC_KQ_MMA_ROWS * NC && 16 * c < (int)(a & 15) + UB)
-      kq_cp_async16(stage + row * kq_mma_span(T) + 16 * c, reinterpret_cast<const void*>((a & ~15ull) + 16 * c));
+      kq_cp_async16<false>(stage + row * kq_mma_span(T) + 16 * c, reinterpret_cast<const void*>((a & ~15ull) + 16 * c));
   }
 }
 
@@ -82,9 +84,9 @@ __device__ __forceinline__ void kq_mma_xcopy(const kq_u8* xq, const kq_u8* xs, c
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int k = 0; k < 4; ++k)
-    kq_cp_async16_l1(xst + kq_xstage_op((lane >> 4) + 2 * k, lane & 15), xq + ops[k] + (kq_u64)u * 256);
+    kq_cp_async16<true>(xst + kq_xstage_op((lane >> 4) + 2 * k, lane & 15), xq + ops[k] + (kq_u64)u * 256);
   if (MINS || (lane & 3) < 2)
-    kq_cp_async16_l1(xst + kq_xstage_float(lane >> 2, lane & 3), xs + fl + (kq_u64)u * 64);
+    kq_cp_async16<true>(xst + kq_xstage_float(lane >> 2, lane & 3), xs + fl + (kq_u64)u * 64);
 }
 
 // One warp's share of a tile: rows g and g + 8 of the tile (rows past `rows` read its last row again), against
