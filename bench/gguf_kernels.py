@@ -174,28 +174,50 @@ def bench_linear(name, shards, cols, tokens, rng):
     return rowsout
 
 
-def bench_moe(tokens, rng):
+def linear_shapes() -> dict[str, tuple[list, int]]:
+    """LINEARS by short name (the name before any parenthesis): (shards, cols)."""
+    return {name.split(" (")[0]: (shards, cols) for name, shards, cols, _ in LINEARS}
+
+
+def moe_weights(rng):
+    """The routed experts as the plugin stores them, at MOE's shapes and types: (w13, w2) uint8 arrays and
+    their ggml type ids (q13, q2)."""
     import gguf
+
+    _, experts, _, hidden, inter, t13, t2, _ = MOE
+    w13 = _blocks(rng, t13, (experts, 2 * inter), hidden)
+    w2 = _blocks(rng, t2, (experts, hidden), inter)
+    return w13, w2, int(gguf.GGMLQuantizationType[t13]), int(gguf.GGMLQuantizationType[t2])
+
+
+def moe_inputs(n: int):
+    """n tokens for MOE on the GPU: activations (bf16), routes (topk distinct experts a token, int32) and router
+    weights."""
+    import torch
+
+    _, experts, topk, hidden, *_ = MOE
+    x = torch.randn(n, hidden, dtype=torch.bfloat16, device="cuda") * 0.1
+    ids = torch.stack([torch.randperm(experts)[:topk] for _ in range(n)]).to(torch.int32).cuda()
+    return x, ids, torch.rand(n, topk, device="cuda")
+
+
+def bench_moe(tokens, rng):
     import torch
 
     from fastcomm_vllm.gguf import kquant
 
     pmoe = _plugin("fused_moe")
 
-    name, experts, topk, hidden, inter, t13, t2, _ = MOE
-    w13 = _blocks(rng, t13, (experts, 2 * inter), hidden)
-    w2 = _blocks(rng, t2, (experts, hidden), inter)
+    name, experts, topk, hidden, inter, *_ = MOE
+    w13, w2, q13, q2 = moe_weights(rng)
     nbytes = w13.nbytes + w2.nbytes
     copies = max(1, min(4, math.ceil(L2_CLEAR_BYTES / nbytes)))
     w13s = [torch.from_numpy(w13).cuda() for _ in range(copies)]
     w2s = [torch.from_numpy(w2).cuda() for _ in range(copies)]
-    q13, q2 = int(gguf.GGMLQuantizationType[t13]), int(gguf.GGMLQuantizationType[t2])
     act = None  # silu=True: the quantize launch applies silu(gate) * up itself
     out = []
     for n in tokens:
-        x = torch.randn(n, hidden, dtype=torch.bfloat16, device="cuda") * 0.1
-        ids = torch.stack([torch.randperm(experts)[:topk] for _ in range(n)]).to(torch.int32).cuda()
-        wts = torch.rand(n, topk, device="cuda")
+        x, ids, wts = moe_inputs(n)
         plugin = [lambda a=a, b=b: pmoe._fused_moe_gguf(x, a, b, wts, ids, q13, q2, "silu") for a, b in zip(w13s, w2s)]
         # the bytes of the distinct experts this routing reads (the grouped form reads each once)
         distinct = len(set(ids.flatten().tolist()))

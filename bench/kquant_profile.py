@@ -12,16 +12,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .gguf_kernels import LINEARS, MOE
-
-
-def _ops() -> dict[str, tuple]:
-    return {"moe": MOE, **{name.split(" (")[0]: (name, shards, cols) for name, shards, cols, _ in LINEARS}}
+from .gguf_kernels import linear_shapes
 
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m fastcomm_bench.kquant_profile", description=__doc__.splitlines()[0])
-    p.add_argument("--op", required=True, choices=sorted(_ops()))
+    p.add_argument("--op", required=True, choices=sorted(["moe", *linear_shapes()]))
     p.add_argument("--tokens", type=int, default=8)
     p.add_argument("--form", default=None, help="a form of kquant.FORMS_LINEAR / FORMS_MOE (default: the policy's)")
     p.add_argument("--calls", type=int, default=4)
@@ -33,27 +29,22 @@ def parse(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    import gguf
     import numpy as np
     import torch
 
     from fastcomm_vllm.gguf import kquant
 
-    from .gguf_kernels import _blocks, linear_weight, pdl_setting
+    from .gguf_kernels import linear_weight, moe_inputs, moe_weights, pdl_setting
 
     rng = np.random.default_rng(0)
     n = args.tokens
     if args.op == "moe":
-        _, experts, topk, hidden, inter, t13, t2, _ = MOE
-        w13 = torch.from_numpy(_blocks(rng, t13, (experts, 2 * inter), hidden)).cuda()
-        w2 = torch.from_numpy(_blocks(rng, t2, (experts, hidden), inter)).cuda()
-        q13, q2 = int(gguf.GGMLQuantizationType[t13]), int(gguf.GGMLQuantizationType[t2])
-        x = torch.randn(n, hidden, dtype=torch.bfloat16, device="cuda") * 0.1
-        ids = torch.stack([torch.randperm(experts)[:topk] for _ in range(n)]).to(torch.int32).cuda()
-        wts = torch.rand(n, topk, device="cuda")
+        a13, a2, q13, q2 = moe_weights(rng)
+        w13, w2 = torch.from_numpy(a13).cuda(), torch.from_numpy(a2).cuda()
+        x, ids, wts = moe_inputs(n)
         run = lambda: kquant.moe(x, w13, w2, wts, ids, q13, q2, None, silu=True, form=args.form)  # noqa: E731
     else:
-        _, shards, cols = _ops()[args.op]
+        shards, cols = linear_shapes()[args.op]
         padded, _, segs, _ = linear_weight(rng, shards, cols)
         w = torch.from_numpy(padded).cuda()
         x = torch.randn(n, cols, dtype=torch.bfloat16, device="cuda") * 0.1

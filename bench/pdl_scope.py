@@ -21,13 +21,12 @@ DENSE_OPS = ("dense gate_up", "o_proj")  # bench/gguf_kernels.LINEARS' names, at
 
 
 def main(argv=None) -> int:
-    import gguf
     import numpy as np
     import torch
 
     from fastcomm_vllm.gguf import kquant as k
 
-    from .gguf_kernels import LINEARS, MOE, _blocks, _graph_time_us, linear_weight
+    from .gguf_kernels import _graph_time_us, linear_shapes, linear_weight, moe_inputs, moe_weights
 
     out_path = (argv if argv is not None else sys.argv[1:])[0]
     skip: list[tuple[str, ...]] = [()]
@@ -42,14 +41,11 @@ def main(argv=None) -> int:
 
     rng = np.random.default_rng(0)
     res: dict[str, list[float]] = {}
-    _, experts, topk, hidden, inter, t13, t2, _ = MOE
-    q13, q2 = int(gguf.GGMLQuantizationType[t13]), int(gguf.GGMLQuantizationType[t2])
-    w13s = [torch.from_numpy(_blocks(rng, t13, (experts, 2 * inter), hidden)).cuda() for _ in range(2)]
-    w2s = [torch.from_numpy(_blocks(rng, t2, (experts, hidden), inter)).cuda() for _ in range(2)]
+    a13, a2, q13, q2 = moe_weights(rng)
+    w13s = [torch.from_numpy(a13).cuda() for _ in range(2)]
+    w2s = [torch.from_numpy(a2).cuda() for _ in range(2)]
     for n in (1, 8):
-        x = torch.randn(n, hidden, dtype=torch.bfloat16, device="cuda") * 0.1
-        ids = torch.stack([torch.randperm(experts)[:topk] for _ in range(n)]).to(torch.int32).cuda()
-        wts = torch.rand(n, topk, device="cuda")
+        x, ids, wts = moe_inputs(n)
         for _ in range(2):
             for name, names in MOE_VARIANTS.items():
                 skip[0] = names
@@ -57,9 +53,8 @@ def main(argv=None) -> int:
                                                            form="grouped") for a, b in zip(w13s, w2s)])
                 res.setdefault(f"moe_grouped_{n}_{name}", []).append(round(t, 2))
                 print(f"moe grouped n={n} {name}: {t:.2f}", flush=True)
-    linears = {name.split(" (")[0]: (shards, cols) for name, shards, cols, _ in LINEARS}
     for label in DENSE_OPS:
-        shards, cols = linears[label]
+        shards, cols = linear_shapes()[label]
         padded, _, segs, _ = linear_weight(rng, shards, cols)
         ws = [torch.from_numpy(padded).cuda() for _ in range(2)]
         x = torch.randn(8, cols, dtype=torch.bfloat16, device="cuda")
@@ -72,6 +67,7 @@ def main(argv=None) -> int:
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1)
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())
