@@ -24,6 +24,14 @@
 #define FC_KQ_MMA_WARPS 8    // the most warps splitting a tile's units (few tiles: more warps a tile)
 #define FC_KQ_MAX_PAIRS 256  // (token, expert) pairs a grouped MoE launch routes
 #define FC_KQ_MMA_STAGES 3   // units of a warp's rows in flight (its shared-memory ring)
+#define FC_KQ_MMA_PART 512   // bytes of one warp's partial sums (4 x 32 floats) for warp 0 to add
+
+// A block's dynamic shared memory: the partial sums of warps 1 .. W - 1 (FC_KQ_MMA_PART each), then each warp's
+// ring. Why dynamic: a static array sized for FC_KQ_MMA_WARPS - 1 warps cost every one-warp block (the grouped
+// MoE's, the LM head's) 3.5 KB it never used, and blocks an SM.
+extern __shared__ __align__(16) kq_u8 kq_mma_smem[];
+__device__ __forceinline__ float (*kq_mma_part())[4][32] { return reinterpret_cast<float (*)[4][32]>(kq_mma_smem); }
+__device__ __forceinline__ kq_u8* kq_mma_rings() { return kq_mma_smem + ((blockDim.x >> 5) - 1) * FC_KQ_MMA_PART; }
 
 __device__ __forceinline__ void kq_mma_k32(const kq_u32 a[4], const kq_u32 b[2], int c[4]) {
   asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -42,51 +50,65 @@ __device__ __forceinline__ void kq_mma_k32(const kq_u32 a[4], const kq_u32 b[2],
 __device__ constexpr int kq_mma_unit_bytes(int T) { return kq_block_bytes(T) * (FC_KQ_UNIT / kq_block_values(T)); }
 __device__ constexpr int kq_mma_span(int T) { return (kq_mma_unit_bytes(T) + 15 + 15) / 16 * 16; }
 
-// 16 bytes from global into shared memory, asynchronously (a cp.async group). L1 = false: through L2 only (.cg),
-// for the weights, which one warp streams once. L1 = true: through L1 (.ca), for the activations: the warps of an
-// SM read the same ones (an expert's tokens, a linear's vectors), which L1 then serves. With .cg for them too,
-// L1's hit rate fell from 47 % to 0.3 % and the grouped MoE at 8 tokens took 256 us instead of 162 (H200,
-// eleventh session).
+// 16 bytes from global into shared memory (`smem`: a shared-window address), asynchronously (a cp.async group).
+// L1 = false: through L2 only (.cg), for the weights, which one warp streams once. L1 = true: through L1 (.ca),
+// for the activations: the warps of an SM read the same ones (an expert's tokens, a linear's vectors), which L1
+// then serves. With .cg for them too, L1's hit rate fell from 47 % to 0.3 % and the grouped MoE at 8 tokens took
+// 256 us instead of 162 (H200, eleventh session).
 template <bool L1>
-__device__ __forceinline__ void kq_cp_async16(void* smem, const void* gmem) {
-  unsigned long long s;
-  asm("cvta.to.shared.u64 %0, %1;" : "=l"(s) : "l"(smem));
+__device__ __forceinline__ void kq_cp_async16(unsigned smem, const void* gmem) {
   if constexpr (L1) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"((unsigned)s), "l"(gmem) : "memory");
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(smem), "l"(gmem) : "memory");
   } else {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)s), "l"(gmem) : "memory");
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem), "l"(gmem) : "memory");
   }
 }
 __device__ __forceinline__ void kq_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void kq_cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-
-// Unit u of the tile's rows (row i at tile + min(i, rows - 1) * row_stride) into a stage, by the warp's lanes.
-template <int T>
-__device__ __forceinline__ void kq_mma_copy(const kq_u8* tile, kq_u64 row_stride, int rows, int u, kq_u8* stage) {
-  constexpr int UB = kq_mma_unit_bytes(T), NC = kq_mma_span(T) / 16;
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int k = 0; k < (FC_KQ_MMA_ROWS * NC + 31) / 32; ++k) {
-    const int i = lane + 32 * k, row = i / NC, c = i - row * NC;
-    const kq_u64 a = (kq_u64)(tile + (kq_u64)min(row, rows - 1) * row_stride) + (kq_u64)u * UB;
-    if (i < FC_KQ_MMA_ROWS * NC && 16 * c < (int)(a & 15) + UB)
-      kq_cp_async16<false>(stage + row * kq_mma_span(T) + 16 * c, reinterpret_cast<const void*>((a & ~15ull) + 16 * c));
-  }
+__device__ __forceinline__ unsigned kq_smem_addr(const void* p) {
+  return (unsigned)__cvta_generic_to_shared(p);
 }
 
-// Unit u's activations into a stage's activation part (kq_xstage_op / kq_xstage_float), by the warp's lanes:
-// lane l copies operand pieces l % 16 of slots l / 16 + 2k (k < 4), source ops[k] bytes into a vector's operand
-// words, and float piece l % 4 of slot l / 4 (Q6_K / Q8_0 have no sums: pieces 0-1), source fl.
+// A lane's copies, fixed for the whole tile: every unit's copies are these at the unit's offset, so a unit's
+// copy is an add and its cp.async instructions. Why: with each piece's row, column and address worked out per
+// unit (a division by the row's pieces, a clamp, 64-bit products), a unit's copies took ~135 of the unit's ~470
+// instructions (sm_90 SASS, grouped MoE up), and these kernels issue about as many instructions as their bytes
+// allow (ncu: 0.49 issued a cycle per scheduler at 2.2 TB/s).
+//   weights: lane l takes row l % 16 of the tile and its 16-byte pieces l / 16, + 2, + 4, ... of the unit's span
+//   activations: lane l takes operand pieces l % 16 of slots l / 16 + 2k (k < 4), and float piece l % 4 of slot
+//   l / 4 (Q6_K / Q8_0 have no sums: pieces 0-1 only)
+struct KqCopies {
+  kq_u64 w;      // the lane's weight row + 16 (l / 16): its first piece of unit 0, before alignment
+  kq_u64 x[4];   // its operand pieces of unit 0 (slot l / 16 + 2k's vector)
+  kq_u64 f;      // its float piece of unit 0
+  unsigned wd;   // the pieces' place in a stage: row l % 16, piece l / 16
+  unsigned xd[2];  // operand pieces' place for even and odd k (the slot's XOR pattern repeats every 4 slots)
+  unsigned fd;   // the float piece's place
+};
+
+// Unit u of the lane's row into a stage (`stage`: its shared-window address). A row's unit is copied from the
+// 16-byte boundary at or below its first byte (Q6_K / Q8_0 units are 2-byte aligned) through its last byte, so
+// nothing is read past the weight's end.
+template <int T>
+__device__ __forceinline__ void kq_mma_copy(const KqCopies& c, int u, unsigned stage) {
+  constexpr int UB = kq_mma_unit_bytes(T), NC = kq_mma_span(T) / 16;
+  const kq_u64 a = c.w + (kq_u64)u * UB;
+  const int lim = (int)(a & 15) + UB - (int)(threadIdx.x & 16);  // bytes of the unit from the lane's first piece
+  const char* src = reinterpret_cast<const char*>(a & ~15ull);
+#pragma unroll
+  for (int k = 0; k < (NC + 1) / 2; ++k)
+    if (32 * k + 16 < UB || 32 * k < lim) kq_cp_async16<false>(stage + c.wd + 32 * k, src + 32 * k);
+}
+
+// Unit u's activations into a stage's activation part (`xst`: its shared-window address; kq_xstage_op /
+// kq_xstage_float).
 template <bool MINS>
-__device__ __forceinline__ void kq_mma_xcopy(const kq_u8* xq, const kq_u8* xs, const int ops[4], int fl, int u,
-                                             kq_u8* xst) {
-  const int lane = threadIdx.x & 31;
+__device__ __forceinline__ void kq_mma_xcopy(const KqCopies& c, int u, unsigned xst) {
 #pragma unroll
   for (int k = 0; k < 4; ++k)
-    kq_cp_async16<true>(xst + kq_xstage_op((lane >> 4) + 2 * k, lane & 15), xq + ops[k] + (kq_u64)u * 256);
-  if (MINS || (lane & 3) < 2)
-    kq_cp_async16<true>(xst + kq_xstage_float(lane >> 2, lane & 3), xs + fl + (kq_u64)u * 64);
+    kq_cp_async16<true>(xst + c.xd[k & 1] + 512 * k, reinterpret_cast<const void*>(c.x[k] + (kq_u64)u * 256));
+  if (MINS || (threadIdx.x & 2) == 0) kq_cp_async16<true>(xst + c.fd, reinterpret_cast<const void*>(c.f + (kq_u64)u * 64));
 }
 
 // One warp's share of a tile: rows g and g + 8 of the tile (rows past `rows` read its last row again), against
@@ -99,41 +121,50 @@ __device__ __forceinline__ void kq_mma_tile(const kq_u8* tile, kq_u64 row_stride
   constexpr bool mins = T == FC_KQ_Q4_K || T == FC_KQ_Q5_K;
   constexpr int UB = kq_mma_unit_bytes(T), WB = FC_KQ_MMA_ROWS * kq_mma_span(T), S = FC_KQ_MMA_STAGES;
   constexpr int STAGE = WB + FC_KQ_MMA_XSTAGE;
-  extern __shared__ __align__(16) kq_u8 kq_mma_ring[];
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, w = threadIdx.x >> 5, W = blockDim.x >> 5;
-  kq_u8* ring = kq_mma_ring + w * S * STAGE;
+  kq_u8* ring = kq_mma_rings() + w * S * STAGE;
   const kq_u64 ra = (kq_u64)(tile + (kq_u64)min(g, rows - 1) * row_stride);
   const kq_u64 rb = (kq_u64)(tile + (kq_u64)min(g + 8, rows - 1) * row_stride);
   const kq_u32 first = t < 2 ? 0xFFFFFFFFu : 0u;  // Q6_K: this thread's values are in the chunk's first half
-  // This lane's copy sources (byte offsets into xq and xs): the vectors of its slots, from the lanes holding them.
-  int ops[4];
+  // This lane's copies (KqCopies): its slots' vectors come from the lanes holding them.
+  KqCopies c;
+  {
+    const int h = lane >> 4, p = lane & 15, j = lane >> 2, q = lane & 3;
+    c.w = (kq_u64)(tile + (kq_u64)min(p, rows - 1) * row_stride) + 16 * h;
+    c.wd = p * kq_mma_span(T) + 16 * h;
+    const kq_u8* xqb = reinterpret_cast<const kq_u8*>(xq);
 #pragma unroll
-  for (int k = 0; k < 4; ++k)
-    ops[k] = __shfl_sync(0xffffffffu, vop, 4 * ((lane >> 4) + 2 * k)) * cols + 16 * (lane & 15);
-  const int fl = __shfl_sync(0xffffffffu, vop, 4 * (lane >> 2)) * (cols / 16) * 4 + 16 * (lane & 3);
-  const kq_u8* xqb = reinterpret_cast<const kq_u8*>(xq);
-  const kq_u8* xsb = reinterpret_cast<const kq_u8*>(xs);
+    for (int k = 0; k < 4; ++k)
+      c.x[k] = (kq_u64)(xqb + (kq_u64)__shfl_sync(0xffffffffu, vop, 4 * (h + 2 * k)) * cols + 16 * p);
+    c.xd[0] = WB + kq_xstage_op(h, p);
+    c.xd[1] = WB + kq_xstage_op(h + 2, p) - 512;
+    c.f = (kq_u64)(reinterpret_cast<const kq_u8*>(xs) + (kq_u64)__shfl_sync(0xffffffffu, vop, 4 * j) * (cols / 16) * 4 +
+                   16 * q);
+    c.fd = WB + kq_xstage_float(j, q);
+  }
+  const unsigned ring_sh = kq_smem_addr(ring);
   // The first stages' weights go out before the wait (no kernel writes them), their activations after it.
 #pragma unroll
   for (int s = 0; s < S - 1; ++s)
-    if (w + s * W < units) kq_mma_copy<T>(tile, row_stride, rows, w + s * W, ring + s * STAGE);
+    if (w + s * W < units) kq_mma_copy<T>(c, w + s * W, ring_sh + s * STAGE);
   kq_grid_wait();
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) {
-    if (w + s * W < units) kq_mma_xcopy<mins>(xqb, xsb, ops, fl, w + s * W, ring + s * STAGE + WB);
+    if (w + s * W < units) kq_mma_xcopy<mins>(c, w + s * W, ring_sh + s * STAGE);
     kq_cp_commit();
   }
-  int k = 0;
-  for (int u = w; u < units; u += W, ++k) {
+  int rd = 0, wr = S - 1;  // the stages of unit u and of unit u + (S - 1) W
+  for (int u = w; u < units; u += W) {
     if (u + (S - 1) * W < units) {
-      kq_u8* next = ring + (k + S - 1) % S * STAGE;
-      kq_mma_copy<T>(tile, row_stride, rows, u + (S - 1) * W, next);
-      kq_mma_xcopy<mins>(xqb, xsb, ops, fl, u + (S - 1) * W, next + WB);
+      kq_mma_copy<T>(c, u + (S - 1) * W, ring_sh + wr * STAGE);
+      kq_mma_xcopy<mins>(c, u + (S - 1) * W, ring_sh + wr * STAGE);
     }
     kq_cp_commit();
     kq_cp_wait<S - 1>();  // this lane's copies of unit u have landed; the warp's, after the sync
     __syncwarp();
-    const kq_u8* stage = ring + k % S * STAGE;
+    const kq_u8* stage = ring + rd * STAGE;
+    rd = rd == S - 1 ? 0 : rd + 1;
+    wr = wr == S - 1 ? 0 : wr + 1;
     const kq_u8* xst = stage + WB;
     KqUnit ua, ub;
     kq_unit_load(T, stage + g * kq_mma_span(T) + ((ra + (kq_u64)u * UB) & 15), 0, t, &ua);
@@ -187,7 +218,8 @@ __device__ __forceinline__ void kq_mma_tile_any(int type, const kq_u8* tile, kq_
 
 // Warp 0's acc += the other warps' partials, in warp order; true on warp 0 (which then holds the tile's sums).
 // Every thread of the block calls it (it synchronizes the block when there is more than one warp).
-__device__ __forceinline__ bool kq_mma_reduce(float acc[4], float (*part)[4][32]) {
+__device__ __forceinline__ bool kq_mma_reduce(float acc[4]) {
+  float(*part)[4][32] = kq_mma_part();
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, W = blockDim.x >> 5;
   if (W == 1) return true;
   if (w > 0) {
@@ -207,7 +239,6 @@ __device__ __forceinline__ bool kq_mma_reduce(float acc[4], float (*part)[4][32]
 template <typename D, int TT>
 __device__ void kq_mma_gemv(const KqSegs& segs, const kq_u32* xq, const float* xs, int n, int cols,
                             typename D::raw* out, kq_u64 out_stride) {
-  __shared__ float part[FC_KQ_MMA_WARPS - 1][4][32];
   kq_grid_launch_dependents();  // and waits in kq_mma_tile, once its first weights are in flight
   const int r0 = blockIdx.x * FC_KQ_MMA_ROWS, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const KqSeg sg = kq_segment(segs, r0);  // the host keeps segment starts on tile boundaries
@@ -215,7 +246,7 @@ __device__ void kq_mma_gemv(const KqSegs& segs, const kq_u32* xq, const float* x
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   kq_mma_tile_any<TT>(sg.type, sg.w + (kq_u64)(r0 - sg.row0) * sg.row_stride, sg.row_stride,
                       min(FC_KQ_MMA_ROWS, last + 1 - r0), cols, min(g, n - 1), xq, xs, acc);
-  if (!kq_mma_reduce(acc, part)) return;
+  if (!kq_mma_reduce(acc)) return;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int r = r0 + g + 8 * (j >> 1), v = 2 * t + (j & 1);
@@ -257,7 +288,6 @@ template <typename D, bool UP, int TT>
 __device__ void kq_mma_moe(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows, int cols,
                            const int* topk_ids, int topk, int pairs, const kq_u32* xq, const float* xs,
                            void* out) {
-  __shared__ float part[FC_KQ_MMA_WARPS - 1][4][32];
   __shared__ int s_pair[FC_KQ_MAX_PAIRS];
   __shared__ unsigned s_mask[FC_KQ_MAX_PAIRS / 32];
   // The routes are a kernel's output, and no weight is fetched before them: a real model's 256 experts leave
@@ -274,7 +304,7 @@ __device__ void kq_mma_moe(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stri
     };
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     kq_mma_tile_any<TT>(type, tile, row_stride, min(FC_KQ_MMA_ROWS, rows - r0), cols, vec(g), xq, xs, acc);
-    if (kq_mma_reduce(acc, part)) {
+    if (kq_mma_reduce(acc)) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int r = r0 + g + 8 * (j >> 1), v = 2 * t + (j & 1);

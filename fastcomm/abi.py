@@ -195,6 +195,7 @@ KQ_MMA_COLS = 8          # FC_KQ_MMA_COLS: vectors per pass
 KQ_MMA_WARPS = 8         # FC_KQ_MMA_WARPS: the most warps a tile
 KQ_MMA_STAGES = 3        # FC_KQ_MMA_STAGES: units of a warp's rows in flight (its shared-memory ring)
 KQ_MMA_XSTAGE = 2560     # FC_KQ_MMA_XSTAGE (kquant.cuh): a stage's activations, after its 16 rows of weights
+KQ_MMA_PART = 512        # FC_KQ_MMA_PART: one warp's partial sums, ahead of the rings in dynamic shared memory
 KQ_MAX_PAIRS = 256       # FC_KQ_MAX_PAIRS: (token, expert) pairs of one grouped MoE launch
 
 

@@ -126,7 +126,8 @@ def test_island_two_shot_timeouts_name_the_step_and_group():
     ("FC_KQ_MAX_SEGS", abi.KQ_MAX_SEGS), ("FC_KQ_ROWS_PER_BLOCK", abi.KQ_ROWS_PER_BLOCK),
     ("FC_KQ_STAGED_THREADS", abi.KQ_STAGED_THREADS), ("FC_KQ_MMA_ROWS", abi.KQ_MMA_ROWS),
     ("FC_KQ_MMA_COLS", abi.KQ_MMA_COLS), ("FC_KQ_MMA_WARPS", abi.KQ_MMA_WARPS), ("FC_KQ_MAX_PAIRS", abi.KQ_MAX_PAIRS),
-    ("FC_KQ_MMA_STAGES", abi.KQ_MMA_STAGES), ("FC_KQ_MMA_XSTAGE", abi.KQ_MMA_XSTAGE)])
+    ("FC_KQ_MMA_STAGES", abi.KQ_MMA_STAGES), ("FC_KQ_MMA_XSTAGE", abi.KQ_MMA_XSTAGE),
+    ("FC_KQ_MMA_PART", abi.KQ_MMA_PART)])
 def test_kquant_constants_match(name, value):
     found = re.findall(rf"#define {name} (\d+)", KQUANT_HEADERS + KQUANT)
     assert found == [str(value)], (name, found)  # defined once, with the mirrored value

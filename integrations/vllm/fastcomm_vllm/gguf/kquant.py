@@ -173,6 +173,12 @@ def mma_ring_bytes(types) -> int:
     return abi.KQ_MMA_STAGES * (abi.KQ_MMA_ROWS * span + abi.KQ_MMA_XSTAGE)
 
 
+def mma_smem(warps: int, ring: int) -> int:
+    """Dynamic shared memory of an mma block of ``warps`` warps, each with a ring of ``ring`` bytes: warps 1 ..
+    warps - 1's partial sums for warp 0 to add (kq_mma_part), then the rings (kq_mma_rings)."""
+    return (warps - 1) * abi.KQ_MMA_PART + warps * ring
+
+
 def tiles(rows: int) -> int:
     return (rows + abi.KQ_MMA_ROWS - 1) // abi.KQ_MMA_ROWS
 
@@ -265,11 +271,11 @@ def _static_smem(fn: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _resident(device: int, symbol: str, ring: int) -> tuple[int, ...]:
-    """Blocks of 1 .. KQ_MMA_WARPS warps (``ring`` bytes of shared memory each) one SM of ``device`` holds."""
+    """Blocks of 1 .. KQ_MMA_WARPS warps (a ring of ``ring`` bytes a warp: mma_smem) one SM of ``device`` holds."""
     from cupy_backends.cuda.api import driver
 
     fn = _smem_function(device, symbol)
-    return tuple(driver.occupancyMaxActiveBlocksPerMultiprocessor(fn, 32 * w, w * ring)
+    return tuple(driver.occupancyMaxActiveBlocksPerMultiprocessor(fn, 32 * w, mma_smem(w, ring))
                  for w in range(1, abi.KQ_MMA_WARPS + 1))
 
 
@@ -283,7 +289,7 @@ def _mma_launch(dev: int, kernel: abi.Kernel, dtype: str | None, tiles_x: int, g
     variant = mma_variant(types, moe)
     symbol = kernel.symbol(dtype, variant)
     warps = warps or mma_warps(cols, busy_tiles, _device(dev)[0], _resident(dev, symbol, ring))
-    _launch(dev, kernel, dtype, (tiles_x, grid_y), 32 * warps, stream, args, variant=variant, smem=warps * ring,
+    _launch(dev, kernel, dtype, (tiles_x, grid_y), 32 * warps, stream, args, variant=variant, smem=mma_smem(warps, ring),
             prefetches=not moe, pdl=pdl)
 
 
