@@ -70,41 +70,56 @@ __device__ __forceinline__ unsigned kq_smem_addr(const void* p) {
   return (unsigned)__cvta_generic_to_shared(p);
 }
 
-// A lane's copies, fixed for the whole tile: every unit's copies are these at the unit's offset, so a unit's
-// copy is an add and its cp.async instructions. Why: with each piece's row, column and address worked out per
-// unit (a division by the row's pieces, a clamp, 64-bit products), a unit's copies took ~135 of the unit's ~470
-// instructions (sm_90 SASS, grouped MoE up), and these kernels issue about as many instructions as their bytes
-// allow (ncu: 0.49 issued a cycle per scheduler at 2.2 TB/s).
-//   weights: lane l takes row l % 16 of the tile and its 16-byte pieces l / 16, + 2, + 4, ... of the unit's span
+// A lane's copies, fixed for the whole tile: every unit's copies are these at the unit's offset. Why: with each
+// piece's row, column and 64-bit address worked out again every unit, a unit's copies took ~135 of the unit's
+// ~470 instructions (sm_90 SASS, grouped MoE up).
+//   weights: piece i = l + 32k of the unit's 16 rows (row i / NC, piece i % NC of the row's span, NC pieces a
+//   row), so one instruction's pieces lie in a few rows, contiguous: a lane per row instead (16 rows an
+//   instruction) took the grouped MoE at 8 tokens from 162 to 175 us and o_proj from 26.8 to 30.4 (H200).
 //   activations: lane l takes operand pieces l % 16 of slots l / 16 + 2k (k < 4), and float piece l % 4 of slot
 //   l / 4 (Q6_K / Q8_0 have no sums: pieces 0-1 only)
+template <int T>
 struct KqCopies {
-  kq_u64 w;      // the lane's weight row + 16 (l / 16): its first piece of unit 0, before alignment
-  kq_u64 x[4];   // its operand pieces of unit 0 (slot l / 16 + 2k's vector)
-  kq_u64 f;      // its float piece of unit 0
-  unsigned wd;   // the pieces' place in a stage: row l % 16, piece l / 16
-  unsigned xd[2];  // operand pieces' place for even and odd k (the slot's XOR pattern repeats every 4 slots)
-  unsigned fd;   // the float piece's place
+  static constexpr int NC = kq_mma_span(T) / 16, NK = (FC_KQ_MMA_ROWS * NC + 31) / 32;
+  // Q4_K / Q5_K rows and units are 16-byte aligned (kquant.weights_aligned refuses other bases; their units are
+  // 144 and 176 bytes): a piece's source is then fixed relative to the unit's start.
+  static constexpr bool ALIGNED = T == FC_KQ_Q4_K || T == FC_KQ_Q5_K;
+  kq_u64 tile;
+  unsigned w[NK];  // ALIGNED: piece i's offset from its unit's start in row 0; else its row's offset
+  unsigned valid;  // ALIGNED: bit k set where piece i holds bytes of the unit
+  kq_u64 x[4];     // the lane's operand pieces of unit 0 (slot l / 16 + 2k's vector)
+  kq_u64 f;        // its float piece of unit 0
+  unsigned xd[2];  // operand pieces' place in a stage for even and odd k (the slots' XOR pattern repeats every 4)
+  unsigned fd;     // the float piece's place
 };
 
-// Unit u of the lane's row into a stage (`stage`: its shared-window address). A row's unit is copied from the
-// 16-byte boundary at or below its first byte (Q6_K / Q8_0 units are 2-byte aligned) through its last byte, so
-// nothing is read past the weight's end.
+// Unit u's weights into a stage (`stage`: its shared-window address). A row's unit is copied from the 16-byte
+// boundary at or below its first byte (Q6_K / Q8_0 units are 2-byte aligned) through its last byte, so nothing is
+// read past the weight's end. Piece i lands at 16 i: row i / NC at its span, piece i % NC in it.
 template <int T>
-__device__ __forceinline__ void kq_mma_copy(const KqCopies& c, int u, unsigned stage) {
-  constexpr int UB = kq_mma_unit_bytes(T), NC = kq_mma_span(T) / 16;
-  const kq_u64 a = c.w + (kq_u64)u * UB;
-  const int lim = (int)(a & 15) + UB - (int)(threadIdx.x & 16);  // bytes of the unit from the lane's first piece
-  const char* src = reinterpret_cast<const char*>(a & ~15ull);
+__device__ __forceinline__ void kq_mma_copy(const KqCopies<T>& c, int u, unsigned stage) {
+  using C = KqCopies<T>;
+  constexpr int UB = kq_mma_unit_bytes(T);
+  const int lane = threadIdx.x & 31;
+  const kq_u64 base = c.tile + (kq_u64)u * UB;
 #pragma unroll
-  for (int k = 0; k < (NC + 1) / 2; ++k)
-    if (32 * k + 16 < UB || 32 * k < lim) kq_cp_async16<false>(stage + c.wd + 32 * k, src + 32 * k);
+  for (int k = 0; k < C::NK; ++k) {
+    const int i = lane + 32 * k;
+    if constexpr (C::ALIGNED) {
+      if ((c.valid >> k) & 1) kq_cp_async16<false>(stage + 16 * i, reinterpret_cast<const void*>(base + c.w[k]));
+    } else {
+      const kq_u64 a = base + c.w[k];
+      const int piece = i % C::NC, mis = (int)(a & 15);
+      if (i < FC_KQ_MMA_ROWS * C::NC && 16 * piece < mis + UB)
+        kq_cp_async16<false>(stage + 16 * i, reinterpret_cast<const void*>((a & ~15ull) + 16 * piece));
+    }
+  }
 }
 
 // Unit u's activations into a stage's activation part (`xst`: its shared-window address; kq_xstage_op /
 // kq_xstage_float).
-template <bool MINS>
-__device__ __forceinline__ void kq_mma_xcopy(const KqCopies& c, int u, unsigned xst) {
+template <bool MINS, int T>
+__device__ __forceinline__ void kq_mma_xcopy(const KqCopies<T>& c, int u, unsigned xst) {
 #pragma unroll
   for (int k = 0; k < 4; ++k)
     kq_cp_async16<true>(xst + c.xd[k & 1] + 512 * k, reinterpret_cast<const void*>(c.x[k] + (kq_u64)u * 256));
@@ -127,11 +142,18 @@ __device__ __forceinline__ void kq_mma_tile(const kq_u8* tile, kq_u64 row_stride
   const kq_u64 rb = (kq_u64)(tile + (kq_u64)min(g + 8, rows - 1) * row_stride);
   const kq_u32 first = t < 2 ? 0xFFFFFFFFu : 0u;  // Q6_K: this thread's values are in the chunk's first half
   // This lane's copies (KqCopies): its slots' vectors come from the lanes holding them.
-  KqCopies c;
+  KqCopies<T> c;
   {
+    using C = KqCopies<T>;
+    c.tile = (kq_u64)tile;
+    c.valid = 0;
+#pragma unroll
+    for (int k = 0; k < C::NK; ++k) {
+      const int i = lane + 32 * k, row = min(i / C::NC, rows - 1), piece = i % C::NC;
+      c.w[k] = (unsigned)(row * row_stride) + (C::ALIGNED ? 16 * piece : 0);
+      if (i < FC_KQ_MMA_ROWS * C::NC && 16 * piece < kq_mma_unit_bytes(T)) c.valid |= 1u << k;
+    }
     const int h = lane >> 4, p = lane & 15, j = lane >> 2, q = lane & 3;
-    c.w = (kq_u64)(tile + (kq_u64)min(p, rows - 1) * row_stride) + 16 * h;
-    c.wd = p * kq_mma_span(T) + 16 * h;
     const kq_u8* xqb = reinterpret_cast<const kq_u8*>(xq);
 #pragma unroll
     for (int k = 0; k < 4; ++k)
