@@ -66,9 +66,7 @@ __device__ __forceinline__ void kq_cp_async16(unsigned smem, const void* gmem) {
 __device__ __forceinline__ void kq_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void kq_cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-__device__ __forceinline__ unsigned kq_smem_addr(const void* p) {
-  return (unsigned)__cvta_generic_to_shared(p);
-}
+__device__ __forceinline__ unsigned kq_smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 
 // A lane's copies, fixed for the whole tile: every unit's copies are these at the unit's offset. Why: with each
 // piece's row, column and 64-bit address worked out again every unit, a unit's copies took ~135 of the unit's
@@ -86,7 +84,7 @@ struct KqCopies {
   static constexpr bool ALIGNED = T == FC_KQ_Q4_K || T == FC_KQ_Q5_K;
   kq_u64 tile;
   unsigned w[NK];  // ALIGNED: piece i's offset from its unit's start in row 0; else its row's offset
-  unsigned valid;  // ALIGNED: bit k set where piece i holds bytes of the unit
+  unsigned valid;  // (ALIGNED only) bit k set where piece i holds bytes of the unit
   kq_u64 x[4];     // the lane's operand pieces of unit 0 (slot l / 16 + 2k's vector)
   kq_u64 f;        // its float piece of unit 0
   unsigned xd[2];  // operand pieces' place in a stage for even and odd k (the slots' XOR pattern repeats every 4)
@@ -123,7 +121,8 @@ __device__ __forceinline__ void kq_mma_xcopy(const KqCopies<T>& c, int u, unsign
 #pragma unroll
   for (int k = 0; k < 4; ++k)
     kq_cp_async16<true>(xst + c.xd[k & 1] + 512 * k, reinterpret_cast<const void*>(c.x[k] + (kq_u64)u * 256));
-  if (MINS || (threadIdx.x & 2) == 0) kq_cp_async16<true>(xst + c.fd, reinterpret_cast<const void*>(c.f + (kq_u64)u * 64));
+  if (MINS || (threadIdx.x & 2) == 0)
+    kq_cp_async16<true>(xst + c.fd, reinterpret_cast<const void*>(c.f + (kq_u64)u * 64));
 }
 
 // One warp's share of a tile: rows g and g + 8 of the tile (rows past `rows` read its last row again), against
@@ -160,8 +159,8 @@ __device__ __forceinline__ void kq_mma_tile(const kq_u8* tile, kq_u64 row_stride
       c.x[k] = (kq_u64)(xqb + (kq_u64)__shfl_sync(0xffffffffu, vop, 4 * (h + 2 * k)) * cols + 16 * p);
     c.xd[0] = WB + kq_xstage_op(h, p);
     c.xd[1] = WB + kq_xstage_op(h + 2, p) - 512;
-    c.f = (kq_u64)(reinterpret_cast<const kq_u8*>(xs) + (kq_u64)__shfl_sync(0xffffffffu, vop, 4 * j) * (cols / 16) * 4 +
-                   16 * q);
+    const kq_u8* xsb = reinterpret_cast<const kq_u8*>(xs);
+    c.f = (kq_u64)(xsb + (kq_u64)__shfl_sync(0xffffffffu, vop, 4 * j) * (cols / 16) * 4 + 16 * q);
     c.fd = WB + kq_xstage_float(j, q);
   }
   const unsigned ring_sh = kq_smem_addr(ring);
