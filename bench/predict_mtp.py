@@ -7,7 +7,11 @@ It is a model, labelled as one; every input is named in its output:
   78-layer GLM-5-shaped GGUF at 1-4 concurrent requests. A verify step of k draft tokens is one forward over
   k + 1 tokens of one request, which does the work of a decode step of k + 1 requests (same matmul shapes,
   same weights read; attention over short contexts is a small share), so the step time at c requests
-  stands for the verify step at k = c - 1. Fitted as base + (c - 1) x per_token.
+  stands for the verify step at k = c - 1. A verify step's increment over a plain step is the sweep's own
+  (step at k + 1 requests - step at 1), interpolated between the sweep's neighbours where it lacks k + 1, and the
+  line base + (c - 1) x per_token fitted over 1-4 requests only where neither serves. Why not the line
+  throughout: with fastcomm's kernels the step jumps from 1 to 2 tokens (the linears' dp4a form at 1 token, the
+  tensor-core form from 2) and then stays flat, which no line over 1-4 fits.
 - the brief's measurement on the user's 8 x RTX PRO 6000: 43 tok/s with CUDA graphs and NCCL at ~40 us per
   all-reduce, i.e. 23.3 ms per step of which ~17 ms is not all-reduce.
 - fastcomm's all-reduce per call at 8 ranks over PCIe Gen5 (one switch): bench/pcie_model.py's prediction from
@@ -37,11 +41,12 @@ from . import pcie_model
 from .pcie_model import ALLREDUCES_PER_STEP, DECODE_BYTES, LAYERS, WORLD
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# A sweep of fastcomm's K-quant kernels (tensor-core forms) whose 3-request step ran the MoE grouped, as the
-# policy does now (the later sweep, 842e68a, ran it per pair: a policy since changed).
-RECORD = RESULTS / "2026-12-02-h200x1-s6-gguf-78L-tp1-mma-decode.json"
-# The MTP run with fastcomm's kernels (91efbed: the kernels of 4b38652, one session after RECORD's).
-MTP_RECORD = RESULTS / "2026-12-02-h200x1-s8-gguf-78L-mtp3-tp1-decode.json"
+# The sweep of fastcomm's current K-quant kernels (96eb59d; 1, 2, 4 and 8 requests, two runs of one session).
+RECORD = RESULTS / "2026-12-02-h200x1-s12-gguf-78L-tp1-sweep.json"
+# No MTP run has used RECORD's kernels, so by default the draft's cost is the estimate. An earlier pair that
+# matches: the sixth session's sweep (b3b4269) with the eighth session's MTP run (91efbed: the kernels of 4b38652).
+EARLIER_RECORD = RESULTS / "2026-12-02-h200x1-s6-gguf-78L-tp1-mma-decode.json"
+EARLIER_MTP_RECORD = RESULTS / "2026-12-02-h200x1-s8-gguf-78L-mtp3-tp1-decode.json"
 # The plugin's kernels: a sweep and an MTP run that pair with each other only.
 PLUGIN_RECORD = RESULTS / "2026-12-01-h200x1-gguf-78L-tp1-decode.json"
 PLUGIN_MTP_RECORD = RESULTS / "2026-12-01-h200x1-gguf-78L-mtp3-tp1-decode.json"
@@ -134,12 +139,33 @@ def draft_share(points: dict[int, float], run: MtpRun) -> float:
     return (run.step_ms - points[run.k + 1]) / run.k / points[1]
 
 
-def predict(fit: Fit, k: int, length: float, *, scaled: bool, share: float = ESTIMATED_DRAFT_SHARE) -> dict:
+def verify_increment_ms(points: dict[int, float], k: int) -> float:
+    """How much longer the H200's verify step of k drafts is than its plain step: the sweep's step at k + 1
+    requests less its step at 1; where the sweep lacks k + 1, interpolated between its nearest counts on either
+    side (up to 4 requests); where nothing brackets it, k times the per-token slope of the line over 1-4."""
+    if k == 0:
+        return 0.0
+    c = k + 1
+    if c in points and 1 in points:
+        return points[c] - points[1]
+    near = sorted(x for x in points if x <= 4)
+    below = [x for x in near if x < c]
+    above = [x for x in near if x > c]
+    if below and above and 1 in points:
+        lo, hi = below[-1], above[0]
+        return points[lo] + (points[hi] - points[lo]) * (c - lo) / (hi - lo) - points[1]
+    return k * fit_step(points).per_token_ms
+
+
+def predict(fit: Fit, k: int, length: float, *, scaled: bool, share: float = ESTIMATED_DRAFT_SHARE,
+            increment_ms: float | None = None) -> dict:
     """Single-request tok/s on 8 x RTX PRO 6000 with fastcomm for k draft tokens (k = 0: no MTP); ``share``:
-    one draft's cost as a share of a plain step."""
+    one draft's cost as a share of a plain step; ``increment_ms``: the H200's verify step less its plain step
+    (verify_increment_ms), else k x the fit's per-token slope."""
     compute_1 = pcie_model.step_ms(0.0)     # ~17 ms of the brief's step is not all-reduce
-    per_token = fit.per_token_ms * ((1 / WORLD) * (H200_TBPS / RTX_PRO_6000_TBPS) if scaled else 1.0)
-    verify = compute_1 + k * per_token + _verify_allreduce_ms(k)
+    increment = k * fit.per_token_ms if increment_ms is None else increment_ms
+    verify = compute_1 + increment * ((1 / WORLD) * (H200_TBPS / RTX_PRO_6000_TBPS) if scaled else 1.0)
+    verify += _verify_allreduce_ms(k)
     draft = compute_1 * share + _draft_allreduce_ms()
     step = verify + k * draft
     tokens = length if k else 1.0
@@ -166,7 +192,9 @@ def table(points: dict[int, float], run: MtpRun | None = None, share: float | No
     share = measured if split else share if given else ESTIMATED_DRAFT_SHARE
     lines = ["# MODEL, not a measurement. H200 step times (ms) by tokens per step: "
              + ", ".join(f"{c}: {points[c]:.1f}" for c in sorted(points))
-             + f"; fit over 1-4: {fit.base_ms:.1f} + (c - 1) x {fit.per_token_ms:.1f}",
+             + f"; fit over 1-4: {fit.base_ms:.1f} + (c - 1) x {fit.per_token_ms:.1f}"
+             + "; verify increments (ms over a plain step, the sweep's where it has the count): "
+             + ", ".join(f"k={k}: {verify_increment_ms(points, k):.1f}" for k in range(1, PUBLISHED_K + 1)),
              "# H200 verify step cost against a plain decode step: "
              + ", ".join(f"k={c - 1}: {points[c] / points[1]:.2f}x" for c in sorted(points) if 2 <= c <= 4),
              f"# fastcomm all-reduce (bench/pcie_model.py, 8 x PCIe Gen5, one switch): {allreduce_us(1):.1f} us at 1 token, "
@@ -191,7 +219,8 @@ def table(points: dict[int, float], run: MtpRun | None = None, share: float | No
         for k in range(PUBLISHED_K + 1):
             for L in ((1.0,) if k == 0 else PUBLISHED_L):
                 length = expected_length(acceptance_rate(L, PUBLISHED_K), k) if k else 1.0
-                r = predict(fit, k, length, scaled=scaled, share=share)
+                r = predict(fit, k, length, scaled=scaled, share=share,
+                            increment_ms=verify_increment_ms(points, k))
                 lines.append(f"| {label} | {k} | {r['acceptance_length']} | {r['verify_ms']} | {r['draft_ms']} | "
                              f"{r['step_ms']} | {r['tok_s']} |")
     if run is not None:
@@ -213,17 +242,17 @@ def points_from(record: dict) -> dict[int, float]:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m fastcomm_bench.predict_mtp", description=__doc__.split("\n\n")[0])
     p.add_argument("record", nargs="?", default=str(RECORD), help="bench-decode record of the GGUF at TP 1")
-    p.add_argument("--mtp-record", default=None,
+    p.add_argument("--mtp-record", default="none",
                    help="bench-decode record of the same GGUF with MTP (one request) and the same kernels as the "
-                        f"record (default {MTP_RECORD.name}; for the plugin's: {PLUGIN_MTP_RECORD.name} with "
-                        f"{PLUGIN_RECORD.name}); 'none': --draft-share or the estimate")
+                        f"record (e.g. {EARLIER_MTP_RECORD.name} with {EARLIER_RECORD.name}; for the plugin's: "
+                        f"{PLUGIN_MTP_RECORD.name} with {PLUGIN_RECORD.name}); 'none' (default: no MTP run has "
+                        "the default record's kernels): --draft-share or the estimate")
     p.add_argument("--draft-share", type=float, default=None,
                    help="one draft's cost as a share of a plain step, instead of the estimate")
     a = p.parse_args(argv)
-    if a.mtp_record not in (None, "none") and a.draft_share is not None:
+    if a.mtp_record != "none" and a.draft_share is not None:
         p.error("--mtp-record and --draft-share both set the draft's cost: give one")
-    mtp = "none" if a.draft_share is not None else (a.mtp_record or str(MTP_RECORD))
-    run = None if mtp == "none" else mtp_run_from(json.loads(Path(mtp).read_text()))
+    run = None if a.mtp_record == "none" else mtp_run_from(json.loads(Path(a.mtp_record).read_text()))
     print("\n".join(table(points_from(json.loads(Path(a.record).read_text())), run, a.draft_share)))
 
 

@@ -41,7 +41,26 @@ def test_prediction_grows_with_drafts_and_the_table_labels_itself_a_model():
 
 def test_committed_record_feeds_the_model():
     points = M.points_from(__import__("json").loads(M.RECORD.read_text()))
-    assert sorted(points) == [1, 2, 3, 4, 8] and all(v > 0 for v in points.values())
+    assert sorted(points) == [1, 2, 4, 8] and all(v > 0 for v in points.values())
+
+
+def test_verify_increments_are_the_sweeps_own_where_it_has_them():
+    points = {1: 17.8, 2: 22.7, 4: 21.4, 8: 22.1}   # a jump from 1 to 2 tokens, then flat: no line fits it
+    assert M.verify_increment_ms(points, 0) == 0.0
+    assert M.verify_increment_ms(points, 1) == pytest.approx(4.9)
+    assert M.verify_increment_ms(points, 3) == pytest.approx(3.6)
+    assert M.verify_increment_ms(points, 2) == pytest.approx((22.7 + 21.4) / 2 - 17.8)   # between 2 and 4
+    # nothing above 3 tokens: the fit's slope
+    assert M.verify_increment_ms({1: 20.0, 2: 23.0}, 3) == pytest.approx(3 * 3.0)
+    # the launch-bound rows carry the increment as measured; the bandwidth-scaled ones shrink it
+    fit = M.fit_step(points)
+    row = M.predict(fit, 1, 1.6, scaled=False, increment_ms=M.verify_increment_ms(points, 1))
+    assert row["verify_ms"] == pytest.approx(M.pcie_model.step_ms(0.0) + 4.9 + M._verify_allreduce_ms(1), abs=0.01)
+    assert row["verify_ms"] > M.predict(fit, 1, 1.6, scaled=False)["verify_ms"]   # the fit's slope: 0.9 ms
+    lines = M.table(points)
+    assert "verify increments (ms over a plain step, the sweep's where it has the count): k=1: 4.9" in lines[0]
+    assert any(line.startswith("| as on the H200 (launch-bound) | 1 |") and f"| {row['verify_ms']} |" in line
+               for line in lines)
 
 
 def test_measured_mtp_step_sets_the_draft_cost():
@@ -86,21 +105,24 @@ def test_a_verify_longer_than_the_whole_mtp_step_is_not_split_and_the_step_is_ta
 def test_the_default_records_are_fastcomms_kernels_and_the_plugins_pair_apart():
     import json
 
-    assert json.loads(M.RECORD.read_text())["meta"]["fastcomm_commit"] == "b3b4269"
-    assert json.loads(M.MTP_RECORD.read_text())["meta"]["fastcomm_commit"] == "91efbed"
+    assert json.loads(M.RECORD.read_text())["meta"]["fastcomm_commit"] == "96eb59d"
+    assert json.loads(M.EARLIER_RECORD.read_text())["meta"]["fastcomm_commit"] == "b3b4269"
+    assert json.loads(M.EARLIER_MTP_RECORD.read_text())["meta"]["fastcomm_commit"] == "91efbed"
     assert sorted(M.points_from(json.loads(M.PLUGIN_RECORD.read_text()))) == [1, 2, 3, 4, 8]
 
 
-@pytest.mark.parametrize("record", ["MTP_RECORD", "PLUGIN_MTP_RECORD"])
+@pytest.mark.parametrize("record", ["EARLIER_MTP_RECORD", "PLUGIN_MTP_RECORD"])
 def test_committed_mtp_records_are_three_draft_steps(record):
     run = M.mtp_run_from(__import__("json").loads(getattr(M, record).read_text()))
     assert run.k == 3 and run.step_ms > 0 and run.tokens_per_step >= 1.0
 
 
-def test_the_command_takes_the_committed_mtp_run_unless_told_none(capsys):
+def test_the_command_takes_an_mtp_run_only_when_given_one(capsys):
+    # the default sweep's kernels have no MTP run: the draft at its estimate
     M.main([])
     default = capsys.readouterr().out
-    M.main(["--mtp-record", "none"])
-    bare = capsys.readouterr().out
-    assert "the H200's whole MTP step" in default and "measured H200 MTP step, k=3" in default
-    assert "whole MTP step" not in bare and "measured H200 MTP step" not in bare
+    M.main([str(M.EARLIER_RECORD), "--mtp-record", str(M.EARLIER_MTP_RECORD)])
+    paired = capsys.readouterr().out
+    assert "whole MTP step" not in default and "measured H200 MTP step" not in default
+    assert "1: 17.8, 2: 22.7, 4: 21.4, 8: 22.1" in default   # the committed sweep's steps, as read
+    assert "the H200's whole MTP step" in paired and "measured H200 MTP step, k=3" in paired
