@@ -87,7 +87,7 @@ struct KqCopies {
   unsigned valid;  // (ALIGNED only) bit k set where piece i holds bytes of the unit
   kq_u64 x[4];     // the lane's operand pieces of unit 0 (slot l / 16 + 2k's vector)
   kq_u64 f;        // its float piece of unit 0
-  unsigned xd[2];  // operand pieces' place in a stage for even and odd k (the slots' XOR pattern repeats every 4)
+  unsigned xd[4];  // the operand pieces' places in a stage
   unsigned fd;     // the float piece's place
 };
 
@@ -120,7 +120,7 @@ template <bool MINS, int T>
 __device__ __forceinline__ void kq_mma_xcopy(const KqCopies<T>& c, int u, unsigned xst) {
 #pragma unroll
   for (int k = 0; k < 4; ++k)
-    kq_cp_async16<true>(xst + c.xd[k & 1] + 512 * k, reinterpret_cast<const void*>(c.x[k] + (kq_u64)u * 256));
+    kq_cp_async16<true>(xst + c.xd[k], reinterpret_cast<const void*>(c.x[k] + (kq_u64)u * 256));
   if (MINS || (threadIdx.x & 2) == 0)
     kq_cp_async16<true>(xst + c.fd, reinterpret_cast<const void*>(c.f + (kq_u64)u * 64));
 }
@@ -155,10 +155,10 @@ __device__ __forceinline__ void kq_mma_tile(const kq_u8* tile, kq_u64 row_stride
     const int h = lane >> 4, p = lane & 15, j = lane >> 2, q = lane & 3;
     const kq_u8* xqb = reinterpret_cast<const kq_u8*>(xq);
 #pragma unroll
-    for (int k = 0; k < 4; ++k)
+    for (int k = 0; k < 4; ++k) {
       c.x[k] = (kq_u64)(xqb + (kq_u64)__shfl_sync(0xffffffffu, vop, 4 * (h + 2 * k)) * cols + 16 * p);
-    c.xd[0] = WB + kq_xstage_op(h, p);
-    c.xd[1] = WB + kq_xstage_op(h + 2, p) - 512;
+      c.xd[k] = WB + kq_xstage_op(h + 2 * k, p);
+    }
     const kq_u8* xsb = reinterpret_cast<const kq_u8*>(xs);
     c.f = (kq_u64)(xsb + (kq_u64)__shfl_sync(0xffffffffu, vop, 4 * j) * (cols / 16) * 4 + 16 * q);
     c.fd = WB + kq_xstage_float(j, q);
