@@ -79,12 +79,12 @@ __device__ __forceinline__ unsigned kq_smem_addr(const void* p) { return (unsign
 template <int T>
 struct KqCopies {
   static constexpr int NC = kq_mma_span(T) / 16, NK = (FC_KQ_MMA_ROWS * NC + 31) / 32;
-  // Q4_K / Q5_K rows and units are 16-byte aligned (kquant.weights_aligned refuses other bases; their units are
-  // 144 and 176 bytes): a piece's source is then fixed relative to the unit's start.
+  // Q4_K / Q5_K rows and units are 16-byte aligned (kquant.weights_aligned and ROW_ALIGN refuse other bases and
+  // strides; their units are 144 and 176 bytes): a piece's source is then fixed relative to the unit's start.
   static constexpr bool ALIGNED = T == FC_KQ_Q4_K || T == FC_KQ_Q5_K;
   kq_u64 tile;
   unsigned w[NK];  // piece i's offset from the unit's start in the tile's first row (not ALIGNED: its row's)
-  unsigned valid;  // (ALIGNED only) bit k set where piece i holds bytes of the unit
+  unsigned valid;  // bit k set where piece i is in the stage (ALIGNED: and holds bytes of the unit)
   kq_u64 x[4];     // the lane's operand pieces of unit 0 (slot l / 16 + 2k's vector)
   kq_u64 f;        // its float piece of unit 0
   unsigned xd[4];  // the operand pieces' places in a stage
@@ -103,12 +103,13 @@ __device__ __forceinline__ void kq_mma_copy(const KqCopies<T>& c, int u, unsigne
 #pragma unroll
   for (int k = 0; k < C::NK; ++k) {
     const int i = lane + 32 * k;
+    if (!((c.valid >> k) & 1)) continue;
     if constexpr (C::ALIGNED) {
-      if ((c.valid >> k) & 1) kq_cp_async16<false>(stage + 16 * i, reinterpret_cast<const void*>(base + c.w[k]));
-    } else {
+      kq_cp_async16<false>(stage + 16 * i, reinterpret_cast<const void*>(base + c.w[k]));
+    } else {  // the unit's first byte moves within its 16 with u: whether the piece holds any of it is per unit
       const kq_u64 a = base + c.w[k];
-      const int piece = i % C::NC, mis = (int)(a & 15);
-      if (i < FC_KQ_MMA_ROWS * C::NC && 16 * piece < mis + UB)
+      const int piece = i % C::NC;
+      if (16 * piece < (int)(a & 15) + UB)
         kq_cp_async16<false>(stage + 16 * i, reinterpret_cast<const void*>((a & ~15ull) + 16 * piece));
     }
   }
@@ -150,7 +151,7 @@ __device__ __forceinline__ void kq_mma_tile(const kq_u8* tile, kq_u64 row_stride
     for (int k = 0; k < C::NK; ++k) {
       const int i = lane + 32 * k, row = min(i / C::NC, rows - 1), piece = i % C::NC;
       c.w[k] = (unsigned)(row * row_stride) + (C::ALIGNED ? 16 * piece : 0);
-      if (i < FC_KQ_MMA_ROWS * C::NC && 16 * piece < kq_mma_unit_bytes(T)) c.valid |= 1u << k;
+      if (i < FC_KQ_MMA_ROWS * C::NC && (!C::ALIGNED || 16 * piece < kq_mma_unit_bytes(T))) c.valid |= 1u << k;
     }
     const int h = lane >> 4, p = lane & 15, j = lane >> 2, q = lane & 3;
     const kq_u8* xqb = reinterpret_cast<const kq_u8*>(xq);
@@ -188,8 +189,11 @@ __device__ __forceinline__ void kq_mma_tile(const kq_u8* tile, kq_u64 row_stride
     wr = wr == S - 1 ? 0 : wr + 1;
     const kq_u8* xst = stage + WB;
     KqUnit ua, ub;
-    kq_unit_load(T, stage + g * kq_mma_span(T) + ((ra + (kq_u64)u * UB) & 15), 0, t, &ua);
-    kq_unit_load(T, stage + (g + 8) * kq_mma_span(T) + ((rb + (kq_u64)u * UB) & 15), 0, t, &ub);
+    // A row's unit starts in its stage row where it starts within its 16 bytes (0 for ALIGNED types).
+    const int sa = KqCopies<T>::ALIGNED ? 0 : (int)((ra + (kq_u64)u * UB) & 15);
+    const int sb = KqCopies<T>::ALIGNED ? 0 : (int)((rb + (kq_u64)u * UB) & 15);
+    kq_unit_load(T, stage + g * kq_mma_span(T) + sa, 0, t, &ua);
+    kq_unit_load(T, stage + (g + 8) * kq_mma_span(T) + sb, 0, t, &ub);
     KqXUnit x;
     float uacc[4] = {0.f, 0.f, 0.f, 0.f}, umin[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll

@@ -289,8 +289,8 @@ def _mma_launch(dev: int, kernel: abi.Kernel, dtype: str | None, tiles_x: int, g
     variant = mma_variant(types, moe)
     symbol = kernel.symbol(dtype, variant)
     warps = warps or mma_warps(cols, busy_tiles, _device(dev)[0], _resident(dev, symbol, ring))
-    _launch(dev, kernel, dtype, (tiles_x, grid_y), 32 * warps, stream, args, variant=variant, smem=mma_smem(warps, ring),
-            prefetches=not moe, pdl=pdl)
+    _launch(dev, kernel, dtype, (tiles_x, grid_y), 32 * warps, stream, args, variant=variant,
+            smem=mma_smem(warps, ring), prefetches=not moe, pdl=pdl)
 
 
 @functools.lru_cache(maxsize=None)
