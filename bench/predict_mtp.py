@@ -157,14 +157,13 @@ def verify_increment_ms(points: dict[int, float], k: int) -> float:
     return k * fit_step(points).per_token_ms
 
 
-def predict(fit: Fit, k: int, length: float, *, scaled: bool, share: float = ESTIMATED_DRAFT_SHARE,
-            increment_ms: float | None = None) -> dict:
-    """Single-request tok/s on 8 x RTX PRO 6000 with fastcomm for k draft tokens (k = 0: no MTP); ``share``:
-    one draft's cost as a share of a plain step; ``increment_ms``: the H200's verify step less its plain step
-    (verify_increment_ms), else k x the fit's per-token slope."""
+def predict(k: int, length: float, increment_ms: float, *, scaled: bool,
+            share: float = ESTIMATED_DRAFT_SHARE) -> dict:
+    """Single-request tok/s on 8 x RTX PRO 6000 with fastcomm for k draft tokens (k = 0: no MTP);
+    ``increment_ms``: the H200's verify step less its plain step (verify_increment_ms); ``share``: one draft's
+    cost as a share of a plain step."""
     compute_1 = pcie_model.step_ms(0.0)     # ~17 ms of the brief's step is not all-reduce
-    increment = k * fit.per_token_ms if increment_ms is None else increment_ms
-    verify = compute_1 + increment * ((1 / WORLD) * (H200_TBPS / RTX_PRO_6000_TBPS) if scaled else 1.0)
+    verify = compute_1 + increment_ms * ((1 / WORLD) * (H200_TBPS / RTX_PRO_6000_TBPS) if scaled else 1.0)
     verify += _verify_allreduce_ms(k)
     draft = compute_1 * share + _draft_allreduce_ms()
     step = verify + k * draft
@@ -186,6 +185,7 @@ def table(points: dict[int, float], run: MtpRun | None = None, share: float | No
     """The model's table; the draft's share of a plain step from ``run`` (measured), else ``share`` (given),
     else the estimate. With ``run``, also its whole step as a multiple of a plain step."""
     fit = fit_step(points)
+    increments = {k: verify_increment_ms(points, k) for k in range(PUBLISHED_K + 1)}
     measured = None if run is None else draft_share(points, run)
     split = measured is not None and measured >= 0
     given = share is not None and run is None
@@ -194,7 +194,7 @@ def table(points: dict[int, float], run: MtpRun | None = None, share: float | No
              + ", ".join(f"{c}: {points[c]:.1f}" for c in sorted(points))
              + f"; fit over 1-4: {fit.base_ms:.1f} + (c - 1) x {fit.per_token_ms:.1f}"
              + "; verify increments (ms over a plain step, the sweep's where it has the count): "
-             + ", ".join(f"k={k}: {verify_increment_ms(points, k):.1f}" for k in range(1, PUBLISHED_K + 1)),
+             + ", ".join(f"k={k}: {increments[k]:.1f}" for k in range(1, PUBLISHED_K + 1)),
              "# H200 verify step cost against a plain decode step: "
              + ", ".join(f"k={c - 1}: {points[c] / points[1]:.2f}x" for c in sorted(points) if 2 <= c <= 4),
              f"# fastcomm all-reduce (bench/pcie_model.py, 8 x PCIe Gen5, one switch): {allreduce_us(1):.1f} us at 1 token, "
@@ -219,8 +219,7 @@ def table(points: dict[int, float], run: MtpRun | None = None, share: float | No
         for k in range(PUBLISHED_K + 1):
             for L in ((1.0,) if k == 0 else PUBLISHED_L):
                 length = expected_length(acceptance_rate(L, PUBLISHED_K), k) if k else 1.0
-                r = predict(fit, k, length, scaled=scaled, share=share,
-                            increment_ms=verify_increment_ms(points, k))
+                r = predict(k, length, increments[k], scaled=scaled, share=share)
                 lines.append(f"| {label} | {k} | {r['acceptance_length']} | {r['verify_ms']} | {r['draft_ms']} | "
                              f"{r['step_ms']} | {r['tok_s']} |")
     if run is not None:

@@ -30,11 +30,11 @@ def test_allreduce_is_the_pcie_models_cheaper_algorithm():
 
 def test_prediction_grows_with_drafts_and_the_table_labels_itself_a_model():
     fit = M.Fit(25.0, 12.0)
-    plain = M.predict(fit, 0, 1.0, scaled=True)
+    plain = M.predict(0, 1.0, 0.0, scaled=True)
     assert plain["draft_ms"] == 0 and plain["tok_s"] == pytest.approx(1e3 / plain["step_ms"], rel=1e-2)
-    k3 = M.predict(fit, 3, 2.5, scaled=True)
+    k3 = M.predict(3, 2.5, 3 * fit.per_token_ms, scaled=True)
     assert k3["verify_ms"] > plain["verify_ms"] and k3["tok_s"] == pytest.approx(2.5e3 / k3["step_ms"], rel=1e-2)
-    assert M.predict(fit, 3, 2.5, scaled=False)["step_ms"] > k3["step_ms"]
+    assert M.predict(3, 2.5, 3 * fit.per_token_ms, scaled=False)["step_ms"] > k3["step_ms"]
     lines = M.table({1: 24.8, 2: 36.2, 3: 55.0, 4: 58.5})
     assert lines[0].startswith("# MODEL, not a measurement") and len(lines) == 5 + 2 * 7
 
@@ -54,9 +54,9 @@ def test_verify_increments_are_the_sweeps_own_where_it_has_them():
     assert M.verify_increment_ms({1: 20.0, 2: 23.0}, 3) == pytest.approx(3 * 3.0)
     # the launch-bound rows carry the increment as measured; the bandwidth-scaled ones shrink it
     fit = M.fit_step(points)
-    row = M.predict(fit, 1, 1.6, scaled=False, increment_ms=M.verify_increment_ms(points, 1))
+    row = M.predict(1, 1.6, M.verify_increment_ms(points, 1), scaled=False)
     assert row["verify_ms"] == pytest.approx(M.pcie_model.step_ms(0.0) + 4.9 + M._verify_allreduce_ms(1), abs=0.01)
-    assert row["verify_ms"] > M.predict(fit, 1, 1.6, scaled=False)["verify_ms"]   # the fit's slope: 0.9 ms
+    assert row["verify_ms"] > M.predict(1, 1.6, fit.per_token_ms, scaled=False)["verify_ms"]  # the fit's slope: 0.9 ms
     lines = M.table(points)
     assert "verify increments (ms over a plain step, the sweep's where it has the count): k=1: 4.9" in lines[0]
     assert any(line.startswith("| as on the H200 (launch-bound) | 1 |") and f"| {row['verify_ms']} |" in line
@@ -68,8 +68,8 @@ def test_measured_mtp_step_sets_the_draft_cost():
     run = M.MtpRun(k=3, step_ms=64.5, tokens_per_step=1.0)
     assert M.draft_share(points, run) == pytest.approx(2.0 / 24.8)   # (64.5 - 58.5) / 3 drafts / 24.8
     fit = M.fit_step(points)
-    cheap = M.predict(fit, 3, 2.5, scaled=True)
-    dear = M.predict(fit, 3, 2.5, scaled=True, share=M.draft_share(points, run))
+    cheap = M.predict(3, 2.5, 3 * fit.per_token_ms, scaled=True)
+    dear = M.predict(3, 2.5, 3 * fit.per_token_ms, scaled=True, share=M.draft_share(points, run))
     assert dear["verify_ms"] == cheap["verify_ms"] and dear["draft_ms"] > cheap["draft_ms"]
     lines = M.table(points, run)
     assert any(line.startswith("# measured H200 MTP step, k=3: 64.5 ms") for line in lines)
