@@ -169,7 +169,8 @@ def mma_variant(types, moe: bool) -> str:
 def mma_ring_bytes(types) -> int:
     """Shared memory one warp of the mma forms holds: KQ_MMA_STAGES stages, each 16 rows of weights (a row the
     16-byte-aligned span of one unit of the widest of ``types``: kq_mma_span) and the unit's activations."""
-    span = max((BLOCKS[t][1] * (abi.KQ_UNIT // BLOCKS[t][0]) + 30) // 16 * 16 for t in types)
+    spans = [(BLOCKS[t][1] * (abi.KQ_UNIT // BLOCKS[t][0]) + 30) // 16 * 16 for t in types]
+    span = max(s + (32 if s % 128 == 64 else 0) for s in spans)
     return abi.KQ_MMA_STAGES * (abi.KQ_MMA_ROWS * span + abi.KQ_MMA_XSTAGE)
 
 
