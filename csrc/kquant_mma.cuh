@@ -48,7 +48,8 @@ __device__ __forceinline__ void kq_mma_k32(const kq_u32 a[4], const kq_u32 b[2],
 // A stage row is the 16-byte-aligned span that holds the row's unit (Q6_K / Q8_0 units are 2-byte aligned):
 // chunks past the unit's last byte are not copied, so nothing is read past the weight's end.
 __device__ constexpr int kq_mma_unit_bytes(int T) { return kq_block_bytes(T) * (FC_KQ_UNIT / kq_block_values(T)); }
-// A span of 64 mod 128 bytes (Q5_K: 192) would put rows g and g + 2 on the same banks: such spans take 32 more.
+// A span of 64 mod 128 bytes (Q5_K: 192) puts rows g and g + 2 of a warp's 8-byte reads on the same banks: such
+// spans take 32 bytes more. Measured (H200, grouped MoE at 8 tokens, Q5_K down): 141.3 -> 139.5 us.
 __device__ constexpr int kq_mma_span_raw(int T) { return (kq_mma_unit_bytes(T) + 15 + 15) / 16 * 16; }
 __device__ constexpr int kq_mma_span(int T) { return kq_mma_span_raw(T) + (kq_mma_span_raw(T) % 128 == 64 ? 32 : 0); }
 

@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fastcomm_vllm.gguf import kquant
+
 from conftest import needs_gguf
 from kquant_data import exact_activations, weights
 
@@ -168,6 +170,39 @@ def test_the_activation_stage_is_one_to_one_and_free_of_bank_conflicts(tmp_path)
     assert len(accesses) == 4 + 8 + 4 + 1
     for line in accesses:
         assert _wavefronts([int(v) for v in line.split()[1:]]) == 4, line
+
+
+def _wavefronts8(places: list[int]) -> int:
+    """As _wavefronts for a warp-wide 8-byte access: 16 lanes at a time, each 16 taking as many wavefronts as the
+    most distinct 8-byte words in one 8-byte bank pair."""
+    total = 0
+    for first in range(0, 32, 16):
+        pairs: dict[int, set[int]] = {}
+        for at in places[first:first + 16]:
+            pairs.setdefault(at // 8 % 16, set()).add(at)
+        total += max(len(a) for a in pairs.values())
+    return total
+
+
+def _k4_reads(span: int, q5: bool) -> list[list[int]]:
+    """kq_unit_load's 8-byte reads of a Q4_K / Q5_K unit from the mma forms' stage (rows ``span`` apart):
+    lane (g, t) reads row g (and g + 8) at qh + 8 t (Q5_K) and qs + 32 p + 8 t."""
+    offsets = ([16] if q5 else []) + [(48 if q5 else 16) + 32 * p for p in range(4)]
+    return [[(lane // 4 + half) * span + off + 8 * (lane % 4) for lane in range(32)]
+            for off in offsets for half in (0, 8)]
+
+
+@pytest.mark.parametrize("t", ["Q4_K", "Q5_K"])
+def test_the_weight_stage_reads_take_the_least_wavefronts(t):
+    """Every 8-byte read of a unit's quants from the stage takes 2 wavefronts (32 lanes x 8 bytes), at the
+    row span the kernels use (kquant.mma_span, kq_mma_span)."""
+    span = kquant.mma_span(getattr(kquant, t))
+    assert all(_wavefronts8(r) == 2 for r in _k4_reads(span, t == "Q5_K"))
+
+
+def test_the_wavefront_count_sees_the_earlier_q5k_span_conflict():
+    """Q5_K's rows at the 192 bytes that hold its unit: rows g and g + 2 share banks, each read takes 4."""
+    assert all(_wavefronts8(r) == 4 for r in _k4_reads(192, True))
 
 
 def test_the_wavefront_count_sees_the_earlier_operand_layout_conflict():

@@ -57,6 +57,9 @@ def test_the_mma_form_reads_whole_units_and_tiles_of_one_type():
     # the ring: KQ_MMA_STAGES units of 16 rows, each row the 16-byte span of the widest type's unit
     assert kquant.mma_ring_bytes([kquant.Q4_K]) == abi.KQ_MMA_STAGES * (16 * 160 + 2560)
     assert kquant.mma_ring_bytes([kquant.Q5_K, kquant.Q8_0]) == abi.KQ_MMA_STAGES * (16 * 288 + 2560)
+    # Q5_K's 176-byte unit fits 192, which is 64 mod 128: its rows take 224 (test_kquant_host's wavefront count)
+    assert [kquant.mma_span(t) for t in (kquant.Q4_K, kquant.Q5_K, kquant.Q6_K, kquant.Q8_0)] == [160, 224, 240, 288]
+    assert kquant.mma_ring_bytes([kquant.Q5_K]) == abi.KQ_MMA_STAGES * (16 * 224 + 2560)
     # a block's dynamic shared memory: the other warps' partial sums, then a ring a warp (a one-warp block: its ring)
     ring = kquant.mma_ring_bytes([kquant.Q4_K])
     assert kquant.mma_smem(1, ring) == ring

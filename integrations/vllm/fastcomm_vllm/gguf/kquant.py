@@ -166,12 +166,18 @@ def mma_variant(types, moe: bool) -> str:
     return abi.KQ_TYPE_VARIANTS[kind] if moe or kind in MMA_TYPED_LINEAR else ""
 
 
+def mma_span(t: int) -> int:
+    """Bytes of a stage row of type ``t`` in the mma forms (kq_mma_span): the 16-byte-aligned span that holds
+    one unit from the 16-byte boundary at or below its first byte, 32 more where that span is 64 mod 128 (Q5_K:
+    192 put rows g and g + 2 of a warp's reads on the same banks)."""
+    raw = (BLOCKS[t][1] * (abi.KQ_UNIT // BLOCKS[t][0]) + 30) // 16 * 16
+    return raw + (32 if raw % 128 == 64 else 0)
+
+
 def mma_ring_bytes(types) -> int:
     """Shared memory one warp of the mma forms holds: KQ_MMA_STAGES stages, each 16 rows of weights (a row the
-    16-byte-aligned span of one unit of the widest of ``types``: kq_mma_span) and the unit's activations."""
-    spans = [(BLOCKS[t][1] * (abi.KQ_UNIT // BLOCKS[t][0]) + 30) // 16 * 16 for t in types]
-    span = max(s + (32 if s % 128 == 64 else 0) for s in spans)
-    return abi.KQ_MMA_STAGES * (abi.KQ_MMA_ROWS * span + abi.KQ_MMA_XSTAGE)
+    mma_span of the widest of ``types``) and the unit's activations."""
+    return abi.KQ_MMA_STAGES * (abi.KQ_MMA_ROWS * max(mma_span(t) for t in types) + abi.KQ_MMA_XSTAGE)
 
 
 def mma_smem(warps: int, ring: int) -> int:
