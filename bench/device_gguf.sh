@@ -37,6 +37,8 @@
 # 3b. fastcomm's K-quant decode kernels (csrc/kquant.cu; one call, ~3 min): tests/gguf/test_kquant_gpu.py, then
 #    python -m fastcomm_bench.gguf_kernels (plugin vs fastcomm per product at GLM-5's shapes, $OUT/gguf-kernels.json):
 #        eval "$(bash .stage/install.sh)" && bash bench/device_gguf.sh kquant .gguf_stage
+#    KQUANT_TOKENS=8,16,64,256 adds a prefill's products: the plugin's against the weights dequantized for the
+#    tensor cores (FASTCOMM_GGUF_DEQUANT_*; --suggest on the JSON says from how many tokens they win).
 #    The figures above take fastcomm's kernels by default; FASTCOMM_GGUF_KERNELS=plugin gives the plugin's.
 # 3c. A/B of kernel variants, committed revisions side by side in one call (no vLLM needed; ~90 s a tree):
 #    here, `bench/device_gguf.sh ab-prepare .gguf_stage REV...` writes each revision's tree (git archive) into the

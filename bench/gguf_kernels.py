@@ -1,6 +1,7 @@
 """GGUF decode products at GLM-5's shapes: vllm-gguf-plugin's CUDA kernels against fastcomm's (csrc/kquant.cu).
 
     python -m fastcomm_bench.gguf_kernels [--tokens 1,2,4,8] [--json OUT]
+    python -m fastcomm_bench.gguf_kernels --tokens 64,256   # a prefill's products (needs the plugin)
     python -m fastcomm_bench.gguf_kernels --suggest OUT    # the token thresholds a saved run suggests
 
 Every product of one GLM-5 decoder layer at full width (the 78-layer benchmark model's shapes and UD-Q4_K_XL
@@ -15,6 +16,9 @@ a one-element torch add, whose own time is taken off, as another library's kerne
 in a decode step), over enough copies of the weight that no call finds it in L2. Also checks that fastcomm's
 result matches the plugin's (relative error), and prints a per-step sum: 75 MoE layers, 3 dense layers and the
 LM head, as in one decode step of the 78-layer model. FASTCOMM_GGUF_PDL=0 times the mma form launched plainly.
+Token counts past fastcomm's 1-8 are a prefill's: the plugin's path against the weights dequantized to bf16 on
+the tensor cores (``dequant``: cuBLAS for the linears, vLLM's fused_experts for the MoE; kquant.prefill_dequant),
+no LM head (a prefill's logits are its last positions').
 Needs a GPU; the plugin's rows need vllm-gguf-plugin with its CUDA extension (without it they read '-').
 """
 from __future__ import annotations
@@ -25,6 +29,8 @@ import math
 import sys
 
 import numpy as np
+
+from fastcomm_vllm.gguf.kquant import MAX_TOKENS as MAX_DECODE  # rows past it are a prefill's
 
 CALLS_PER_GRAPH = 16
 L2_CLEAR_BYTES = 256 << 20
@@ -135,10 +141,20 @@ def pdl_setting() -> bool:
     return read("FASTCOMM_GGUF_PDL")
 
 
+def dequant_settings() -> tuple[int, int]:
+    """FASTCOMM_GGUF_DEQUANT_MIN_TOKENS / _MOE_MIN, which mark the policy's form of a prefill's rows."""
+    from fastcomm.config import read
+
+    return read("FASTCOMM_GGUF_DEQUANT_MIN_TOKENS"), read("FASTCOMM_GGUF_DEQUANT_MOE_MIN")
+
+
 def bench_linear(name, shards, cols, tokens, rng):
+    """Rows of one linear at each of ``tokens``: up to kquant.MAX_TOKENS (a decode step) the plugin's path and
+    fastcomm's forms; past it (a prefill, which only the plugin's kernels served) the plugin's path and the
+    weight dequantized for cuBLAS (kquant_vllm.dequant_linear), where the plugin is installed."""
     import torch
 
-    from fastcomm_vllm.gguf import kquant
+    from fastcomm_vllm.gguf import kquant, kquant_vllm
 
     plin = _plugin("linear")
     pdl = pdl_setting()
@@ -158,6 +174,21 @@ def bench_linear(name, shards, cols, tokens, rng):
             return lambda: torch.cat([plin._fused_mul_mat_gguf(x, w[s:e, :u].contiguous(), t)
                                       for t, (s, e, u) in zip(types, offsets)], dim=1)
 
+        if n > kquant.MAX_TOKENS:
+            if not plin:
+                continue
+            starts, nrows = [s.start for s in segs], [s.rows for s in segs]
+            theirs = [plugin(w) for w in ws]
+            mine = [lambda w=w: kquant_vllm.dequant_linear(x, w, types, starts, nrows) for w in ws]
+            row = {"op": name, "tokens": n, "weight_MB": round(nbytes / 1e6, 2),
+                   "plugin_us": round(_graph_time_us(theirs), 2),
+                   "default": "dequant" if kquant.prefill_dequant(n, dequant_settings()[0]) else "plugin",
+                   "dequant_us": round(_graph_time_us(mine), 2),
+                   "bf16_cublas_us": round(_graph_time_us([lambda d=d: x @ d.T for d in dense]), 2)}
+            a, b = mine[0]().float(), theirs[0]().float()
+            row["rel_diff_vs_plugin"] = round(float((a - b).norm() / b.norm()), 5)
+            rowsout.append(row)
+            continue
         default = kquant.linear_form(n, kquant.mma_ok(segs, cols), kquant.staged_fits(x.device.index, n, cols))
         row = {"op": name, "tokens": n, "weight_MB": round(nbytes / 1e6, 2),
                "plugin_us": round(_graph_time_us([plugin(w) for w in ws]), 2) if plin else None, "default": default,
@@ -202,9 +233,11 @@ def moe_inputs(n: int):
 
 
 def bench_moe(tokens, rng):
+    """Rows of the routed experts at each of ``tokens``, as bench_linear's (past kquant.MAX_TOKENS: the
+    plugin's path and every expert dequantized for vLLM's fused_experts, kquant_vllm.dequant_moe)."""
     import torch
 
-    from fastcomm_vllm.gguf import kquant
+    from fastcomm_vllm.gguf import kquant, kquant_vllm
 
     pmoe = _plugin("fused_moe")
 
@@ -221,6 +254,19 @@ def bench_moe(tokens, rng):
         plugin = [lambda a=a, b=b: pmoe._fused_moe_gguf(x, a, b, wts, ids, q13, q2, "silu") for a, b in zip(w13s, w2s)]
         # the bytes of the distinct experts this routing reads (the grouped form reads each once)
         distinct = len(set(ids.flatten().tolist()))
+        if n > kquant.MAX_TOKENS:
+            if not pmoe:
+                continue
+            mine = [lambda a=a, b=b: kquant_vllm.dequant_moe(x, a, b, wts, ids, q13, q2, "silu")
+                    for a, b in zip(w13s, w2s)]
+            dequant = kquant.moe_prefill_dequant(n, topk, experts, dequant_settings()[1])
+            row = {"op": name, "tokens": n, "weight_MB_read": round(nbytes * distinct / experts / 1e6, 1),
+                   "plugin_us": round(_graph_time_us(plugin), 2), "default": "dequant" if dequant else "plugin",
+                   "dequant_us": round(_graph_time_us(mine), 2)}
+            a, b = mine[0]().float(), plugin[0]().float()
+            row["rel_diff_vs_plugin"] = round(float((a - b).norm() / b.norm()), 5)
+            out.append(row)
+            continue
         row = {"op": name, "tokens": n, "weight_MB_read": round(nbytes * distinct / experts / 1e6, 1),
                "plugin_us": round(_graph_time_us(plugin), 2) if pmoe else None,
                "default": kquant.moe_form(n, topk, hidden, inter),
@@ -266,12 +312,15 @@ def report(rows: list[dict], tokens: list[int]) -> tuple[str, dict]:
     steps = {}
     for n in tokens:
         sel = [r for r in rows if r["tokens"] == n]
+        if not sel:  # a prefill's count without the plugin: no rows
+            continue
         weigh = lambda us: round(sum(us(r) * per_layer[r["op"]] for r in sel) / 1000, 2)  # noqa: E731
         plugin = all(r["plugin_us"] for r in sel)
         steps[n] = {"plugin_us": weigh(lambda r: r["plugin_us"]) if plugin else None,
                     "fastcomm_default_us": weigh(_default_us),
                     "fastcomm_best_us": weigh(_best_us)}
-        lines.append(f"# per decode step at {n} token(s), these products only (ms): plugin {steps[n]['plugin_us']}, "
+        what = f"decode step at {n} token(s)" if n <= MAX_DECODE else f"prefill of {n} tokens (no LM head)"
+        lines.append(f"# per {what}, these products only (ms): plugin {steps[n]['plugin_us']}, "
                      f"fastcomm {steps[n]['fastcomm_default_us']} (the fastest form of each: "
                      f"{steps[n]['fastcomm_best_us']})")
     return "\n".join(lines), steps
@@ -281,17 +330,19 @@ NEVER = 9  # a threshold above every decode batch (FASTCOMM_GGUF_*_MIN_TOKENS=9)
 
 
 def suggest(rows: list[dict]) -> dict[str, int]:
-    """Token thresholds for the tensor-core forms from a run's rows: the fewest measured tokens from which,
-    at every larger measured count too, the per-step sum of the linears in the mma form (of the MoE grouped)
-    beats the dp4a forms' best. As FASTCOMM_GGUF_MMA_MIN_TOKENS / _GROUPED_MIN_TOKENS take them."""
+    """Token thresholds from a run's rows: the fewest measured tokens from which, at every larger measured count
+    too, the per-step sum of the linears in the mma form (of the MoE grouped) beats the dp4a forms' best. As
+    FASTCOMM_GGUF_MMA_MIN_TOKENS / _GROUPED_MIN_TOKENS take them. Where the run has prefill rows, the same for
+    the dequantized forms against the plugin's (FASTCOMM_GGUF_DEQUANT_MIN_TOKENS, and _MOE_MIN as routed tokens
+    an expert; 0: never)."""
     per_layer = _layers()
 
-    def threshold(tensor, dp4a, ops) -> int:
+    def threshold(rows, tensor, dp4a, ops, never) -> int:
         tokens = sorted({r["tokens"] for r in rows if r["op"] in ops})
         wins = {n: sum(tensor(r) * per_layer[r["op"]] for r in rows if r["op"] in ops and r["tokens"] == n)
                 < sum(dp4a(r) * per_layer[r["op"]] for r in rows if r["op"] in ops and r["tokens"] == n)
                 for n in tokens}
-        best = NEVER
+        best = never
         for n in reversed(tokens):
             if not wins[n]:
                 break
@@ -299,14 +350,33 @@ def suggest(rows: list[dict]) -> dict[str, int]:
         return best
 
     linears = {name for name, _, _, _ in LINEARS}
-    return {"mma_min_tokens": threshold(lambda r: r["mma_us"], lambda r: min(r["staged_us"], r["unstaged_us"]),
-                                        linears),
-            "grouped_min_tokens": threshold(lambda r: r["grouped_us"], lambda r: r["pairs_us"], {MOE[0]})}
+    decode = [r for r in rows if r["tokens"] <= MAX_DECODE]
+    out = {"mma_min_tokens": threshold(decode, lambda r: r["mma_us"], lambda r: min(r["staged_us"], r["unstaged_us"]),
+                                       linears, NEVER),
+           "grouped_min_tokens": threshold(decode, lambda r: r["grouped_us"], lambda r: r["pairs_us"], {MOE[0]},
+                                           NEVER)}
+    prefill = [r for r in rows if r["tokens"] > MAX_DECODE]
+    if prefill:
+        def dequant(r):
+            return r["dequant_us"]
+
+        def plugin(r):
+            return r["plugin_us"]
+
+        out["dequant_min_tokens"] = threshold(prefill, dequant, plugin, linears, 0)
+        n = threshold(prefill, dequant, plugin, {MOE[0]}, 0)
+        _, experts, topk, *_ = MOE
+        out["dequant_moe_min"] = -(-n * topk // experts)  # the same tokens as routed pairs an expert
+    return out
 
 
 def _settings(thresholds: dict[str, int]) -> str:
-    return (f"FASTCOMM_GGUF_MMA_MIN_TOKENS={thresholds['mma_min_tokens']} "
+    text = (f"FASTCOMM_GGUF_MMA_MIN_TOKENS={thresholds['mma_min_tokens']} "
             f"FASTCOMM_GGUF_GROUPED_MIN_TOKENS={thresholds['grouped_min_tokens']}")
+    if "dequant_min_tokens" in thresholds:
+        text += (f" FASTCOMM_GGUF_DEQUANT_MIN_TOKENS={thresholds['dequant_min_tokens']}"
+                 f" FASTCOMM_GGUF_DEQUANT_MOE_MIN={thresholds['dequant_moe_min']}")
+    return text
 
 
 def main(argv=None) -> int:
@@ -326,7 +396,9 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     rows = []
     for name, shards, cols, _ in LINEARS:
-        rows += bench_linear(name, shards, cols, tokens, rng)
+        # A prefill's logits are only its requests' last positions': the LM head never sees a prefill's tokens.
+        counts = [n for n in tokens if n <= MAX_DECODE] if name == "lm_head" else tokens
+        rows += bench_linear(name, shards, cols, counts, rng)
         torch.cuda.empty_cache()
     rows += bench_moe(tokens, rng)
     print(f"# {torch.cuda.get_device_name()}: GPU us per call (CUDA graphs of {CALLS_PER_GRAPH} calls, "

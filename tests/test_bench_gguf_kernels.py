@@ -38,6 +38,28 @@ def test_suggest_takes_the_fewest_tokens_from_which_the_tensor_cores_win_at_ever
     assert got == {"mma_min_tokens": gk.NEVER, "grouped_min_tokens": gk.NEVER}
 
 
+def test_a_prefill_s_rows_suggest_the_dequantized_forms_and_sum_without_the_lm_head():
+    """Prefill rows (past kquant.MAX_TOKENS: plugin against dequant only, no LM head) leave the decode thresholds
+    to the decode rows and suggest the dequantized forms' from where they win at every larger count; the MoE's as
+    routed tokens an expert (16 experts, top 8: 64 tokens are 32 an expert)."""
+    rows = _rows({4: 3.0, 8: 2.0}, {4: 90.0, 8: 50.0})
+    for n, linear_us, moe_us in ((16, 12.0, 400.0), (64, 9.0, 300.0), (256, 8.0, 200.0)):
+        rows += [{"op": name, "tokens": n, "weight_MB": 1.0, "plugin_us": 10.0, "default": "plugin",
+                  "dequant_us": linear_us, "bf16_cublas_us": 1.0, "rel_diff_vs_plugin": 0.004}
+                 for name, *_ in gk.LINEARS if name != "lm_head"]
+        rows.append({"op": gk.MOE[0], "tokens": n, "weight_MB_read": 2.0, "plugin_us": 350.0, "default": "plugin",
+                     "dequant_us": moe_us, "rel_diff_vs_plugin": 0.01})
+    got = gk.suggest(rows)
+    assert got == {"mma_min_tokens": 4, "grouped_min_tokens": 8, "dequant_min_tokens": 64, "dequant_moe_min": 32}
+    assert gk._settings(got).endswith("FASTCOMM_GGUF_DEQUANT_MIN_TOKENS=64 FASTCOMM_GGUF_DEQUANT_MOE_MIN=32")
+    text, steps = gk.report([r for r in rows if r["tokens"] == 256], [256])
+    layers = sum(n for name, *_, n in gk.LINEARS if name != "lm_head")
+    assert steps[256]["plugin_us"] == round((10.0 * layers + 350.0 * gk.MOE[-1]) / 1000, 2)
+    assert steps[256]["fastcomm_best_us"] == round((8.0 * layers + 200.0 * gk.MOE[-1]) / 1000, 2)
+    assert "# per prefill of 256 tokens (no LM head)" in text
+    assert gk.MAX_DECODE == 8
+
+
 def test_suggest_prints_settings_from_a_saved_run(tmp_path, capsys):
     import json
 

@@ -379,3 +379,63 @@ def test_a_weight_off_16_byte_alignment_is_refused(form):
     x = torch.zeros(4, cols, device="cuda")
     with pytest.raises(ValueError, match="16-byte aligned"):
         k.linear(x, w, (k.Segment(k.Q4_K, 0, rows),), form=form)
+
+
+def _plugin_ops():
+    """The plugin's ops where it imports (it needs vLLM), else skip: the prefill's dequantized forms run its
+    ggml_dequantize (and vLLM's fused_experts)."""
+    if not installed("vllm_gguf_plugin"):
+        pytest.skip("needs vllm-gguf-plugin")
+    try:
+        from vllm_gguf_plugin import ops
+    except Exception as e:  # the plugin needs vLLM to import
+        pytest.skip(f"vllm-gguf-plugin does not import here: {e}")
+    return ops
+
+
+def test_prefill_dequant_linear_of_two_padded_types():
+    """The prefill's dequantized form (kquant_vllm.dequant_linear) of fused_qkv_a as the plugin stores it (Q5_K
+    rows, then Q8_0 rows padded to the wider row), 64 tokens: equal to float64 up to the bf16 weights' and
+    output's rounding, and to the plugin's own MMQ path."""
+    ops = _plugin_ops()
+    from fastcomm_vllm.gguf import kquant_vllm
+
+    k = kq()
+    rng = np.random.default_rng(8)
+    cols = 2048
+    qa, qa_t = weights("Q5_K", (64, cols), seed=21)
+    kva, kva_t = weights("Q8_0", (24, cols), seed=22)
+    padded = np.zeros((88, max(qa.shape[1], kva.shape[1])), np.uint8)
+    padded[:64, :qa.shape[1]], padded[64:, :kva.shape[1]] = qa, kva
+    x = torch.from_numpy(rng.standard_normal((64, cols)).astype(np.float32)).to(torch.bfloat16).cuda()
+    w = torch.from_numpy(padded).cuda()
+    got = kquant_vllm.dequant_linear(x, w, [k.Q5_K, k.Q8_0], [0, 64], [64, 24]).float().cpu().numpy()
+    want = x.float().cpu().numpy().astype(np.float64) @ np.concatenate([qa_t, kva_t]).T
+    assert got.shape == (64, 88)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+    theirs = torch.cat([ops.ggml_mul_mat_a8(torch.from_numpy(qa).cuda(), x, k.Q5_K, 64),
+                        ops.ggml_mul_mat_a8(torch.from_numpy(kva).cuda(), x, k.Q8_0, 24)], dim=1)
+    theirs = theirs.float().cpu().numpy()
+    assert np.linalg.norm(got - theirs) / np.linalg.norm(theirs) < 2e-2
+
+
+def test_prefill_dequant_moe():
+    """The prefill's dequantized MoE form (kquant_vllm.dequant_moe: every expert dequantized, vLLM's
+    fused_experts), 64 tokens with an expert no token routes to: against float64 pair by pair."""
+    _plugin_ops()
+    from fastcomm_vllm.gguf import kquant_vllm
+
+    k = kq()
+    rng = np.random.default_rng(9)
+    experts, hidden, inter, topk, tokens = 6, 512, 256, 4, 64
+    w13, w13_t = weights("Q4_K", (experts, 2 * inter, hidden), seed=23)
+    w2, w2_t = weights("Q5_K", (experts, hidden, inter), seed=24)
+    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    ids = np.stack([rng.permutation(experts - 1)[:topk] for _ in range(tokens)]).astype(np.int32)
+    wts = rng.random((tokens, topk)).astype(np.float32)
+    xt = torch.from_numpy(x).to(torch.bfloat16).cuda()
+    got = kquant_vllm.dequant_moe(xt, torch.from_numpy(w13).cuda(), torch.from_numpy(w2).cuda(),
+                                  torch.from_numpy(wts).cuda(), torch.from_numpy(ids).cuda(), k.Q4_K, k.Q5_K, "silu")
+    want = _moe_reference(xt.float().cpu().numpy(), ids, wts, w13_t, w2_t, experts)
+    rel = np.linalg.norm(got.float().cpu().numpy() - want) / np.linalg.norm(want)
+    assert rel < 2e-2, rel  # bf16 weights, activations and output against float64

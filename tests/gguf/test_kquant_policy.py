@@ -94,6 +94,18 @@ def test_form_choice():
     assert set(kquant.FORMS_MOE) == {"grouped", "pairs"}
 
 
+def test_a_prefill_dequantizes_only_past_the_decode_kernels_and_from_its_thresholds():
+    # linears: off at 0 (the default), never for the decode kernels' 1-8 tokens, from the threshold on
+    assert not any(kquant.prefill_dequant(n, 0) for n in (9, 64, 4096))
+    assert not any(kquant.prefill_dequant(n, 1) for n in range(1, kquant.MAX_TOKENS + 1))
+    assert [kquant.prefill_dequant(n, 64) for n in (9, 63, 64, 4096)] == [False, False, True, True]
+    # MoE: by routed tokens an expert; 256 tokens of top 8 are 128 an expert of 16, 8 an expert of 256
+    assert kquant.moe_prefill_dequant(256, 8, 16, 32) and not kquant.moe_prefill_dequant(256, 8, 256, 32)
+    assert kquant.moe_prefill_dequant(1024, 8, 256, 32) and not kquant.moe_prefill_dequant(1023, 8, 256, 32)
+    assert not kquant.moe_prefill_dequant(4096, 8, 16, 0)
+    assert not kquant.moe_prefill_dequant(kquant.MAX_TOKENS, 8, 1, 1)
+
+
 def test_a_moe_form_asked_for_says_why_it_cannot_serve():
     ok = dict(tokens=8, topk=8, hidden=6144, inter=2048)
     assert all(kquant.moe_form_error(f, **ok) is None for f in kquant.FORMS_MOE)

@@ -235,25 +235,28 @@ def test_the_dp4a_setting_keeps_the_products_off_the_tensor_cores(monkeypatch):
 
 def test_the_token_thresholds_reach_the_kernels(monkeypatch):
     """FASTCOMM_GGUF_MMA_MIN_TOKENS / _GROUPED_MIN_TOKENS move the tensor-core forms' thresholds and
-    FASTCOMM_GGUF_PDL the dense one's dependent launch; unset, the policy's constants serve; a bad value is named
+    FASTCOMM_GGUF_PDL the dense one's dependent launch, FASTCOMM_GGUF_DEQUANT_* the prefill's dequantized forms;
+    unset, the policy's constants serve (the dequantized forms off); a bad value is named
     when the plugin loads (not at the first product, inside vLLM's model) and the kernels keep their last
     setting."""
     from fastcomm_vllm.gguf import kquant, kquant_vllm, plugin
 
     def forms():
-        return kquant_vllm._FORMS["mma_min"], kquant_vllm._FORMS["grouped_min"], kquant_vllm._FORMS["pdl"]
+        f = kquant_vllm._FORMS
+        return f["mma_min"], f["grouped_min"], f["pdl"], f["dequant_min"], f["dequant_moe_min"]
 
     try:
         monkeypatch.setenv("FASTCOMM_GGUF_MMA_MIN_TOKENS", "5")
         monkeypatch.setenv("FASTCOMM_GGUF_GROUPED_MIN_TOKENS", "9")
         monkeypatch.setenv("FASTCOMM_GGUF_PDL", "0")
+        monkeypatch.setenv("FASTCOMM_GGUF_DEQUANT_MIN_TOKENS", "64")
+        monkeypatch.setenv("FASTCOMM_GGUF_DEQUANT_MOE_MIN", "32")
         plugin._decode_kernels()
-        assert forms() == (5, 9, False)
-        monkeypatch.delenv("FASTCOMM_GGUF_MMA_MIN_TOKENS")
-        monkeypatch.delenv("FASTCOMM_GGUF_GROUPED_MIN_TOKENS")
-        monkeypatch.delenv("FASTCOMM_GGUF_PDL")
+        assert forms() == (5, 9, False, 64, 32)
+        for name in ("MMA_MIN_TOKENS", "GROUPED_MIN_TOKENS", "PDL", "DEQUANT_MIN_TOKENS", "DEQUANT_MOE_MIN"):
+            monkeypatch.delenv(f"FASTCOMM_GGUF_{name}")
         plugin._decode_kernels()
-        defaults = (kquant.MMA_MIN_TOKENS, kquant.MOE_GROUPED_MIN_TOKENS, True)
+        defaults = (kquant.MMA_MIN_TOKENS, kquant.MOE_GROUPED_MIN_TOKENS, True, 0, 0)
         assert forms() == defaults
         monkeypatch.setenv("FASTCOMM_GGUF_MMA_MIN_TOKENS", "2")
         monkeypatch.setenv("FASTCOMM_GGUF_GROUPED_MIN_TOKENS", "0")  # named, and the last setting stays
@@ -265,4 +268,20 @@ def test_the_token_thresholds_reach_the_kernels(monkeypatch):
         assert forms() == defaults
     finally:
         kquant_vllm._FORMS.update(tensor_cores=True, mma_min=kquant.MMA_MIN_TOKENS,
-                                  grouped_min=kquant.MOE_GROUPED_MIN_TOKENS, pdl=True)
+                                  grouped_min=kquant.MOE_GROUPED_MIN_TOKENS, pdl=True, dequant_min=0, dequant_moe_min=0)
+
+
+def test_the_prefill_dequantized_forms_find_what_they_call():
+    """kquant_vllm.dequant_linear / dequant_moe call the plugin's ggml_dequantize and vLLM's fused_experts by
+    keyword and position: a newer vLLM or plugin that moves or reorders them fails here, not in a prefill."""
+    import inspect
+
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
+    from vllm_gguf_plugin import ops
+
+    params = inspect.signature(fused_experts).parameters
+    assert list(params)[:5] == ["hidden_states", "w1", "w2", "topk_weights", "topk_ids"]
+    assert "activation" in params
+    assert list(inspect.signature(ops.ggml_dequantize).parameters) == ["W", "quant_type", "m", "n", "dtype"]
+    assert MoEActivation.from_str("silu") is not None

@@ -213,6 +213,24 @@ def decode_tokens_ok(tokens: int) -> bool:
     return 1 <= tokens <= MAX_TOKENS
 
 
+# A prefill (past MAX_TOKENS) goes to the plugin's kernels, whose K-quant GEMMs (MMQ, ggml_moe_a8) multiply on
+# dp4a. Why dequantizing can win: 8 prompts of 32 tokens took 1.24 s to their first tokens against FP8's 0.45 s
+# on the same shapes (H200, thirteenth session), and a bf16 GEMM on the tensor cores plus one pass writing the
+# weight out costs less than a compute-bound dp4a GEMM once the tokens are many. Off until a run sets them.
+def prefill_dequant(tokens: int, min_tokens: int) -> bool:
+    """Does a linear product of ``tokens`` dequantize its weight to bf16 for a cuBLAS GEMM (instead of the
+    plugin's MMQ)? From ``min_tokens`` (FASTCOMM_GGUF_DEQUANT_MIN_TOKENS; 0: never), past the decode kernels'."""
+    return min_tokens > 0 and tokens > MAX_TOKENS and tokens >= min_tokens
+
+
+def moe_prefill_dequant(tokens: int, topk: int, experts: int, min_per_expert: int) -> bool:
+    """Does an MoE layer's product of ``tokens`` dequantize all ``experts`` to bf16 for vLLM's fused_experts?
+    When its routed pairs are at least ``min_per_expert`` an expert on average (FASTCOMM_GGUF_DEQUANT_MOE_MIN; 0:
+    never): writing every expert out costs the same for 1 token as for 1000, so it pays only where each expert's
+    weights serve many tokens (GLM-5's 256 experts need 8x the tokens of the 16-expert benchmark model)."""
+    return min_per_expert > 0 and tokens > MAX_TOKENS and tokens * topk >= min_per_expert * experts
+
+
 def gemv_variant(tokens: int) -> int:
     return next(v for v in GEMV_VARIANTS if v >= tokens)
 

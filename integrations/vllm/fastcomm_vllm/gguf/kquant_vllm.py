@@ -5,7 +5,9 @@
 ``kquant.moe_types_ok``, decided once per layer) calls a torch custom op that takes fastcomm's kernels for
 1-8 tokens and the plugin's own function otherwise, so a CUDA graph of a decode batch records fastcomm's
 kernels and a prefill runs exactly as the plugin would. Layers the kernels cannot read keep the plugin's
-``apply``. Idempotent. ``install(tensor_cores=False)`` (FASTCOMM_GGUF_KERNELS=dp4a) keeps the products on
+``apply``. A prefill may instead dequantize the weights to bf16 for the tensor cores (``dequant_linear`` /
+``dequant_moe``; kquant.prefill_dequant, off unless FASTCOMM_GGUF_DEQUANT_* set it). Idempotent.
+``install(tensor_cores=False)`` (FASTCOMM_GGUF_KERNELS=dp4a) keeps the products on
 the dp4a forms; ``mma_min`` / ``grouped_min`` move the tensor-core forms' token thresholds
 (FASTCOMM_GGUF_MMA_MIN_TOKENS / FASTCOMM_GGUF_GROUPED_MIN_TOKENS); ``pdl`` allows the dense tensor-core form's
 dependent launch (FASTCOMM_GGUF_PDL).
@@ -19,7 +21,35 @@ from . import kquant
 _PLAN = "_fastcomm_kq_plan"  # per layer: the segments (linear), True (MoE), or None (the plugin's path)
 # Set once by install(), from the FASTCOMM_GGUF_* settings, before any layer runs.
 _FORMS = {"tensor_cores": True, "mma_min": kquant.MMA_MIN_TOKENS, "grouped_min": kquant.MOE_GROUPED_MIN_TOKENS,
-          "pdl": True}
+          "pdl": True, "dequant_min": 0, "dequant_moe_min": 0}
+
+
+def dequant_linear(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts: list[int],
+                   rows: list[int]) -> torch.Tensor:
+    """x times the weight dequantized to x's dtype (the plugin's ggml_dequantize), each segment by cuBLAS."""
+    from vllm_gguf_plugin import ops as pops
+
+    cols, outs = x.shape[1], []
+    for t, s, r in zip(types, starts, rows):
+        used = kquant.BLOCKS[t][1] * (cols // kquant.BLOCKS[t][0])
+        outs.append(x @ pops.ggml_dequantize(qweight[s:s + r, :used].contiguous(), t, r, cols, x.dtype).T)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def dequant_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, t13: int, t2: int, activation: str) -> torch.Tensor:
+    """The routed experts dequantized to x's dtype, every one (no host sync: a CUDA graph may hold it), through
+    vLLM's fused_experts (Triton, the tensor cores), which weighs each pair by its router weight."""
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
+    from vllm_gguf_plugin import ops as pops
+
+    experts, hidden, inter2 = w13.shape[0], x.shape[1], w13.shape[1]
+    inter = inter2 // 2
+    a = pops.ggml_dequantize(w13.reshape(experts * inter2, -1), t13, experts * inter2, hidden, x.dtype)
+    b = pops.ggml_dequantize(w2.reshape(experts * hidden, -1), t2, experts * hidden, inter, x.dtype)
+    return fused_experts(x, a.view(experts, inter2, hidden), b.view(experts, hidden, inter), topk_weights, topk_ids,
+                         activation=MoEActivation.from_str(activation))
 
 
 def _linear_fn(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts: list[int],
@@ -30,6 +60,8 @@ def _linear_fn(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts:
         segs = tuple(kquant.Segment(t, s, r) for t, s, r in zip(types, starts, rows))
         return kquant.linear(x, qweight, segs, tensor_cores=_FORMS["tensor_cores"], mma_min=_FORMS["mma_min"],
                              pdl=_FORMS["pdl"])
+    if kquant.prefill_dequant(x.shape[0], _FORMS["dequant_min"]):
+        return dequant_linear(x, qweight, types, starts, rows)
     # Bytes of a row a segment uses (its shard's type over x's columns; the stored rows are padded to the widest).
     used = [kquant.BLOCKS[t][1] * (x.shape[1] // kquant.BLOCKS[t][0]) for t in types]
     if len(types) == 1 and used[0] == qweight.shape[1] and rows[0] == qweight.shape[0]:
@@ -65,6 +97,8 @@ def _moe_fn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: 
         return kquant.moe(x, w13, w2, topk_weights, topk_ids, t13, t2, _activation(activation),
                           silu=activation == "silu", tensor_cores=_FORMS["tensor_cores"],
                           grouped_min=_FORMS["grouped_min"])
+    if kquant.moe_prefill_dequant(x.shape[0], topk_ids.shape[1], w13.shape[0], _FORMS["dequant_moe_min"]):
+        return dequant_moe(x, w13, w2, topk_weights, topk_ids, t13, t2, activation)
     return pmoe._fused_moe_gguf(x, w13, w2, topk_weights, topk_ids, t13, t2, activation)
 
 
@@ -129,7 +163,7 @@ def _after_loading(original, plan):
 
 
 def install(tensor_cores: bool = True, mma_min: int | None = None, grouped_min: int | None = None,
-            pdl: bool = True) -> bool:
+            pdl: bool = True, dequant_min: int = 0, dequant_moe_min: int = 0) -> bool:
     """Wrap the plugin's methods (once); False when the plugin is not importable here."""
     try:
         from vllm_gguf_plugin.quantization import fused_moe as pmoe, linear as plin
@@ -139,6 +173,7 @@ def install(tensor_cores: bool = True, mma_min: int | None = None, grouped_min: 
     _FORMS["mma_min"] = mma_min or kquant.MMA_MIN_TOKENS
     _FORMS["grouped_min"] = grouped_min or kquant.MOE_GROUPED_MIN_TOKENS
     _FORMS["pdl"] = pdl
+    _FORMS["dequant_min"], _FORMS["dequant_moe_min"] = dequant_min, dequant_moe_min
     if getattr(plin.GGUFLinearMethod.apply, "_fastcomm", False):
         return True
     register_ops()

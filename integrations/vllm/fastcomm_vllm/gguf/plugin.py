@@ -61,6 +61,8 @@ def _decode_kernels() -> None:
         setting = read("FASTCOMM_GGUF_KERNELS")
         mma_min, grouped_min = read("FASTCOMM_GGUF_MMA_MIN_TOKENS"), read("FASTCOMM_GGUF_GROUPED_MIN_TOKENS")
         pdl = read("FASTCOMM_GGUF_PDL")
+        dequant = {"dequant_min": read("FASTCOMM_GGUF_DEQUANT_MIN_TOKENS"),
+                   "dequant_moe_min": read("FASTCOMM_GGUF_DEQUANT_MOE_MIN")}
     except ConfigError as e:  # a plugin hook must not stop vLLM: say it, keep the plugin's kernels
         logger.warning("fastcomm: %s; GGUF products stay with vllm-gguf-plugin's kernels", e)
         return
@@ -68,10 +70,15 @@ def _decode_kernels() -> None:
         return
     from . import kquant_vllm
 
-    if kquant_vllm.install(tensor_cores=setting != "dp4a", mma_min=mma_min, grouped_min=grouped_min, pdl=pdl):
+    if kquant_vllm.install(tensor_cores=setting != "dp4a", mma_min=mma_min, grouped_min=grouped_min, pdl=pdl,
+                           **dequant):
         logger.info("fastcomm: GGUF products of 1-%d tokens through fastcomm's K-quant kernels%s "
                     "(FASTCOMM_GGUF_KERNELS=plugin: the plugin's)", kquant_vllm.kquant.MAX_TOKENS,
                     " (dp4a forms only)" if setting == "dp4a" else "")
+        if dequant["dequant_min"] or dequant["dequant_moe_min"]:
+            logger.info("fastcomm: GGUF prefills dequantized for the tensor cores: linears from %s tokens, MoE "
+                        "from %s routed tokens an expert (0: never)", dequant["dequant_min"],
+                        dequant["dequant_moe_min"])
 
 
 def _teach_replicated_linear() -> None:
