@@ -47,6 +47,8 @@ def combine_rounds(runs: list[dict]) -> dict:
             row["sweep"].append({"concurrency": c, **{k: round(statistics.median(sw[c][k] for sw in sweeps), 3)
                                                       for k in ("out_tok_s", "tpot_ms", "decode_tok_s")},
                                  **_pooled_runs(sw[c] for sw in sweeps), **_pooled_spec(sw[c] for sw in sweeps)})
+            if all("first_ms" in sw[c] for sw in sweeps):
+                row["sweep"][-1]["first_ms"] = round(statistics.median(sw[c]["first_ms"] for sw in sweeps), 2)
     return row
 
 

@@ -79,6 +79,11 @@ def print_report(results: dict, meta: dict) -> None:
         step = (f"{spec['tokens_per_step']:>8.2f} " if spec else f"{'-':>8} ") if spec_rows else ""
         print(f"{name:<14} {r['startup_s']:>8.0f} {r['single']['tok_s']:>10.1f} {step}{r['single']['tpot_ms']:>8.2f} {cols}")
         points = [("bs1", r["single"])] + [(f"c={c}", by_c[c]) for c in conc if c in by_c]
+        # Each concurrency's TPOT and its prompts' first token (prefill): out tok/s counts both.
+        swept = [(c, by_c[c]) for c in conc if c in by_c and "first_ms" in by_c[c]]
+        if swept:
+            print(f"{'':<14} TPOT / first token of all the prompts, ms: "
+                  + ", ".join(f"c={c} {p['tpot_ms']:.2f} / {p['first_ms']:.0f}" for c, p in swept))
         accepted = [(label, p["spec_decode"]) for label, p in points if p.get("spec_decode")]
         if accepted:
             print(f"{'':<14} accepted draft tokens per step: "

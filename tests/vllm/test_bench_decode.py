@@ -352,6 +352,26 @@ def test_spread_of_timed_runs_is_reported(capsys):
     assert "spread of the timed runs, (max - min) / median: bs1 1.0 %, c=64 9.5 %" in capsys.readouterr().out
 
 
+def test_report_gives_each_concurrency_its_tpot_and_first_token(capsys):
+    """The sweep's TPOT beside its prompts' first token (the 1-token run: prefill and one step), which the out
+    tok/s columns count together; rounds take the median of each; a sweep without first_ms prints no line."""
+    r = result("nccl", list(range(128)))
+    for s, first in zip(r["sweep"], (311.0, 500.0, 900.0, 1241.0)):
+        s["first_ms"] = first
+    decode_report.print_report({"nccl": r}, {"model": "m", "tp": 2, "max_tokens": 128})
+    assert ("TPOT / first token of all the prompts, ms: c=1 25.00 / 311, c=4 25.00 / 500, c=16 25.00 / 900, "
+            "c=64 25.00 / 1241") in capsys.readouterr().out
+    other = result("nccl", list(range(128)))
+    for s in other["sweep"]:
+        s["first_ms"] = 100.0
+    third = result("nccl", list(range(128)))
+    for s in third["sweep"]:
+        s["first_ms"] = 200.0
+    assert decode_merge.combine_rounds([r, other, third])["sweep"][-1]["first_ms"] == 200.0
+    decode_report.print_report({"nccl": result("nccl", list(range(128)))}, {"model": "m", "tp": 2})
+    assert "first token" not in capsys.readouterr().out
+
+
 def test_rounds_pool_their_timed_runs():
     rounds = []
     for runs in ([3.0, 3.1], [3.2, 3.3]):
