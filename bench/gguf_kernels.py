@@ -9,7 +9,8 @@ types, bench/glm5_gguf.py), the LM head, and the routed experts (16 experts, top
 plugin's path (as its ``apply`` runs it: per-shard copies for a mixed-type fused weight, GEMV up to its
 ``mmvq_safe`` batch, else its MMQ GEMM; MoE through ``ggml_moe_a8_vec``), fastcomm's in every form (linears:
 ``mma`` on the tensor cores, ``staged`` and ``unstaged`` dp4a; MoE: ``grouped`` by expert on the tensor cores,
-``pairs`` dp4a per (token, expert) pair; kquant.FORMS_*), the form its policy takes marked (kquant.linear_form /
+``pairs`` dp4a per (token, expert) pair, ``shared``: grouped with a block's warps sharing each unit's
+activations; kquant.FORMS_*), the form its policy takes marked (kquant.linear_form /
 moe_form, whose thresholds come from this table), and a bf16 cuBLAS matmul of the same shape for scale. Each
 timing is a CUDA graph of 16 calls replayed (launch overhead out, as in vLLM's decode graphs; each call after
 a one-element torch add, whose own time is taken off, as another library's kernel stands between two products

@@ -9,6 +9,7 @@
 //   fc_kq_moe_down_<dt>           per token: the router-weighted sum over its experts (dp4a)
 //   fc_kq_moe_mma_up_<dt>         grouped by expert on the tensor cores: each expert's rows once for its pairs
 //   fc_kq_moe_mma_down            the same for the down rows, one fp32 row per pair
+//   fc_kq_moe_mma_{up,down}_shared<type>  the same with a block's warps sharing each unit's activations
 //   fc_kq_moe_sum_<dt>            per token: the router-weighted sum of its pairs' fp32 rows
 // <dt> is the activations' and the output's dtype. Host side: fastcomm_vllm/gguf/kquant.py; the C ABI's one
 // mirror: fastcomm/abi.py.
@@ -351,9 +352,27 @@ __device__ void kq_gemv_s(const KqSegs& segs, const typename D::raw* x, int n, i
     kq_moe_sum<D>(y, topk_ids, topk_weights, topk, experts, tokens, rows, out);                              \
   }
 
+// The grouped MoE's shared form (kq_mma_moe's SHARED), built for each weight type only.
+#define FC_KQ_DEFINE_SHARED_UP(NAME, D, V, TT)                                                               \
+  extern "C" __global__ void __launch_bounds__(32 * FC_KQ_MMA_WARPS)                                         \
+      fc_kq_moe_mma_up_shared##V##_##NAME(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, \
+                                          int rows, int cols, const int* topk_ids, int topk, int pairs,      \
+                                          const kq_u32* xq, const float* xs, D::raw* out) {                  \
+    kq_mma_moe<D, true, TT, true>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, pairs, xq, \
+                                  xs, out);                                                                  \
+  }
+#define FC_KQ_DEFINE_SHARED(NAME, D)                                                                         \
+  FC_KQ_DEFINE_SHARED_UP(NAME, D, _q4k, FC_KQ_Q4_K)                                                          \
+  FC_KQ_DEFINE_SHARED_UP(NAME, D, _q5k, FC_KQ_Q5_K)                                                          \
+  FC_KQ_DEFINE_SHARED_UP(NAME, D, _q6k, FC_KQ_Q6_K)                                                          \
+  FC_KQ_DEFINE_SHARED_UP(NAME, D, _q80, FC_KQ_Q8_0)
+
 FC_KQ_DEFINE(bf16, FcBF16)
 FC_KQ_DEFINE(f16, FcF16)
 FC_KQ_DEFINE(f32, FcF32)
+FC_KQ_DEFINE_SHARED(bf16, FcBF16)
+FC_KQ_DEFINE_SHARED(f16, FcF16)
+FC_KQ_DEFINE_SHARED(f32, FcF32)
 
 // The down rows' output is fp32 whatever the dtype (kq_moe_sum rounds once), so one entry serves all three.
 #define FC_KQ_DEFINE_DOWN(V, TT)                                                                             \
@@ -369,3 +388,15 @@ FC_KQ_DEFINE_DOWN(_q4k, FC_KQ_Q4_K)
 FC_KQ_DEFINE_DOWN(_q5k, FC_KQ_Q5_K)
 FC_KQ_DEFINE_DOWN(_q6k, FC_KQ_Q6_K)
 FC_KQ_DEFINE_DOWN(_q80, FC_KQ_Q8_0)
+#define FC_KQ_DEFINE_SHARED_DOWN(V, TT)                                                                      \
+  extern "C" __global__ void __launch_bounds__(32 * FC_KQ_MMA_WARPS)                                         \
+      fc_kq_moe_mma_down_shared##V(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type,         \
+                                   int rows, int cols, const int* topk_ids, int topk, int pairs,             \
+                                   const kq_u32* xq, const float* xs, float* out) {                          \
+    kq_mma_moe<FcF32, false, TT, true>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, pairs,\
+                                       xq, xs, out);                                                         \
+  }
+FC_KQ_DEFINE_SHARED_DOWN(_q4k, FC_KQ_Q4_K)
+FC_KQ_DEFINE_SHARED_DOWN(_q5k, FC_KQ_Q5_K)
+FC_KQ_DEFINE_SHARED_DOWN(_q6k, FC_KQ_Q6_K)
+FC_KQ_DEFINE_SHARED_DOWN(_q80, FC_KQ_Q8_0)

@@ -94,6 +94,21 @@ struct KqCopies {
   unsigned fd;     // the float piece's place
 };
 
+// The weight part of a lane's KqCopies for a tile of `rows` rows (rows past them read its last row again).
+template <int T>
+__device__ __forceinline__ void kq_copies_weights(KqCopies<T>* c, const kq_u8* tile, kq_u64 row_stride, int rows) {
+  using C = KqCopies<T>;
+  const int lane = threadIdx.x & 31;
+  c->tile = (kq_u64)tile;
+  c->valid = 0;
+#pragma unroll
+  for (int k = 0; k < C::NK; ++k) {
+    const int i = lane + 32 * k, row = min(i / C::NC, rows - 1), piece = i % C::NC;
+    c->w[k] = (unsigned)(row * row_stride) + (C::ALIGNED ? 16 * piece : 0);
+    if (i < FC_KQ_MMA_ROWS * C::NC && (!C::ALIGNED || 16 * piece < kq_mma_unit_bytes(T))) c->valid |= 1u << k;
+  }
+}
+
 // Unit u's weights into a stage (`stage`: its shared-window address). A row's unit is copied from the 16-byte
 // boundary at or below its first byte (Q6_K / Q8_0 units are 2-byte aligned) through its last byte, so nothing is
 // read past the weight's end. Piece i lands at 16 i: row i / NC at its span, piece i % NC in it.
@@ -129,6 +144,41 @@ __device__ __forceinline__ void kq_mma_xcopy(const KqCopies<T>& c, int u, unsign
     kq_cp_async16<true>(xst + c.fd, reinterpret_cast<const void*>(c.f + (kq_u64)u * 64));
 }
 
+// One unit's products from a stage: the warp's rows g and g + 8 (their weights at `wst`, row g's unit from byte
+// sa of its span, g + 8's from sb) against the 8 slots' activations at `xst`, added into acc.
+template <int T>
+__device__ __forceinline__ void kq_mma_unit(const kq_u8* wst, const kq_u8* xst, int sa, int sb, float acc[4]) {
+  constexpr bool mins = T == FC_KQ_Q4_K || T == FC_KQ_Q5_K;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const kq_u32 first = t < 2 ? 0xFFFFFFFFu : 0u;  // Q6_K: this thread's values are in the chunk's first half
+  KqUnit ua, ub;
+  kq_unit_load(T, wst + g * kq_mma_span(T) + sa, 0, t, &ua);
+  kq_unit_load(T, wst + (g + 8) * kq_mma_span(T) + sb, 0, t, &ub);
+  KqXUnit x;
+  float uacc[4] = {0.f, 0.f, 0.f, 0.f}, umin[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int m = 0; m < 8; ++m) {
+    if ((m & 3) == 0) kq_xstage_scales<mins>(xst, t, m >> 2, &x);
+    if ((m & 1) == 0) kq_xstage_ops(xst, g, t, m >> 1, &x);
+    KqFrag fa, fb;
+    kq_unit_chunk(T, ua, m, &fa);
+    kq_unit_chunk(T, ub, m, &fb);
+    const kq_u32 a[4] = {fa.q[0], fb.q[0], fa.q[1], fb.q[1]};
+    int r[4], r2[4] = {0, 0, 0, 0};
+    if (T == FC_KQ_Q6_K) {
+      const kq_u32 lo[2] = {x.b[2 * m] & first, x.b[2 * m + 1] & first};
+      const kq_u32 hi[2] = {x.b[2 * m] & ~first, x.b[2 * m + 1] & ~first};
+      kq_mma_k32(a, lo, r);
+      kq_mma_k32(a, hi, r2);
+    } else {
+      const kq_u32 b[2] = {x.b[2 * m], x.b[2 * m + 1]};
+      kq_mma_k32(a, b, r);
+    }
+    kq_mma_chunk(T, fa, fb, r, r2, x, m, uacc, umin);
+  }
+  kq_mma_unit_end(T, ua, ub, uacc, umin, acc);
+}
+
 // One warp's share of a tile: rows g and g + 8 of the tile (rows past `rows` read its last row again), against
 // the vectors of the pass's 8 slots, slot j's vector being lane 4j's `vop`. acc: row g with slots 2t and 2t + 1,
 // then row g + 8 with the same. A stage holds a unit's weights and, after them, its activations; both are
@@ -139,23 +189,14 @@ __device__ __forceinline__ void kq_mma_tile(const kq_u8* tile, kq_u64 row_stride
   constexpr bool mins = T == FC_KQ_Q4_K || T == FC_KQ_Q5_K;
   constexpr int UB = kq_mma_unit_bytes(T), WB = FC_KQ_MMA_ROWS * kq_mma_span(T), S = FC_KQ_MMA_STAGES;
   constexpr int STAGE = WB + FC_KQ_MMA_XSTAGE;
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, w = threadIdx.x >> 5, W = blockDim.x >> 5;
+  const int lane = threadIdx.x & 31, g = lane >> 2, w = threadIdx.x >> 5, W = blockDim.x >> 5;
   kq_u8* ring = kq_mma_rings() + w * S * STAGE;
   const kq_u64 ra = (kq_u64)(tile + (kq_u64)min(g, rows - 1) * row_stride);
   const kq_u64 rb = (kq_u64)(tile + (kq_u64)min(g + 8, rows - 1) * row_stride);
-  const kq_u32 first = t < 2 ? 0xFFFFFFFFu : 0u;  // Q6_K: this thread's values are in the chunk's first half
   // This lane's copies (KqCopies): its slots' vectors come from the lanes holding them.
   KqCopies<T> c;
+  kq_copies_weights<T>(&c, tile, row_stride, rows);
   {
-    using C = KqCopies<T>;
-    c.tile = (kq_u64)tile;
-    c.valid = 0;
-#pragma unroll
-    for (int k = 0; k < C::NK; ++k) {
-      const int i = lane + 32 * k, row = min(i / C::NC, rows - 1), piece = i % C::NC;
-      c.w[k] = (unsigned)(row * row_stride) + (C::ALIGNED ? 16 * piece : 0);
-      if (i < FC_KQ_MMA_ROWS * C::NC && (!C::ALIGNED || 16 * piece < kq_mma_unit_bytes(T))) c.valid |= 1u << k;
-    }
     const int h = lane >> 4, p = lane & 15, j = lane >> 2, q = lane & 3;
     const kq_u8* xqb = reinterpret_cast<const kq_u8*>(xq);
 #pragma unroll
@@ -190,39 +231,101 @@ __device__ __forceinline__ void kq_mma_tile(const kq_u8* tile, kq_u64 row_stride
     const kq_u8* stage = ring + rd * STAGE;
     rd = rd == S - 1 ? 0 : rd + 1;
     wr = wr == S - 1 ? 0 : wr + 1;
-    const kq_u8* xst = stage + WB;
-    KqUnit ua, ub;
     // A row's unit starts in its stage row where it starts within its 16 bytes (0 for ALIGNED types).
     const int sa = KqCopies<T>::ALIGNED ? 0 : (int)((ra + (kq_u64)u * UB) & 15);
     const int sb = KqCopies<T>::ALIGNED ? 0 : (int)((rb + (kq_u64)u * UB) & 15);
-    kq_unit_load(T, stage + g * kq_mma_span(T) + sa, 0, t, &ua);
-    kq_unit_load(T, stage + (g + 8) * kq_mma_span(T) + sb, 0, t, &ub);
-    KqXUnit x;
-    float uacc[4] = {0.f, 0.f, 0.f, 0.f}, umin[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int m = 0; m < 8; ++m) {
-      if ((m & 3) == 0) kq_xstage_scales<mins>(xst, t, m >> 2, &x);
-      if ((m & 1) == 0) kq_xstage_ops(xst, g, t, m >> 1, &x);
-      KqFrag fa, fb;
-      kq_unit_chunk(T, ua, m, &fa);
-      kq_unit_chunk(T, ub, m, &fb);
-      const kq_u32 a[4] = {fa.q[0], fb.q[0], fa.q[1], fb.q[1]};
-      int r[4], r2[4] = {0, 0, 0, 0};
-      if (T == FC_KQ_Q6_K) {
-        const kq_u32 lo[2] = {x.b[2 * m] & first, x.b[2 * m + 1] & first};
-        const kq_u32 hi[2] = {x.b[2 * m] & ~first, x.b[2 * m + 1] & ~first};
-        kq_mma_k32(a, lo, r);
-        kq_mma_k32(a, hi, r2);
-      } else {
-        const kq_u32 b[2] = {x.b[2 * m], x.b[2 * m + 1]};
-        kq_mma_k32(a, b, r);
-      }
-      kq_mma_chunk(T, fa, fb, r, r2, x, m, uacc, umin);
-    }
-    kq_mma_unit_end(T, ua, ub, uacc, umin, acc);
+    kq_mma_unit<T>(stage, stage + WB, sa, sb, acc);
     __syncwarp();  // every lane has read this stage before a later copy refills it
   }
   kq_cp_wait<0>();  // no copy outlives the warp's loop (the last units' groups are empty or already waited)
+}
+
+// The grouped MoE's "shared" form: the block's W warps each take their own tile and walk the same units in step,
+// a unit's activations copied once into one ring for the block. Why: in kq_mma_tile each warp copies a unit's
+// activations itself, as many bytes as its weights (2560 against 2304 for Q4_K), through L1 and L2 (ncu, H200,
+// thirteenth session: L2 75 % busy at DRAM 59 %). One barrier a unit replaces the warp's syncs.
+//   thread i of the block copies operand pieces i + 32 W k (piece i % 16 of slot i / 16), and warp 0's lane l the
+//   float piece l % 4 of slot l / 4 (Q6_K / Q8_0: pieces 0-1 only), each at `xd` / `fd` of a stage.
+struct KqXShare {
+  kq_u64 x[4];
+  unsigned xd[4];
+  int nx;         // operand pieces this thread copies: 4 / W
+  kq_u64 f;
+  unsigned fd;
+  bool has_f;
+};
+
+// `vec(j)`: slot j's vector (its row of xq and xs).
+template <bool MINS, typename V>
+__device__ __forceinline__ KqXShare kq_xshare(V vec, const kq_u32* xq, const float* xs, int cols) {
+  KqXShare c;
+  const int tid = threadIdx.x, step = blockDim.x;
+  const kq_u8* xqb = reinterpret_cast<const kq_u8*>(xq);
+  c.nx = 0;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int i = tid + step * k, j = i >> 4, p = i & 15;
+    if (i < 128) {
+      c.x[k] = (kq_u64)(xqb + (kq_u64)vec(j) * cols + 16 * p);
+      c.xd[k] = kq_xstage_op(j, p);
+      c.nx = k + 1;
+    }
+  }
+  const int j = (tid & 31) >> 2, q = tid & 3;
+  c.f = (kq_u64)(reinterpret_cast<const kq_u8*>(xs) + (kq_u64)vec(j) * (cols / 16) * 4 + 16 * q);
+  c.fd = kq_xstage_float(j, q);
+  c.has_f = tid < 32 && (MINS || q < 2);
+  return c;
+}
+
+__device__ __forceinline__ void kq_mma_xcopy_shared(const KqXShare& c, int u, unsigned xst) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    if (k < c.nx) kq_cp_async16<true>(xst + c.xd[k], reinterpret_cast<const void*>(c.x[k] + (kq_u64)u * 256));
+  if (c.has_f) kq_cp_async16<true>(xst + c.fd, reinterpret_cast<const void*>(c.f + (kq_u64)u * 64));
+}
+
+// Dynamic shared memory of the shared form: the warps' weight rings (S stages of 16 rows each), then the
+// block's activation ring (S stages of FC_KQ_MMA_XSTAGE): kquant.moe_shared_smem.
+template <int T>
+__device__ __forceinline__ void kq_mma_tile_shared(const kq_u8* tile, kq_u64 row_stride, int rows, int units,
+                                                   const KqXShare& xc, float acc[4]) {
+  constexpr int UB = kq_mma_unit_bytes(T), WB = FC_KQ_MMA_ROWS * kq_mma_span(T), S = FC_KQ_MMA_STAGES;
+  constexpr int XB = FC_KQ_MMA_XSTAGE;
+  const int g = (threadIdx.x & 31) >> 2, w = threadIdx.x >> 5, W = blockDim.x >> 5;
+  kq_u8* wring = kq_mma_smem + w * S * WB;
+  kq_u8* xring = kq_mma_smem + W * S * WB;
+  const kq_u64 ra = (kq_u64)(tile + (kq_u64)min(g, rows - 1) * row_stride);
+  const kq_u64 rb = (kq_u64)(tile + (kq_u64)min(g + 8, rows - 1) * row_stride);
+  KqCopies<T> c;
+  kq_copies_weights<T>(&c, tile, row_stride, rows);
+  const unsigned wsh = kq_smem_addr(wring), xsh = kq_smem_addr(xring);
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s)
+    if (s < units) kq_mma_copy<T>(c, s, wsh + s * WB);
+  kq_grid_wait();
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) {
+    if (s < units) kq_mma_xcopy_shared(xc, s, xsh + s * XB);
+    kq_cp_commit();
+  }
+  int rd = 0, wr = S - 1;  // the stages of unit u and of unit u + S - 1
+  for (int u = 0; u < units; ++u) {  // block-uniform: every warp walks every unit
+    kq_cp_wait<S - 2>();  // this thread's copies of unit u have landed
+    // Everyone's have, and everyone has read unit u - 1's stage, which the copies below refill.
+    __syncthreads();
+    if (u + S - 1 < units) {
+      kq_mma_copy<T>(c, u + S - 1, wsh + wr * WB);
+      kq_mma_xcopy_shared(xc, u + S - 1, xsh + wr * XB);
+    }
+    kq_cp_commit();
+    const int sa = KqCopies<T>::ALIGNED ? 0 : (int)((ra + (kq_u64)u * UB) & 15);
+    const int sb = KqCopies<T>::ALIGNED ? 0 : (int)((rb + (kq_u64)u * UB) & 15);
+    kq_mma_unit<T>(wring + rd * WB, xring + rd * XB, sa, sb, acc);
+    rd = rd == S - 1 ? 0 : rd + 1;
+    wr = wr == S - 1 ? 0 : wr + 1;
+  }
+  kq_cp_wait<0>();
 }
 
 // TT: the weight type a kernel is built for, or FC_KQ_ANY (a switch on `type`: its registers are the widest
@@ -312,18 +415,23 @@ __device__ __forceinline__ int kq_route(const int* topk_ids, int pairs, int e, i
 // [pairs][rows] in the dtype; else vector = the pair itself (xq: one row per pair), out [pairs][rows] in fp32
 // (kq_moe_sum weights and adds them). A pair whose expert is no block's (outside [0, gridDim.y)) is written by
 // none and read by none.
-template <typename D, bool UP, int TT>
+// SHARED: the shared form (kq_mma_tile_shared): block (x, expert) holds tiles W x .. W x + W - 1, a warp each.
+template <typename D, bool UP, int TT, bool SHARED = false>
 __device__ void kq_mma_moe(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows, int cols,
                            const int* topk_ids, int topk, int pairs, const kq_u32* xq, const float* xs,
                            void* out) {
+  static_assert(!SHARED || TT != FC_KQ_ANY, "the shared form is built for one weight type");
   __shared__ int s_pair[FC_KQ_MAX_PAIRS];
   __shared__ unsigned s_mask[FC_KQ_MAX_PAIRS / 32];
   // The routes are a kernel's output, and no weight is fetched before them: a real model's 256 experts leave
   // most blocks without a token at decode, whose weights would be read for nothing.
   kq_grid_enter();
   const int count = kq_route(topk_ids, pairs, blockIdx.y, s_pair, s_mask);
-  const int r0 = blockIdx.x * FC_KQ_MMA_ROWS, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const kq_u8* tile = w + (kq_u64)blockIdx.y * expert_stride + (kq_u64)r0 * row_stride;
+  const int tile_i = SHARED ? blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5) : blockIdx.x;
+  const int r0 = tile_i * FC_KQ_MMA_ROWS, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  // A shared block's warp past the rows reads the last row (its sums are written nowhere).
+  const int rtile = SHARED ? min(r0, rows - 1) : r0;
+  const kq_u8* tile = w + (kq_u64)blockIdx.y * expert_stride + (kq_u64)rtile * row_stride;
   for (int base = 0; base < count; base += FC_KQ_MMA_COLS) {  // block-uniform; one pass unless > 8 pairs
     const int n = min(count - base, FC_KQ_MMA_COLS);
     auto vec = [&](int j) {
@@ -331,8 +439,17 @@ __device__ void kq_mma_moe(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stri
       return UP ? p / topk : p;
     };
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    kq_mma_tile_any<TT>(type, tile, row_stride, min(FC_KQ_MMA_ROWS, rows - r0), cols, vec(g), xq, xs, acc);
-    if (kq_mma_reduce(acc)) {
+    bool writes;
+    if constexpr (SHARED) {
+      constexpr bool mins = TT == FC_KQ_Q4_K || TT == FC_KQ_Q5_K;
+      kq_mma_tile_shared<TT>(tile, row_stride, min(FC_KQ_MMA_ROWS, rows - rtile), cols / FC_KQ_UNIT,
+                             kq_xshare<mins>(vec, xq, xs, cols), acc);
+      writes = true;
+    } else {
+      kq_mma_tile_any<TT>(type, tile, row_stride, min(FC_KQ_MMA_ROWS, rows - r0), cols, vec(g), xq, xs, acc);
+      writes = kq_mma_reduce(acc);
+    }
+    if (writes) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int r = r0 + g + 8 * (j >> 1), v = 2 * t + (j & 1);
@@ -346,7 +463,8 @@ __device__ void kq_mma_moe(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stri
         }
       }
     }
-    if (base + FC_KQ_MMA_COLS < count) __syncthreads();  // warp 0 has read `part` before the next pass writes it
+    // warp 0 has read `part` (shared: every warp has read the activation ring) before the next pass writes it
+    if (base + FC_KQ_MMA_COLS < count) __syncthreads();
   }
 }
 

@@ -238,7 +238,11 @@ _GROUPED = _EXPERTS + (("topk", "i32"), ("pairs", "i32"), ("xq", "ptr"), ("xs", 
 KQ_MOE_MMA_UP = Kernel("kq_moe_mma_up", _GROUPED, variants=_KQ_MMA_VARIANTS)
 # fp32 rows whatever the dtype
 KQ_MOE_MMA_DOWN = Kernel("kq_moe_mma_down", _GROUPED, variants=_KQ_MMA_VARIANTS, typed=False)
+# The grouped MoE's shared form (a block's warps share each unit's activations), built for each weight type only
+KQ_MOE_MMA_UP_SHARED = Kernel("kq_moe_mma_up_shared", _GROUPED, variants=tuple(KQ_TYPE_VARIANTS.values()))
+KQ_MOE_MMA_DOWN_SHARED = Kernel("kq_moe_mma_down_shared", _GROUPED, variants=tuple(KQ_TYPE_VARIANTS.values()),
+                                typed=False)
 KQ_MOE_SUM = Kernel("kq_moe_sum", (("y", "ptr"), ("topk_ids", "ptr"), ("topk_weights", "ptr"), ("topk", "i32"),
                                    ("experts", "i32"), ("tokens", "i32"), ("rows", "i32"), ("out", "ptr")))
 KQ_KERNELS = (KQ_QUANTIZE, KQ_QUANTIZE_SILU, KQ_GEMV, KQ_GEMVS, KQ_MMA, KQ_MOE_UP, KQ_MOE_DOWN, KQ_MOE_MMA_UP,
-              KQ_MOE_MMA_DOWN, KQ_MOE_SUM)
+              KQ_MOE_MMA_DOWN, KQ_MOE_MMA_UP_SHARED, KQ_MOE_MMA_DOWN_SHARED, KQ_MOE_SUM)

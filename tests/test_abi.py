@@ -145,21 +145,32 @@ def test_kquant_structs_match_field_for_field(struct, mirror):
     assert ctypes.sizeof(abi.KqSeg) == 32 and ctypes.sizeof(abi.KqSegs) == abi.KQ_MAX_SEGS * 32 + 8
 
 
+# variant suffix -> the type constant its entry is built for
+_TYPE_NAMES = {abi.KQ_Q4_K: "FC_KQ_Q4_K", abi.KQ_Q5_K: "FC_KQ_Q5_K", abi.KQ_Q6_K: "FC_KQ_Q6_K",
+               abi.KQ_Q8_0: "FC_KQ_Q8_0"}
+_TYPE_BUILDS = {v: _TYPE_NAMES[t] for t, v in abi.KQ_TYPE_VARIANTS.items()}
+
+
 @pytest.mark.parametrize("kernel", abi.KQ_KERNELS, ids=lambda k: k.family)
 def test_kquant_kernel_table_matches_kquant_cu(kernel):
     by_type = kernel.variants == ("",) + tuple(abi.KQ_TYPE_VARIANTS.values())  # FC_KQ_DEFINE_MMA / _DOWN
-    variant = r"##V##" if by_type else r"##N##" if kernel.variants != ("",) else ""
+    type_only = kernel.variants == tuple(abi.KQ_TYPE_VARIANTS.values())  # FC_KQ_DEFINE_SHARED_UP / _DOWN
+    variant = r"##V##" if by_type or type_only else r"##N##" if kernel.variants != ("",) else ""
     if kernel.typed:
         name = rf"fc_{kernel.family}{variant}_##NAME"
     else:
-        name = rf"fc_{kernel.family}##V" if by_type else rf"fc_{kernel.family}"
+        name = rf"fc_{kernel.family}##V" if by_type or type_only else rf"fc_{kernel.family}"
     assert _signature(name, KQUANT) == [t for _, t in kernel.params]
     assert set(abi.DTYPE_SUFFIX.values()) == set(re.findall(r"FC_KQ_DEFINE\((\w+), Fc", KQUANT))
     if by_type:  # one entry per weight type, built for it, beside the one for any type
-        macro = r"(?<!#define )FC_KQ_DEFINE_MMA\(NAME, D, (\w*), (\w+)\)" if kernel.typed else r"(?<!#define )FC_KQ_DEFINE_DOWN\((\w*), (\w+)\)"
+        macro = (r"(?<!#define )FC_KQ_DEFINE_MMA\(NAME, D, (\w*), (\w+)\)" if kernel.typed
+                 else r"(?<!#define )FC_KQ_DEFINE_DOWN\((\w*), (\w+)\)")
         built = dict(re.findall(macro, KQUANT))
-        names = {abi.KQ_Q4_K: "FC_KQ_Q4_K", abi.KQ_Q5_K: "FC_KQ_Q5_K", abi.KQ_Q6_K: "FC_KQ_Q6_K", abi.KQ_Q8_0: "FC_KQ_Q8_0"}
-        assert built == {"": "FC_KQ_ANY", **{v: names[t] for t, v in abi.KQ_TYPE_VARIANTS.items()}}
+        assert built == {"": "FC_KQ_ANY", **_TYPE_BUILDS}
+    elif type_only:  # one entry per weight type, and none for any type
+        macro = (r"(?<!#define )FC_KQ_DEFINE_SHARED_UP\(NAME, D, (\w*), (\w+)\)" if kernel.typed
+                 else r"(?<!#define )FC_KQ_DEFINE_SHARED_DOWN\((\w*), (\w+)\)")
+        assert dict(re.findall(macro, KQUANT)) == _TYPE_BUILDS
     elif variant:
         macro = "FC_KQ_DEFINE_GEMV" if kernel.family == "kq_gemv" else "FC_KQ_DEFINE_GEMVS"
         assert tuple(re.findall(rf"{macro}\(NAME, D, (\d+)\)", KQUANT)) == kernel.variants

@@ -6,7 +6,8 @@ output dtype's rounding. Random activations are held to the int8 activation erro
 CUDA kernels where the plugin is installed. Also: multi-shard weights stored padded (read in place), the MoE
 (grouped by expert on the tensor cores, and per (token, expert) pair) with repeated and out-of-range expert
 ids, NaN, and CUDA graphs replayed with inputs (and routing) changed between replays; each linear test for
-every form (mma, staged, unstaged: kquant.FORMS_LINEAR), each MoE test for both (kquant.FORMS_MOE).
+every form (mma, staged, unstaged: kquant.FORMS_LINEAR), each MoE test for each (grouped, pairs, shared:
+kquant.FORMS_MOE).
 Needs a GPU, torch, CuPy and gguf (not vLLM).
 """
 import numpy as np
@@ -57,7 +58,7 @@ def _captured(fn):
 
 
 LINEAR_FORMS = ("mma", "staged", "unstaged")
-MOE_FORMS = ("grouped", "pairs")
+MOE_FORMS = ("grouped", "pairs", "shared")
 
 
 @pytest.mark.parametrize("form", LINEAR_FORMS)

@@ -60,6 +60,9 @@ def test_the_mma_form_reads_whole_units_and_tiles_of_one_type():
     # Q5_K's 176-byte unit fits 192, which is 64 mod 128: its rows take 224 (test_kquant_host's wavefront count)
     assert [kquant.mma_span(t) for t in (kquant.Q4_K, kquant.Q5_K, kquant.Q6_K, kquant.Q8_0)] == [160, 224, 240, 288]
     assert kquant.mma_ring_bytes([kquant.Q5_K]) == abi.KQ_MMA_STAGES * (16 * 224 + 2560)
+    # the shared form's block: 4 warps' weight rings, then one activation ring (Q4_K: 3 x (4 x 2560 + 2560))
+    assert kquant.moe_shared_smem([kquant.Q4_K]) == abi.KQ_MMA_STAGES * (kquant.MOE_SHARED_WARPS * 16 * 160 + 2560)
+    assert kquant.moe_shared_smem([kquant.Q5_K]) == 3 * (4 * 16 * 224 + 2560) < 227 * 1024 // 4
     # a block's dynamic shared memory: the other warps' partial sums, then a ring a warp (a one-warp block: its ring)
     ring = kquant.mma_ring_bytes([kquant.Q4_K])
     assert kquant.mma_smem(1, ring) == ring
@@ -91,7 +94,9 @@ def test_form_choice():
     assert kquant.moe_form(8, abi.KQ_MAX_PAIRS // 8 + 1, 6144, 2048) == "pairs"  # more pairs than its route table
     assert kquant.moe_form(8, 8, 6144, 2048, tensor_cores=False) == "pairs"  # FASTCOMM_GGUF_KERNELS=dp4a
     assert set(kquant.FORMS_LINEAR) == {"mma", "staged", "unstaged"}
-    assert set(kquant.FORMS_MOE) == {"grouped", "pairs"}
+    assert set(kquant.FORMS_MOE) == {"grouped", "pairs", "shared"}
+    # the shared form is timed beside the others, never the policy's choice until a run says so
+    assert {kquant.moe_form(n, 8, 6144, 2048) for n in range(1, 9)} <= {"grouped", "pairs"}
 
 
 def test_a_prefill_dequantizes_only_past_the_decode_kernels_and_from_its_thresholds():

@@ -37,7 +37,10 @@ QUANTIZE_THREADS = 256
 STAGED_BLOCKS_PER_SM = 2
 STAGE_BYTES_PER_CHUNK = 40  # two 16-byte halves and a (scale, sum) float2, per 32 values of a row
 FORMS_LINEAR = ("mma", "staged", "unstaged")
-FORMS_MOE = ("grouped", "pairs")
+FORMS_MOE = ("grouped", "pairs", "shared")
+# The shared form (grouped, a block's warps sharing each unit's activations: kq_mma_tile_shared) takes this many
+# warps a block, a tile each. Not the policy's form until a run shows it faster (bench/gguf_kernels.py times it).
+MOE_SHARED_WARPS = 4
 # Which form serves, from bench/gguf_kernels.py on an H200 (bench/RESULTS.md): the tensor-core linears win the
 # per-step sum from 2 tokens since the dense mma form launches as a dependent of its quantize launch (tenth
 # session, run d845068, its --suggest: at 2 tokens o_proj 27.2 against 34.5 us staged, dense down 34.7 / 40.5,
@@ -180,6 +183,13 @@ def mma_ring_bytes(types) -> int:
     return abi.KQ_MMA_STAGES * (abi.KQ_MMA_ROWS * max(mma_span(t) for t in types) + abi.KQ_MMA_XSTAGE)
 
 
+def moe_shared_smem(types) -> int:
+    """Dynamic shared memory of a shared-form block: MOE_SHARED_WARPS weight rings (KQ_MMA_STAGES stages of 16
+    rows of mma_span), then one ring of the stages' activations for all of them."""
+    span = max(mma_span(t) for t in types)
+    return abi.KQ_MMA_STAGES * (MOE_SHARED_WARPS * abi.KQ_MMA_ROWS * span + abi.KQ_MMA_XSTAGE)
+
+
 def mma_smem(warps: int, ring: int) -> int:
     """Dynamic shared memory of an mma block of ``warps`` warps, each with a ring of ``ring`` bytes: warps 1 ..
     warps - 1's partial sums for warp 0 to add (kq_mma_part), then the rings (kq_mma_rings)."""
@@ -318,6 +328,14 @@ def _mma_launch(dev: int, kernel: abi.Kernel, dtype: str | None, tiles_x: int, g
             smem=mma_smem(warps, ring), prefetches=not moe, pdl=pdl)
 
 
+def _shared_launch(dev: int, kernel: abi.Kernel, dtype: str | None, rows: int, experts: int, t: int, stream: int,
+                   args: tuple) -> None:
+    """A shared-form launch: MOE_SHARED_WARPS tiles a block, the entry built for weight type ``t``."""
+    w = MOE_SHARED_WARPS
+    _launch(dev, kernel, dtype, ((tiles(rows) + w - 1) // w, experts), 32 * w, stream, args,
+            variant=abi.KQ_TYPE_VARIANTS[t], smem=moe_shared_smem([t]))
+
+
 @functools.lru_cache(maxsize=None)
 def _device(device: int) -> tuple[int, int, int]:
     """(SMs, opt-in shared memory per block, compute capability major) of a device."""
@@ -446,10 +464,14 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu:
     if error:
         raise ValueError(error)
     busy = min(experts, pairs)  # experts a grouped launch's blocks can find work for
-    grouped = form == "grouped"
+    grouped, shared = form in ("grouped", "shared"), form == "shared"
     xq, xds = quantize(x, mma=grouped)
     up = torch.empty(pairs, rows13, dtype=x.dtype, device=x.device)
-    if grouped:
+    if shared:
+        _shared_launch(dev, abi.KQ_MOE_MMA_UP_SHARED, dt, rows13, experts, t13, stream,
+                       (w13.data_ptr(), e13, r13, t13, rows13, hidden, ids.data_ptr(), topk, pairs, xq.data_ptr(),
+                        xds.data_ptr(), up.data_ptr()))
+    elif grouped:
         _mma_launch(dev, abi.KQ_MOE_MMA_UP, dt, tiles(rows13), experts, tiles(rows13) * busy, hidden, [t13], stream,
                     (w13.data_ptr(), e13, r13, t13, rows13, hidden, ids.data_ptr(), topk, pairs, xq.data_ptr(),
                      xds.data_ptr(), up.data_ptr()), moe=True)
@@ -461,9 +483,13 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu:
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     if grouped:
         y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-        _mma_launch(dev, abi.KQ_MOE_MMA_DOWN, None, tiles(hidden), experts, tiles(hidden) * busy, inter, [t2],
-                    stream, (w2.data_ptr(), e2, r2, t2, hidden, inter, ids.data_ptr(), topk, pairs, aq.data_ptr(),
-                             ads.data_ptr(), y.data_ptr()), moe=True)
+        down = (w2.data_ptr(), e2, r2, t2, hidden, inter, ids.data_ptr(), topk, pairs, aq.data_ptr(), ads.data_ptr(),
+                y.data_ptr())
+        if shared:
+            _shared_launch(dev, abi.KQ_MOE_MMA_DOWN_SHARED, None, hidden, experts, t2, stream, down)
+        else:
+            _mma_launch(dev, abi.KQ_MOE_MMA_DOWN, None, tiles(hidden), experts, tiles(hidden) * busy, inter, [t2],
+                        stream, down, moe=True)
         _launch(dev, abi.KQ_MOE_SUM, dt, ((tokens * hidden + 255) // 256, 1), 256, stream,
                 (y.data_ptr(), ids.data_ptr(), weights.data_ptr(), topk, experts, tokens, hidden, out.data_ptr()))
         return out
