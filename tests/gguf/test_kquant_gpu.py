@@ -238,8 +238,8 @@ def test_moe_bf16_and_the_activation_hook(form):
 @pytest.mark.parametrize("form", MOE_FORMS)
 def test_moe_repeated_and_foreign_expert_ids(form):
     """A token routed twice to one expert (16 pairs on expert 0 at 8 tokens: two passes of the grouped tile)
-    counts twice; for the grouped form, an id outside [0, experts) (expert parallelism's "not here") adds
-    nothing. The pairs form has no such guard and is not given one: vLLM's router gives these kernels neither
+    counts twice; for the grouped forms (grouped, shared), an id outside [0, experts) (expert parallelism's "not
+    here") adds nothing. The pairs form has no such guard and is not given one: vLLM's router gives these kernels neither
     at tensor parallelism (the GGUF MoE does not run expert parallel)."""
     k = kq()
     rng = np.random.default_rng(24)
@@ -249,7 +249,7 @@ def test_moe_repeated_and_foreign_expert_ids(form):
     x = rng.standard_normal((tokens, hidden)).astype(np.float32)
     ids = np.zeros((tokens, topk), np.int32)
     ids[:, 2] = rng.integers(1, experts, size=tokens)
-    if form == "grouped":
+    if form != "pairs":
         ids[3, 2] = -1
         ids[5, 2] = experts
     wts = rng.random((tokens, topk)).astype(np.float32)
