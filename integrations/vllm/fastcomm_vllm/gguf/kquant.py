@@ -237,7 +237,7 @@ def moe_prefill_dequant(tokens: int, topk: int, experts: int, min_per_expert: in
     """Does an MoE layer's product of ``tokens`` dequantize all ``experts`` to bf16 for vLLM's fused_experts?
     When its routed pairs are at least ``min_per_expert`` an expert on average (FASTCOMM_GGUF_DEQUANT_MOE_MIN; 0:
     never): writing every expert out costs the same for 1 token as for 1000, so it pays only where each expert's
-    weights serve many tokens (GLM-5's 256 experts need 8x the tokens of the 16-expert benchmark model)."""
+    weights serve many tokens (GLM-5's 256 experts need 16x the tokens of the 16-expert benchmark model)."""
     return min_per_expert > 0 and tokens > MAX_TOKENS and tokens * topk >= min_per_expert * experts
 
 
