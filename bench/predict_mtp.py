@@ -197,8 +197,8 @@ def table(points: dict[int, float], run: MtpRun | None = None, share: float | No
              + ", ".join(f"k={k}: {increments[k]:.1f}" for k in range(1, PUBLISHED_K + 1)),
              "# H200 verify step cost against a plain decode step: "
              + ", ".join(f"k={c - 1}: {points[c] / points[1]:.2f}x" for c in sorted(points) if 2 <= c <= 4),
-             f"# fastcomm all-reduce (bench/pcie_model.py, 8 x PCIe Gen5, one switch): {allreduce_us(1):.1f} us at 1 token, "
-             f"{allreduce_us(4):.1f} us at 4",
+             f"# fastcomm all-reduce (bench/pcie_model.py, 8 x PCIe Gen5, one switch): {allreduce_us(1):.1f} us at 1 "
+             f"token, {allreduce_us(4):.1f} us at 4",
              "| per-token increment on 8 GPUs | k | L | verify ms | drafts ms | step ms | tok/s |",
              "|---|---|---|---|---|---|---|"]
     if run is not None:
@@ -213,7 +213,8 @@ def table(points: dict[int, float], run: MtpRun | None = None, share: float | No
                      f"and the step whole in the last rows")
         lines.insert(2, head)
     if given:
-        lines.insert(2, f"# draft cost given: {share:.3f} of a plain step per draft (estimate: {ESTIMATED_DRAFT_SHARE:.3f})")
+        lines.insert(2, f"# draft cost given: {share:.3f} of a plain step per draft "
+                        f"(estimate: {ESTIMATED_DRAFT_SHARE:.3f})")
     for scaled in (True, False):
         label = "bandwidth-scaled (/8, x 4.8/1.79)" if scaled else "as on the H200 (launch-bound)"
         for k in range(PUBLISHED_K + 1):
