@@ -27,6 +27,7 @@
 #    eval "$(bash .stage/install.sh)" first):
 #        bash bench/device_gguf.sh model .gguf_stage        # writes the full-width 78-layer GGUF (~41 GB) to $MODEL_DIR
 #        bash bench/device_gguf.sh figures .gguf_stage gguf # its decode at TP 1, concurrency 1,2,3,4,8
+#        (FIGURE_TP=2 on a two-GPU machine: TP 2, fastcomm's all-reduce beside vLLM's; not yet run, none lent)
 #        bash bench/device_gguf.sh figures .gguf_stage mtp  # the same with MTP, 3 draft tokens, one request (~8 min)
 #        bash bench/device_gguf.sh figures .gguf_stage fp8  # the same shapes as FP8 (dummy weights)
 #        bash bench/device_gguf.sh figures .gguf_stage fp8-spread  # the same, routers drawn as the GGUF file's
@@ -138,19 +139,27 @@ model() {
 figures() {   # one row set per call: gguf | mtp | fp8 | fp8-spread | gguf-profile | fp8-profile
   local what=${1:?figures needs gguf, mtp, fp8, fp8-spread, gguf-profile or fp8-profile} out=${OUT:-$here/out}
   install || return 1
-  local common=(--tp 1 --max-tokens 128 --capture-sizes 1,2,3,4,8 --repeats "${FIGURE_REPEATS:-3}" --max-model-len 2048)
+  # FIGURE_TP (default 1): tensor parallel over that many GPUs (the issue's TP 2 on a two-GPU machine), where the
+  # rows are fastcomm's all-reduce beside vLLM's own (FIGURE_CONFIGS, default vllm at TP 1).
+  local tp=${FIGURE_TP:-1}
+  local cfgs=${FIGURE_CONFIGS:-$([ "$tp" = 1 ] && echo vllm || echo fastcomm-nofuse,vllm)}
+  local common=(--tp "$tp" --max-tokens 128 --capture-sizes 1,2,3,4,8 --repeats "${FIGURE_REPEATS:-3}"
+    --max-model-len 2048)
   # FIGURE_CONCURRENCY (default 1,2,3,4,8) and FIGURE_REPEATS (3) trim a run to fit one call on a fresh machine.
   local conc=${FIGURE_CONCURRENCY:-1,2,3,4,8}
   case "$what" in
-    gguf) bash bench/device_decode.sh gguf-tp1 "$MODEL_FIRST" vllm "${common[@]}" --no-mtp --concurrency "$conc" ;;
+    gguf) bash bench/device_decode.sh "gguf-tp$tp" "$MODEL_FIRST" "$cfgs" "${common[@]}" --no-mtp \
+            --concurrency "$conc" ;;
     # One request, so one capture size beside the verify's 4 tokens and one timed repeat: with the draft model's
     # start-up, the sweep's settings ran past a 560 s call (2026-12-02) and returned nothing.
-    mtp) bash bench/device_decode.sh gguf-mtp3-tp1 "$MODEL_FIRST" vllm --tp 1 --max-tokens 128 --capture-sizes 1,4 \
-           --repeats "${FIGURE_REPEATS:-1}" --max-model-len 2048 --mtp 3 --concurrency 1 --max-num-seqs 1 ;;
-    fp8) bash bench/device_decode.sh fp8-tp1 glm5-78L-16E vllm "${common[@]}" --quantization fp8 --concurrency "$conc" ;;
+    mtp) bash bench/device_decode.sh "gguf-mtp3-tp$tp" "$MODEL_FIRST" "$cfgs" --tp "$tp" --max-tokens 128 \
+           --capture-sizes 1,4 --repeats "${FIGURE_REPEATS:-1}" --max-model-len 2048 --mtp 3 --concurrency 1 \
+           --max-num-seqs 1 ;;
+    fp8) bash bench/device_decode.sh "fp8-tp$tp" glm5-78L-16E "$cfgs" "${common[@]}" --quantization fp8 \
+           --concurrency "$conc" ;;
     # FP8 with its routers re-drawn as the GGUF file's (--spread-routing): vLLM 0.25's dummy router sends every
     # token to the same 8 experts, so its 8-request step reads half the experts the GGUF one does.
-    fp8-spread) bash bench/device_decode.sh fp8s-tp1 glm5-78L-16E vllm "${common[@]}" --quantization fp8 \
+    fp8-spread) bash bench/device_decode.sh "fp8s-tp$tp" glm5-78L-16E "$cfgs" "${common[@]}" --quantization fp8 \
                   --spread-routing --concurrency "$conc" ;;
     # Where each step's GPU time goes (profile_summary: busiest kernels per step), GGUF against FP8 on the
     # same shapes, at PROFILE_CONCURRENCY requests (default 1, the single-request goal): one call each.

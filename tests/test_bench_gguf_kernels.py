@@ -172,3 +172,40 @@ def test_device_ncu_names_what_is_missing(tmp_path):
     ncu.chmod(0o755)
     done = subprocess.run(["bash", str(script), "ncu", str(tmp_path)], capture_output=True, text=True, env=env)
     assert done.returncode == 1 and "no gguf wheel in" in done.stderr
+
+
+def test_device_figures_take_the_tensor_parallel_size_and_its_rows(tmp_path):
+    """`figures` at FIGURE_TP=2 (the issue's TP 2 on a two-GPU machine) runs bench-decode at --tp 2 for
+    fastcomm's all-reduce and vLLM's own, one process each; unset, TP 1 and vLLM's row alone. Stand-ins for
+    python, fastcomm and nvidia-smi record what would run."""
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    import pytest
+
+    root = Path(__file__).resolve().parents[1]
+    if shutil.which("bash") is None:
+        pytest.skip("needs bash")
+    bindir, calls = tmp_path / "bin", tmp_path / "calls.txt"
+    bindir.mkdir()
+    for name in ("python", "python3", "nvidia-smi"):
+        (bindir / name).write_text("#!/bin/bash\nexit 0\n")
+    (bindir / "fastcomm").write_text(f'#!/bin/bash\necho "$*" >> {calls}\n')
+    for f in bindir.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+           "FIGURE_CONCURRENCY": "1,8"}
+
+    def run(**extra) -> list[str]:
+        calls.unlink(missing_ok=True)
+        subprocess.run(["bash", str(root / "bench" / "device_gguf.sh"), "figures", str(tmp_path), "gguf"],
+                       cwd=root, capture_output=True, text=True, env={**env, **extra})
+        return [line for line in calls.read_text().splitlines() if line.startswith("bench-decode --model")]
+
+    two = run(FIGURE_TP="2")
+    assert [line.split("--configs ")[1].split()[0] for line in two] == ["fastcomm-nofuse", "vllm"]
+    assert all("--tp 2 " in line and "--concurrency 1,8" in line for line in two)
+    one = run()
+    assert len(one) == 1 and "--configs vllm " in one[0] and "--tp 1 " in one[0]
