@@ -34,6 +34,7 @@ import numpy as np
 from fastcomm_vllm.gguf.kquant import MAX_TOKENS as MAX_DECODE  # rows past it are a prefill's
 
 CALLS_PER_GRAPH = 16
+SHARED_WARPS = (2, 8)  # the MoE's shared form at these block sizes too, beside kquant.MOE_SHARED_WARPS
 L2_CLEAR_BYTES = 256 << 20
 
 
@@ -275,6 +276,10 @@ def bench_moe(tokens, rng):
         for form in kquant.FORMS_MOE:
             row[f"{form}_us"] = round(_graph_time_us([lambda a=a, b=b, f=form: kquant.moe(
                 x, a, b, wts, ids, q13, q2, act, silu=True, form=f) for a, b in zip(w13s, w2s)]), 2)
+        for w in SHARED_WARPS:  # the shared form at other block sizes than its default (columns shared_wN)
+            row[f"shared_w{w}_us"] = round(_graph_time_us([lambda a=a, b=b: kquant.moe(
+                x, a, b, wts, ids, q13, q2, act, silu=True, form="shared", shared_warps=w)
+                for a, b in zip(w13s, w2s)]), 2)
         row["rel_diff_vs_plugin"] = None
         if pmoe:
             mine = kquant.moe(x, w13s[0], w2s[0], wts, ids, q13, q2, act, silu=True).float()

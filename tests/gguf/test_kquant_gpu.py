@@ -239,8 +239,8 @@ def test_moe_bf16_and_the_activation_hook(form):
 def test_moe_repeated_and_foreign_expert_ids(form):
     """A token routed twice to one expert (16 pairs on expert 0 at 8 tokens: two passes of the grouped tile)
     counts twice; for the grouped forms (grouped, shared), an id outside [0, experts) (expert parallelism's "not
-    here") adds nothing. The pairs form has no such guard and is not given one: vLLM's router gives these kernels neither
-    at tensor parallelism (the GGUF MoE does not run expert parallel)."""
+    here") adds nothing. The pairs form has no such guard and is not given one: vLLM's router gives these kernels
+    neither at tensor parallelism (the GGUF MoE does not run expert parallel)."""
     k = kq()
     rng = np.random.default_rng(24)
     experts, hidden, inter, topk, tokens = 4, 512, 256, 3, 8
@@ -440,3 +440,20 @@ def test_prefill_dequant_moe():
     want = _moe_reference(xt.float().cpu().numpy(), ids, wts, w13_t, w2_t, experts)
     rel = np.linalg.norm(got.float().cpu().numpy() - want) / np.linalg.norm(want)
     assert rel < 2e-2, rel  # bf16 weights, activations and output against float64
+
+
+@pytest.mark.parametrize("warps", [1, 2, 8])
+def test_moe_shared_form_at_every_block_size(warps):
+    """The shared form at the block sizes the benchmark times beside its default (4 warps, every MoE test above):
+    the same sums as the grouped form's, up to fp32 summation order (its tiles' units are not split over warps)."""
+    k = kq()
+    rng = np.random.default_rng(31)
+    experts, hidden, inter, topk, tokens = 6, 512, 256, 4, 8
+    w13 = torch.from_numpy(weights("Q4_K", (experts, 2 * inter, hidden), seed=32)[0]).cuda()
+    w2 = torch.from_numpy(weights("Q5_K", (experts, hidden, inter), seed=33)[0]).cuda()
+    x = torch.from_numpy(rng.standard_normal((tokens, hidden)).astype(np.float32)).cuda()
+    ids = torch.from_numpy(np.stack([rng.permutation(experts)[:topk] for _ in range(tokens)]).astype(np.int32)).cuda()
+    wts = torch.from_numpy(rng.random((tokens, topk)).astype(np.float32)).cuda()
+    got = k.moe(x, w13, w2, wts, ids, k.Q4_K, k.Q5_K, _act, silu=True, form="shared", shared_warps=warps)
+    want = k.moe(x, w13, w2, wts, ids, k.Q4_K, k.Q5_K, _act, silu=True, form="grouped")
+    assert float(torch.linalg.norm(got - want) / torch.linalg.norm(want)) < 1e-5

@@ -1,5 +1,7 @@
 """Which GGUF products fastcomm's K-quant decode kernels take, and in which form (fastcomm_vllm.gguf.kquant's
 pure policy). The kernels' names, structs and constants are fastcomm.abi's, checked in tests/test_abi.py."""
+import pytest
+
 from fastcomm import abi
 from fastcomm_vllm.gguf import kquant
 
@@ -63,6 +65,9 @@ def test_the_mma_form_reads_whole_units_and_tiles_of_one_type():
     # the shared form's block: 4 warps' weight rings, then one activation ring (Q4_K: 3 x (4 x 2560 + 2560))
     assert kquant.moe_shared_smem([kquant.Q4_K]) == abi.KQ_MMA_STAGES * (kquant.MOE_SHARED_WARPS * 16 * 160 + 2560)
     assert kquant.moe_shared_smem([kquant.Q5_K]) == 3 * (4 * 16 * 224 + 2560) < 227 * 1024 // 4
+    assert kquant.moe_shared_smem([kquant.Q8_0], 8) == 3 * (8 * 16 * 288 + 2560)
+    with pytest.raises(ValueError, match="1, 2, 4 or 8 warps"):  # refused before anything reaches a GPU
+        kquant._shared_launch(0, abi.KQ_MOE_MMA_UP_SHARED, "bfloat16", 4096, 16, kquant.Q4_K, 0, (), 3)
     # a block's dynamic shared memory: the other warps' partial sums, then a ring a warp (a one-warp block: its ring)
     ring = kquant.mma_ring_bytes([kquant.Q4_K])
     assert kquant.mma_smem(1, ring) == ring

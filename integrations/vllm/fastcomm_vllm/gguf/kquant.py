@@ -183,11 +183,11 @@ def mma_ring_bytes(types) -> int:
     return abi.KQ_MMA_STAGES * (abi.KQ_MMA_ROWS * max(mma_span(t) for t in types) + abi.KQ_MMA_XSTAGE)
 
 
-def moe_shared_smem(types) -> int:
-    """Dynamic shared memory of a shared-form block: MOE_SHARED_WARPS weight rings (KQ_MMA_STAGES stages of 16
-    rows of mma_span), then one ring of the stages' activations for all of them."""
+def moe_shared_smem(types, warps: int = MOE_SHARED_WARPS) -> int:
+    """Dynamic shared memory of a shared-form block of ``warps`` warps: their weight rings (KQ_MMA_STAGES stages
+    of 16 rows of mma_span), then one ring of the stages' activations for all of them."""
     span = max(mma_span(t) for t in types)
-    return abi.KQ_MMA_STAGES * (MOE_SHARED_WARPS * abi.KQ_MMA_ROWS * span + abi.KQ_MMA_XSTAGE)
+    return abi.KQ_MMA_STAGES * (warps * abi.KQ_MMA_ROWS * span + abi.KQ_MMA_XSTAGE)
 
 
 def mma_smem(warps: int, ring: int) -> int:
@@ -329,11 +329,12 @@ def _mma_launch(dev: int, kernel: abi.Kernel, dtype: str | None, tiles_x: int, g
 
 
 def _shared_launch(dev: int, kernel: abi.Kernel, dtype: str | None, rows: int, experts: int, t: int, stream: int,
-                   args: tuple) -> None:
-    """A shared-form launch: MOE_SHARED_WARPS tiles a block, the entry built for weight type ``t``."""
-    w = MOE_SHARED_WARPS
-    _launch(dev, kernel, dtype, ((tiles(rows) + w - 1) // w, experts), 32 * w, stream, args,
-            variant=abi.KQ_TYPE_VARIANTS[t], smem=moe_shared_smem([t]))
+                   args: tuple, warps: int) -> None:
+    """A shared-form launch: ``warps`` tiles a block, the entry built for weight type ``t``."""
+    if warps not in (1, 2, 4, 8):  # kq_xshare splits a stage's 128 operand pieces evenly over the block
+        raise ValueError(f"the shared form takes 1, 2, 4 or 8 warps a block (got {warps})")
+    _launch(dev, kernel, dtype, ((tiles(rows) + warps - 1) // warps, experts), 32 * warps, stream, args,
+            variant=abi.KQ_TYPE_VARIANTS[t], smem=moe_shared_smem([t], warps))
 
 
 @functools.lru_cache(maxsize=None)
@@ -436,13 +437,15 @@ def linear(x, qweight, segments: tuple[Segment, ...], form: str | None = None, t
 
 
 def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu: bool = False,
-        form: str | None = None, tensor_cores: bool = True, grouped_min: int = MOE_GROUPED_MIN_TOKENS):
+        form: str | None = None, tensor_cores: bool = True, grouped_min: int = MOE_GROUPED_MIN_TOKENS,
+        shared_warps: int = MOE_SHARED_WARPS):
     """The routed experts of 1-8 tokens: x [T, hidden], w13 [E, 2 inter, row13], w2 [E, hidden, row2] (uint8
     blocks); returns [T, hidden], each token's experts summed in their top-k order, router weights applied.
     ``activation`` maps [pairs, 2 inter] to [pairs, inter]; ``silu``: it is vLLM's silu_and_mul, which the
     activations' quantize launch then applies itself (``activation`` is not called). ``form``: one of FORMS_MOE
     (None: ``moe_form``'s, the grouped form only with ``tensor_cores``, from ``grouped_min`` tokens); a form that
-    cannot serve the shapes raises ValueError (``moe_form_error`` says why)."""
+    cannot serve the shapes raises ValueError (``moe_form_error`` says why). ``shared_warps``: the shared form's
+    tiles a block (1, 2, 4 or 8; the benchmark times each)."""
     import torch
 
     if not weights_aligned(w13.data_ptr(), w2.data_ptr()):
@@ -470,7 +473,7 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu:
     if shared:
         _shared_launch(dev, abi.KQ_MOE_MMA_UP_SHARED, dt, rows13, experts, t13, stream,
                        (w13.data_ptr(), e13, r13, t13, rows13, hidden, ids.data_ptr(), topk, pairs, xq.data_ptr(),
-                        xds.data_ptr(), up.data_ptr()))
+                        xds.data_ptr(), up.data_ptr()), shared_warps)
     elif grouped:
         _mma_launch(dev, abi.KQ_MOE_MMA_UP, dt, tiles(rows13), experts, tiles(rows13) * busy, hidden, [t13], stream,
                     (w13.data_ptr(), e13, r13, t13, rows13, hidden, ids.data_ptr(), topk, pairs, xq.data_ptr(),
@@ -486,7 +489,7 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu:
         down = (w2.data_ptr(), e2, r2, t2, hidden, inter, ids.data_ptr(), topk, pairs, aq.data_ptr(), ads.data_ptr(),
                 y.data_ptr())
         if shared:
-            _shared_launch(dev, abi.KQ_MOE_MMA_DOWN_SHARED, None, hidden, experts, t2, stream, down)
+            _shared_launch(dev, abi.KQ_MOE_MMA_DOWN_SHARED, None, hidden, experts, t2, stream, down, shared_warps)
         else:
             _mma_launch(dev, abi.KQ_MOE_MMA_DOWN, None, tiles(hidden), experts, tiles(hidden) * busy, inter, [t2],
                         stream, down, moe=True)
