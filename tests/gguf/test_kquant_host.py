@@ -138,15 +138,15 @@ int main() {  // every piece's stage offset, then each warp-wide read's 16-byte 
 """
 
 
-def _wavefronts(places: list[int]) -> int:
-    """Shared-memory wavefronts of one warp-wide 16-byte access at ``places`` (lane order): served 8 lanes at a
-    time, each 8 taking as many wavefronts as the most distinct addresses in one 16-byte bank group (the model
-    that reproduces ncu's excess-wavefront counts of the mma kernels on an H200)."""
-    total = 0
-    for first in range(0, 32, 8):
+def _wavefronts(places: list[int], width: int = 16) -> int:
+    """Shared-memory wavefronts of one warp-wide access of ``width`` bytes (16 or 8) at ``places`` (lane order):
+    served 128 / width lanes at a time, each group taking as many wavefronts as the most distinct addresses in one
+    width-byte bank group (the model that reproduces ncu's excess-wavefront counts of the mma kernels on an H200)."""
+    lanes, total = 128 // width, 0
+    for first in range(0, 32, lanes):
         groups: dict[int, set[int]] = {}
-        for at in places[first:first + 8]:
-            groups.setdefault(at // 16 % 8, set()).add(at)
+        for at in places[first:first + lanes]:
+            groups.setdefault(at // width % lanes, set()).add(at)
         total += max(len(a) for a in groups.values())
     return total
 
@@ -172,18 +172,6 @@ def test_the_activation_stage_is_one_to_one_and_free_of_bank_conflicts(tmp_path)
         assert _wavefronts([int(v) for v in line.split()[1:]]) == 4, line
 
 
-def _wavefronts8(places: list[int]) -> int:
-    """As _wavefronts for a warp-wide 8-byte access: 16 lanes at a time, each 16 taking as many wavefronts as the
-    most distinct 8-byte words in one 8-byte bank pair."""
-    total = 0
-    for first in range(0, 32, 16):
-        pairs: dict[int, set[int]] = {}
-        for at in places[first:first + 16]:
-            pairs.setdefault(at // 8 % 16, set()).add(at)
-        total += max(len(a) for a in pairs.values())
-    return total
-
-
 def _k4_reads(span: int, q5: bool) -> list[list[int]]:
     """kq_unit_load's 8-byte reads of a Q4_K / Q5_K unit from the mma forms' stage (rows ``span`` apart):
     lane (g, t) reads row g (and g + 8) at qh + 8 t (Q5_K) and qs + 32 p + 8 t."""
@@ -197,12 +185,12 @@ def test_the_weight_stage_reads_take_the_least_wavefronts(t):
     """Every 8-byte read of a unit's quants from the stage takes 2 wavefronts (32 lanes x 8 bytes), at the
     row span the kernels use (kquant.mma_span, kq_mma_span)."""
     span = kquant.mma_span(getattr(kquant, t))
-    assert all(_wavefronts8(r) == 2 for r in _k4_reads(span, t == "Q5_K"))
+    assert all(_wavefronts(r, 8) == 2 for r in _k4_reads(span, t == "Q5_K"))
 
 
 def test_the_wavefront_count_sees_the_earlier_q5k_span_conflict():
     """Q5_K's rows at the 192 bytes that hold its unit: rows g and g + 2 share banks, each read takes 4."""
-    assert all(_wavefronts8(r) == 4 for r in _k4_reads(192, True))
+    assert all(_wavefronts(r, 8) == 4 for r in _k4_reads(192, True))
 
 
 def test_the_wavefront_count_sees_the_earlier_operand_layout_conflict():
