@@ -176,7 +176,7 @@ def bench_linear(name, shards, cols, tokens, rng):
             return lambda: torch.cat([plin._fused_mul_mat_gguf(x, w[s:e, :u].contiguous(), t)
                                       for t, (s, e, u) in zip(types, offsets)], dim=1)
 
-        if n > kquant.MAX_TOKENS:
+        if n > MAX_DECODE:
             if not plin:
                 continue
             starts, nrows = [s.start for s in segs], [s.rows for s in segs]
@@ -256,7 +256,7 @@ def bench_moe(tokens, rng):
         plugin = [lambda a=a, b=b: pmoe._fused_moe_gguf(x, a, b, wts, ids, q13, q2, "silu") for a, b in zip(w13s, w2s)]
         # the bytes of the distinct experts this routing reads (the grouped form reads each once)
         distinct = len(set(ids.flatten().tolist()))
-        if n > kquant.MAX_TOKENS:
+        if n > MAX_DECODE:
             if not pmoe:
                 continue
             mine = [lambda a=a, b=b: kquant_vllm.dequant_moe(x, a, b, wts, ids, q13, q2, "silu")
@@ -363,14 +363,8 @@ def suggest(rows: list[dict]) -> dict[str, int]:
                                            NEVER)}
     prefill = [r for r in rows if r["tokens"] > MAX_DECODE]
     if prefill:
-        def dequant(r):
-            return r["dequant_us"]
-
-        def plugin(r):
-            return r["plugin_us"]
-
-        out["dequant_min_tokens"] = threshold(prefill, dequant, plugin, linears, 0)
-        n = threshold(prefill, dequant, plugin, {MOE[0]}, 0)
+        out["dequant_min_tokens"] = threshold(prefill, lambda r: r["dequant_us"], lambda r: r["plugin_us"], linears, 0)
+        n = threshold(prefill, lambda r: r["dequant_us"], lambda r: r["plugin_us"], {MOE[0]}, 0)
         _, experts, topk, *_ = MOE
         out["dequant_moe_min"] = -(-n * topk // experts)  # the same tokens as routed pairs an expert
     return out
