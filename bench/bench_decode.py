@@ -65,6 +65,15 @@ def _int_list(flag: str, text: str, *, minimum: int = 1) -> list[int]:
     return values
 
 
+def settings_set(env=None) -> dict | None:
+    """The FASTCOMM_* settings set where bench-decode runs (every row's engine inherits them, e.g.
+    FASTCOMM_GGUF_DEQUANT_MIN_TOKENS), so a record says what it measured; None when none is set."""
+    from fastcomm.config import check_environment
+
+    found = {s.var.name: s.raw for s in check_environment(env) if s.raw is not None}
+    return found or None
+
+
 def parse_fastcomm_env(items: list[str]) -> dict:
     """KEY=VALUE pairs for the fastcomm rows (e.g. FASTCOMM_ALGO=one_shot): an A/B of one knob in the same
     call. Only FASTCOMM_* variables, and none of those that define a row."""
@@ -233,7 +242,7 @@ def _main(argv) -> int:
     # The record names the model as given (no absolute path of this machine) and the commit it ran.
     meta = {**{k: v for k, v in spec.items() if k not in ("engine", "gguf")}, "model": model.record_name, "model_source": model.source,
             "weights": model.weights, "configs": names, "rounds": args.rounds, "started": stamp,
-            "fastcomm_commit": source_commit()}
+            "fastcomm_commit": source_commit(), "settings": settings_set()}
     log_dir = Path(tempfile.mkdtemp(prefix=f"{out.stem}-logs-", dir=out.parent))
     print(f"bench-decode: model {model.describe()}", flush=True)
     runs: dict[str, list[dict]] = {name: [] for name in names}

@@ -58,7 +58,8 @@ def header(meta: dict) -> str:
             + (f"  quantization {meta['quantization']}" if meta.get("quantization") else "")
             + ("  routers re-drawn to spread tokens (--spread-routing)" if meta.get("spread_routing") else "")
             + (f"  MTP {meta['mtp']} draft tokens" if meta.get("mtp") else "")
-            + (f"  fastcomm rows with {env_text(meta['fastcomm_env'])}" if meta.get("fastcomm_env") else ""))
+            + (f"  fastcomm rows with {env_text(meta['fastcomm_env'])}" if meta.get("fastcomm_env") else "")
+            + (f"  settings {env_text(meta['settings'])}" if meta.get("settings") else ""))
 
 
 def print_report(results: dict, meta: dict) -> None:

@@ -2,6 +2,7 @@
 
 Nothing here needs vLLM: the parent never imports it (only its worker processes do)."""
 import json
+import os
 import sys
 import types
 
@@ -464,6 +465,27 @@ def test_quantization_reaches_the_engine_and_the_record(tmp_path, monkeypatch, c
     gguf = decode_models.Model("gguf", "m", "real", 0, {"model": "m.gguf"})
     monkeypatch.setattr(decode_models, "resolve", lambda *a, **k: gguf)
     one_line_error(capsys, ["--model", "m.gguf", "--quantization", "fp8"], "a GGUF file brings its own quantization")
+
+
+def test_the_record_names_the_settings_every_row_inherited_and_runs_under_other_settings_stay_apart(
+        tmp_path, monkeypatch, capsys):
+    # A run under FASTCOMM_GGUF_DEQUANT_MIN_TOKENS=64 measured something else than one without it: the record
+    # must say so, the report print it, and compare never pool the two as rounds.
+    _specs_run(tmp_path, monkeypatch)
+    for name in [n for n in os.environ if n.startswith("FASTCOMM_")]:  # the test runner's own, if any
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("FASTCOMM_GGUF_DEQUANT_MIN_TOKENS", "64")
+    assert B.main(["--configs", "vllm", "--tp", "1", "--max-tokens", "64", "--out", str(tmp_path / "r.json")]) == 0
+    meta = json.loads((tmp_path / "r.json").read_text())["meta"]
+    assert meta["settings"] == {"FASTCOMM_GGUF_DEQUANT_MIN_TOKENS": "64"}
+    assert "settings FASTCOMM_GGUF_DEQUANT_MIN_TOKENS=64" in capsys.readouterr().out
+    monkeypatch.delenv("FASTCOMM_GGUF_DEQUANT_MIN_TOKENS")
+    assert B.settings_set({}) is None
+    other = {**meta, "settings": None}
+    tokens = list(range(64))
+    results, _ = decode_merge.merge_files([{"meta": m, "results": {"vllm": result("vllm", tokens)}}
+                                           for m in (meta, other)])
+    assert set(results) == {"vllm", "vllm#2"}
 
 
 def test_spread_routing_reaches_the_worker_and_the_record_and_refuses_real_weights(tmp_path, monkeypatch, capsys):
