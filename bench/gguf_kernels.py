@@ -18,8 +18,9 @@ in a decode step), over enough copies of the weight that no call finds it in L2.
 result matches the plugin's (relative error), and prints a per-step sum: 75 MoE layers, 3 dense layers and the
 LM head, as in one decode step of the 78-layer model. FASTCOMM_GGUF_PDL=0 times the mma form launched plainly.
 Token counts past fastcomm's 1-8 are a prefill's: the plugin's path against the weights dequantized to bf16 on
-the tensor cores (``dequant``: cuBLAS for the linears, vLLM's fused_experts for the MoE; kquant.prefill_dequant),
-no LM head (a prefill's logits are its last positions').
+the tensor cores (``dequant``: cuBLAS for the linears, vLLM's fused_experts for the MoE) and against fastcomm's
+kernels 8 tokens at a time (``chunks``, also timed launched eagerly as a prefill runs them: ``eager``), the
+form kquant.prefill_form takes marked; no LM head (a prefill's logits are its last positions').
 Needs a GPU; the plugin's rows need vllm-gguf-plugin with its CUDA extension (without it they read '-').
 """
 from __future__ import annotations
@@ -143,11 +144,29 @@ def pdl_setting() -> bool:
     return read("FASTCOMM_GGUF_PDL")
 
 
-def dequant_settings() -> tuple[int, int]:
-    """FASTCOMM_GGUF_DEQUANT_MIN_TOKENS / _MOE_MIN, which mark the policy's form of a prefill's rows."""
+def prefill_settings() -> tuple[int, int, int]:
+    """FASTCOMM_GGUF_DEQUANT_MIN_TOKENS / _DEQUANT_MOE_MIN / _CHUNK_MAX_TOKENS, which mark the policy's form of a
+    prefill's rows."""
     from fastcomm.config import read
 
-    return read("FASTCOMM_GGUF_DEQUANT_MIN_TOKENS"), read("FASTCOMM_GGUF_DEQUANT_MOE_MIN")
+    return (read("FASTCOMM_GGUF_DEQUANT_MIN_TOKENS"), read("FASTCOMM_GGUF_DEQUANT_MOE_MIN"),
+            read("FASTCOMM_GGUF_CHUNK_MAX_TOKENS"))
+
+
+def _eager_us(fn, calls: int = 8) -> float:
+    """GPU-timeline time of one call run eagerly, back to back (as vLLM runs a prefill outside its graphs):
+    where the host cannot launch a call's kernels as fast as the GPU runs them, the gaps count."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(calls):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1000 / calls
 
 
 def bench_linear(name, shards, cols, tokens, rng):
@@ -182,13 +201,17 @@ def bench_linear(name, shards, cols, tokens, rng):
             starts, nrows = [s.start for s in segs], [s.rows for s in segs]
             theirs = [plugin(w) for w in ws]
             mine = [lambda w=w: kquant_vllm.dequant_linear(x, w, types, starts, nrows) for w in ws]
+            chunked = [lambda w=w: kquant.linear_chunks(x, w, segs, pdl=pdl) for w in ws]
+            dequant_min, _, chunk_max = prefill_settings()
             row = {"op": name, "tokens": n, "weight_MB": round(nbytes / 1e6, 2),
                    "plugin_us": round(_graph_time_us(theirs), 2),
-                   "default": "dequant" if kquant.prefill_dequant(n, dequant_settings()[0]) else "plugin",
-                   "dequant_us": round(_graph_time_us(mine), 2),
+                   "default": kquant.prefill_form(n, chunk_max, dequant_min),
+                   "dequant_us": round(_graph_time_us(mine), 2), "chunks_us": round(_graph_time_us(chunked), 2),
+                   "chunks_eager_us": round(_eager_us(chunked[0]), 2),
                    "bf16_cublas_us": round(_graph_time_us([lambda d=d: x @ d.T for d in dense]), 2)}
-            a, b = mine[0]().float(), theirs[0]().float()
-            row["rel_diff_vs_plugin"] = round(float((a - b).norm() / b.norm()), 5)
+            b = theirs[0]().float()
+            row["rel_diff_vs_plugin"] = round(float((mine[0]().float() - b).norm() / b.norm()), 5)
+            row["chunks_rel_diff_vs_plugin"] = round(float((chunked[0]().float() - b).norm() / b.norm()), 5)
             rowsout.append(row)
             continue
         default = kquant.linear_form(n, kquant.mma_ok(segs, cols), kquant.staged_fits(x.device.index, n, cols))
@@ -261,12 +284,17 @@ def bench_moe(tokens, rng):
                 continue
             mine = [lambda a=a, b=b: kquant_vllm.dequant_moe(x, a, b, wts, ids, q13, q2, "silu")
                     for a, b in zip(w13s, w2s)]
-            dequant = kquant.moe_prefill_dequant(n, topk, experts, dequant_settings()[1])
+            chunked = [lambda a=a, b=b: kquant.moe_chunks(x, a, b, wts, ids, q13, q2, act, silu=True)
+                       for a, b in zip(w13s, w2s)]
+            _, dequant_moe_min, chunk_max = prefill_settings()
             row = {"op": name, "tokens": n, "weight_MB_read": round(nbytes * distinct / experts / 1e6, 1),
-                   "plugin_us": round(_graph_time_us(plugin), 2), "default": "dequant" if dequant else "plugin",
-                   "dequant_us": round(_graph_time_us(mine), 2)}
-            a, b = mine[0]().float(), plugin[0]().float()
-            row["rel_diff_vs_plugin"] = round(float((a - b).norm() / b.norm()), 5)
+                   "plugin_us": round(_graph_time_us(plugin), 2),
+                   "default": kquant.moe_prefill_form(n, topk, experts, chunk_max, dequant_moe_min),
+                   "dequant_us": round(_graph_time_us(mine), 2), "chunks_us": round(_graph_time_us(chunked), 2),
+                   "chunks_eager_us": round(_eager_us(chunked[0]), 2)}
+            b = plugin[0]().float()
+            row["rel_diff_vs_plugin"] = round(float((mine[0]().float() - b).norm() / b.norm()), 5)
+            row["chunks_rel_diff_vs_plugin"] = round(float((chunked[0]().float() - b).norm() / b.norm()), 5)
             out.append(row)
             continue
         row = {"op": name, "tokens": n, "weight_MB_read": round(nbytes * distinct / experts / 1e6, 1),
@@ -289,8 +317,11 @@ def bench_moe(tokens, rng):
     return out
 
 
+NOT_FORMS = ("plugin_us", "bf16_cublas_us", "chunks_eager_us")  # times of a row that are no fastcomm form's
+
+
 def _forms(r) -> list[str]:
-    return [k[:-3] for k in r if k.endswith("_us") and k not in ("plugin_us", "bf16_cublas_us")]
+    return [k[:-3] for k in r if k.endswith("_us") and k not in NOT_FORMS]
 
 
 def _best_us(r) -> float:
@@ -311,6 +342,8 @@ def report(rows: list[dict], tokens: list[int]) -> tuple[str, dict]:
     for r in rows:
         mb = r.get("weight_MB", r.get("weight_MB_read"))
         forms = ", ".join(f"{f} {r[f'{f}_us']}" for f in _forms(r))
+        if "chunks_eager_us" in r:  # the chunks launched eagerly, as a prefill outside vLLM's graphs runs them
+            forms += f" (eager {r['chunks_eager_us']})"
         plugin = r["plugin_us"]
         lines.append(f"| {r['op']} | {r['tokens']} | {mb} | {plugin if plugin else '-'} | {_default_us(r)} "
                      f"({r['default']}) | {f'{plugin / _default_us(r):.2f}x' if plugin else '-'} | {forms} | "
@@ -363,11 +396,46 @@ def suggest(rows: list[dict]) -> dict[str, int]:
                                            NEVER)}
     prefill = [r for r in rows if r["tokens"] > MAX_DECODE]
     if prefill:
-        out["dequant_min_tokens"] = threshold(prefill, lambda r: r["dequant_us"], lambda r: r["plugin_us"], linears, 0)
-        n = threshold(prefill, lambda r: r["dequant_us"], lambda r: r["plugin_us"], {MOE[0]}, 0)
+        # The dequantized forms against the better of the others (runs before chunks_us existed: the plugin's).
+        other = lambda r: min(r["plugin_us"], _chunks_us(r)) if "chunks_us" in r else r["plugin_us"]  # noqa: E731
+        out["dequant_min_tokens"] = threshold(prefill, lambda r: r["dequant_us"], other, linears, 0)
+        n = threshold(prefill, lambda r: r["dequant_us"], other, {MOE[0]}, 0)
         _, experts, topk, *_ = MOE
         out["dequant_moe_min"] = -(-n * topk // experts)  # the same tokens as routed pairs an expert
+        if all("chunks_us" in r for r in prefill):
+            out["chunk_max_tokens"] = chunk_limit(prefill, out["dequant_min_tokens"], out["dequant_moe_min"])
     return out
+
+
+def _chunks_us(r) -> float:
+    """A prefill row's chunks as a prefill runs them: launched eagerly (host gaps included), where the run has
+    that time."""
+    return r.get("chunks_eager_us", r["chunks_us"])
+
+
+def chunk_limit(prefill: list[dict], dequant_min: int, dequant_moe_min: int) -> int:
+    """FASTCOMM_GGUF_CHUNK_MAX_TOKENS from a run's prefill rows and the dequantized forms' thresholds: the most
+    measured tokens up to which, at every smaller measured count too, the products the policy does not dequantize
+    sum to no more per step 8 tokens at a time (``_chunks_us``) than through the plugin's kernels (0: never).
+    A count where the dequantized forms take every product neither extends the limit nor ends it."""
+    from fastcomm_vllm.gguf import kquant
+
+    per_layer = _layers()
+    _, experts, topk, *_ = MOE
+    limit = 0
+    for n in sorted({r["tokens"] for r in prefill}):
+        sel = [r for r in prefill if r["tokens"] == n]
+
+        forms = {r["op"]: kquant.moe_prefill_form(n, topk, experts, n, dequant_moe_min) if r["op"] == MOE[0]
+                 else kquant.prefill_form(n, n, dequant_min) for r in sel}
+        chunked = [r for r in sel if forms[r["op"]] == "chunks"]
+        if not chunked:  # the dequantized forms take every product at n: it says nothing about the chunks
+            continue
+        if sum(_chunks_us(r) * per_layer[r["op"]] for r in chunked) > sum(r["plugin_us"] * per_layer[r["op"]]
+                                                                          for r in chunked):
+            break
+        limit = n
+    return limit
 
 
 def _settings(thresholds: dict[str, int]) -> str:
@@ -376,6 +444,8 @@ def _settings(thresholds: dict[str, int]) -> str:
     if "dequant_min_tokens" in thresholds:
         text += (f" FASTCOMM_GGUF_DEQUANT_MIN_TOKENS={thresholds['dequant_min_tokens']}"
                  f" FASTCOMM_GGUF_DEQUANT_MOE_MIN={thresholds['dequant_moe_min']}")
+    if "chunk_max_tokens" in thresholds:
+        text += f" FASTCOMM_GGUF_CHUNK_MAX_TOKENS={thresholds['chunk_max_tokens']}"
     return text
 
 

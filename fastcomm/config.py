@@ -179,7 +179,8 @@ VARIABLES: tuple[Var, ...] = (
         "(bench/RESULTS.md).", _bool),
     Var("FASTCOMM_GGUF_KERNELS", "gguf_kernels", "auto", "auto | dp4a | plugin: GGUF products of 1-8 tokens "
         "(decode, MTP verify) through fastcomm's K-quant kernels (csrc/kquant.cu; Q4_K, Q5_K, Q6_K, Q8_0 weights), "
-        "the rest through vllm-gguf-plugin's (or dequantized, FASTCOMM_GGUF_DEQUANT_*); dp4a: fastcomm's without "
+        "the rest through vllm-gguf-plugin's (or dequantized, FASTCOMM_GGUF_DEQUANT_*, or 8 at a time, "
+        "FASTCOMM_GGUF_CHUNK_MAX_TOKENS); dp4a: fastcomm's without "
         "the tensor-core forms; plugin: all through the plugin's.", _choice(*GGUF_KERNEL_SETTINGS)),
     Var("FASTCOMM_GGUF_MMA_MIN_TOKENS", "gguf_mma_min_tokens", "", "Tokens from which a GGUF linear layer's product "
         "takes fastcomm's tensor-core form (unset: kquant.MMA_MIN_TOKENS, set from an H200; 9: never). "
@@ -187,13 +188,18 @@ VARIABLES: tuple[Var, ...] = (
     Var("FASTCOMM_GGUF_GROUPED_MIN_TOKENS", "gguf_grouped_min_tokens", "", "Tokens from which a GGUF MoE layer's "
         "experts take the tensor-core form grouped by expert (unset: kquant.MOE_GROUPED_MIN_TOKENS; 9: never).",
         _decode_tokens),
-    Var("FASTCOMM_GGUF_DEQUANT_MIN_TOKENS", "gguf_dequant_min_tokens", "0", "Tokens from which a GGUF linear "
+    Var("FASTCOMM_GGUF_DEQUANT_MIN_TOKENS", "gguf_dequant_min_tokens", "64", "Tokens from which a GGUF linear "
         "layer's product past fastcomm's 1-8 (a prefill) dequantizes its weight to bf16 and multiplies on the tensor "
-        "cores (cuBLAS) instead of the plugin's dp4a MMQ kernel; 0: never. `python -m fastcomm_bench.gguf_kernels "
-        "--tokens 64,256` times both.", _count),
+        "cores (cuBLAS) instead of the plugin's dp4a MMQ kernel; 0: never. 64 from an H200 (bench/RESULTS.md); "
+        "`python -m fastcomm_bench.gguf_kernels --tokens 16,64,256` times both and suggests it.", _count),
     Var("FASTCOMM_GGUF_DEQUANT_MOE_MIN", "gguf_dequant_moe_min", "0", "Routed tokens per expert, on average "
         "(tokens x top-k / experts), from which a GGUF MoE layer's prefill dequantizes all its experts to bf16 and "
-        "runs vLLM's fused_experts instead of the plugin's dp4a MoE kernel; 0: never.", _count),
+        "runs vLLM's fused_experts instead of the plugin's dp4a MoE kernel; 0: never (the default: at 32 it slowed "
+        "8 requests' decode on an H200).", _count),
+    Var("FASTCOMM_GGUF_CHUNK_MAX_TOKENS", "gguf_chunk_max_tokens", "0", "Tokens up to which a GGUF product past "
+        "1-8 (a prefill, or a decode batch of 9+) that is not dequantized runs through fastcomm's K-quant kernels 8 "
+        "tokens at a time, each a read of the weight, instead of the plugin's dp4a kernels; 0: never (not yet timed "
+        "end to end).", _count),
     Var("FASTCOMM_GGUF_PDL", "gguf_pdl", "1", "1 lets fastcomm's dense tensor-core K-quant product start while the "
         "quantize launch before it runs (programmatic dependent launch, sm_90+: it fetches its first weights, then "
         "waits on the GPU for the activations); 0: plain launches.", _bool),
@@ -253,8 +259,9 @@ class Config:
     gguf_kernels: str = "auto"  # FASTCOMM_GGUF_KERNELS (fastcomm_vllm.gguf.kquant)
     gguf_mma_min_tokens: int | None = None      # FASTCOMM_GGUF_MMA_MIN_TOKENS (None: the kquant policy's)
     gguf_grouped_min_tokens: int | None = None  # FASTCOMM_GGUF_GROUPED_MIN_TOKENS
-    gguf_dequant_min_tokens: int = 0  # FASTCOMM_GGUF_DEQUANT_MIN_TOKENS (fastcomm_vllm.gguf.kquant.prefill_dequant)
-    gguf_dequant_moe_min: int = 0     # FASTCOMM_GGUF_DEQUANT_MOE_MIN (kquant.moe_prefill_dequant)
+    gguf_dequant_min_tokens: int = 64  # FASTCOMM_GGUF_DEQUANT_MIN_TOKENS (fastcomm_vllm.gguf.kquant.prefill_form)
+    gguf_dequant_moe_min: int = 0      # FASTCOMM_GGUF_DEQUANT_MOE_MIN (kquant.moe_prefill_form)
+    gguf_chunk_max_tokens: int = 0     # FASTCOMM_GGUF_CHUNK_MAX_TOKENS (kquant.prefill_form)
     gguf_pdl: bool = True  # FASTCOMM_GGUF_PDL (fastcomm_vllm.gguf.kquant.dependent_launch)
     log_level: str = "warning"
     test_mode: bool = False

@@ -60,6 +60,38 @@ def test_a_prefill_s_rows_suggest_the_dequantized_forms_and_sum_without_the_lm_h
     assert gk.MAX_DECODE == 8
 
 
+def test_prefill_rows_with_chunks_suggest_how_far_the_chunks_go_and_dequant_against_the_better_other():
+    """Each row of a prefill count: the plugin 100 us a linear, 1000 the MoE; dequant 60 a linear at every count;
+    chunks (eagerly launched; their graph time is half) cheap at 16, dear at 256. Dequant's thresholds come
+    against the better of the plugin and the chunks, and the chunks go as far as they beat the plugin where
+    dequant leaves them work."""
+    def prefill(chunks, moe_dequant=500.0):
+        rows = []
+        for n, (lin, moe) in chunks.items():
+            rows += [{"op": name, "tokens": n, "plugin_us": 100.0, "dequant_us": 60.0, "chunks_us": lin / 2,
+                      "chunks_eager_us": lin} for name, *_ in gk.LINEARS if name != "lm_head"]
+            rows.append({"op": gk.MOE[0], "tokens": n, "plugin_us": 1000.0, "dequant_us": moe_dequant,
+                         "chunks_us": moe / 2, "chunks_eager_us": moe})
+        return _rows({8: 2.0}, {8: 50.0}) + rows
+
+    got = gk.suggest(prefill({16: (20.0, 200.0), 64: (80.0, 400.0), 256: (320.0, 3200.0)}))
+    # linears: dequant (60) beats the chunks from 64 (80) on; the MoE's dequant (500) wins only at 256 (chunks
+    # 3200), 128 routed tokens an expert; so the chunks take the linears at 16 and the MoE at 16 and 64, where
+    # they beat the plugin; at 256 nothing is left to them
+    assert (got["dequant_min_tokens"], got["dequant_moe_min"], got["chunk_max_tokens"]) == (64, 128, 64)
+    assert gk._settings(got).endswith("FASTCOMM_GGUF_DEQUANT_MOE_MIN=128 FASTCOMM_GGUF_CHUNK_MAX_TOKENS=64")
+    # the MoE's chunks at 64: 550 us in a graph would beat the plugin's 1000, but a prefill runs them eagerly
+    got = gk.suggest(prefill({16: (20.0, 200.0), 64: (80.0, 1100.0), 256: (320.0, 3200.0)}, moe_dequant=5000.0))
+    assert (got["dequant_moe_min"], got["chunk_max_tokens"]) == (0, 16)
+    # chunks that lose at the smallest count never start
+    got = gk.suggest(prefill({16: (120.0, 1200.0), 64: (80.0, 800.0)}, moe_dequant=5000.0))
+    assert got["chunk_max_tokens"] == 0
+    rows = [dict(r, weight_MB=1.0, default="chunks", rel_diff_vs_plugin=0.01) for r in prefill({16: (20.0, 200.0)})
+            if r["tokens"] == 16]
+    text, _ = gk.report(rows, [16])
+    assert "| 10.0 (chunks) | 10.00x | dequant 60.0, chunks 10.0 (eager 20.0) |" in text
+
+
 def test_suggest_prints_settings_from_a_saved_run(tmp_path, capsys):
     import json
 

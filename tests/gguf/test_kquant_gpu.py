@@ -5,9 +5,9 @@ Activations are chosen so int8 chunk quantization represents them exactly (a sca
 output dtype's rounding. Random activations are held to the int8 activation error, and to the plugin's own
 CUDA kernels where the plugin is installed. Also: multi-shard weights stored padded (read in place), the MoE
 (grouped by expert on the tensor cores, and per (token, expert) pair) with repeated and out-of-range expert
-ids, NaN, and CUDA graphs replayed with inputs (and routing) changed between replays; each linear test for
-every form (mma, staged, unstaged: kquant.FORMS_LINEAR), each MoE test for each (grouped, pairs, shared:
-kquant.FORMS_MOE).
+ids, NaN, and CUDA graphs replayed with inputs (and routing) changed between replays; products past 8 tokens
+8 at a time (linear_chunks, moe_chunks); each linear test for every form (mma, staged, unstaged:
+kquant.FORMS_LINEAR), each MoE test for each (grouped, pairs, shared: kquant.FORMS_MOE).
 Needs a GPU, torch, CuPy and gguf (not vLLM).
 """
 import numpy as np
@@ -457,3 +457,72 @@ def test_moe_shared_form_at_every_block_size(warps):
     got = k.moe(x, w13, w2, wts, ids, k.Q4_K, k.Q5_K, _act, silu=True, form="shared", shared_warps=warps)
     want = k.moe(x, w13, w2, wts, ids, k.Q4_K, k.Q5_K, _act, silu=True, form="grouped")
     assert float(torch.linalg.norm(got - want) / torch.linalg.norm(want)) < 1e-5
+
+
+@pytest.mark.parametrize("form", LINEAR_FORMS)
+@pytest.mark.parametrize("n", [9, 19, 64])
+def test_linear_chunks_of_any_count_read_in_place(n, form):
+    """A product past 8 tokens 8 at a time (kquant.linear_chunks, FASTCOMM_GGUF_CHUNK_MAX_TOKENS): fused_qkv_a's
+    two padded types, exact activations; every row equal to float64 as a decode call's (a chunk written to the
+    wrong rows, or a short last chunk dropped, shows here)."""
+    k = kq()
+    rng = np.random.default_rng(40 + n)
+    cols = 2048
+    qa, qa_t = weights("Q5_K", (40, cols), seed=41)
+    kva, kva_t = weights("Q8_0", (24, cols), seed=42)
+    padded = np.zeros((64, max(qa.shape[1], kva.shape[1])), np.uint8)
+    padded[:40, :qa.shape[1]], padded[40:, :kva.shape[1]] = qa, kva
+    segs = (k.Segment(k.Q5_K, 0, 40), k.Segment(k.Q8_0, 40, 24))
+    x = exact_activations(rng, n, cols)
+    w = torch.from_numpy(padded).cuda()
+    truth = np.concatenate([qa_t, kva_t])
+    for dtype in (torch.bfloat16, torch.float32):
+        got = k.linear_chunks(torch.from_numpy(x).to(dtype).cuda(), w, segs, form=form)
+        assert got.shape == (n, 64)
+        check(got, x.astype(np.float64) @ truth.T, np.abs(x) @ np.abs(truth).T, dtype)
+
+
+@pytest.mark.parametrize("form", MOE_FORMS)
+def test_moe_chunks_of_any_count(form):
+    """The routed experts of 19 tokens 8 at a time (kquant.moe_chunks; for the grouped forms a foreign id among
+    the routes, as test_moe_repeated_and_foreign_expert_ids): against float64 pair by pair, and each chunk's rows
+    as a decode call on those tokens alone gives them (a chunk written to the wrong rows shows here)."""
+    k = kq()
+    rng = np.random.default_rng(43)
+    experts, hidden, inter, topk, tokens = 6, 512, 256, 4, 19
+    w13, w13_t = weights("Q4_K", (experts, 2 * inter, hidden), seed=44)
+    w2, w2_t = weights("Q5_K", (experts, hidden, inter), seed=45)
+    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    ids = np.stack([rng.permutation(experts)[:topk] for _ in range(tokens)]).astype(np.int32)
+    if form != "pairs":
+        ids[5, 2] = experts + 3  # routed to another rank's expert: adds nothing
+    wts = rng.random((tokens, topk)).astype(np.float32)
+    xt, w13g, w2g = torch.from_numpy(x).cuda(), torch.from_numpy(w13).cuda(), torch.from_numpy(w2).cuda()
+    idg, wtg = torch.from_numpy(ids).cuda(), torch.from_numpy(wts).cuda()
+    got = k.moe_chunks(xt, w13g, w2g, wtg, idg, k.Q4_K, k.Q5_K, _act, silu=True, form=form)
+    want = _moe_reference(x, ids, wts, w13_t, w2_t, experts)
+    rel = np.linalg.norm(got.cpu().numpy() - want) / np.linalg.norm(want)
+    assert rel < 3e-2, rel
+    for a, b in ((0, 8), (8, 16), (16, 19)):
+        alone = k.moe(xt[a:b].clone(), w13g, w2g, wtg[a:b].clone(), idg[a:b].clone(), k.Q4_K, k.Q5_K, _act,
+                      silu=True, form=form)
+        assert torch.equal(got[a:b], alone)
+
+
+def test_linear_chunks_in_a_cuda_graph_replayed_with_new_inputs():
+    """vLLM captures decode batches past 8 tokens too (its capture sizes reach 512): 24 tokens, 3 chunks, one
+    graph, inputs changed between 1000 replays."""
+    k = kq()
+    rng = np.random.default_rng(46)
+    rows, cols, n = 96, 2048, 24
+    stored, truth = weights("Q4_K", (rows, cols), seed=47)
+    w = torch.from_numpy(stored).cuda()
+    segs = (k.Segment(k.Q4_K, 0, rows),)
+    x = torch.zeros(n, cols, dtype=torch.bfloat16, device="cuda")
+    graph, out = _captured(lambda: k.linear_chunks(x, w, segs))
+    for i in range(1000):
+        xi = exact_activations(rng, n, cols)
+        x.copy_(torch.from_numpy(xi))
+        graph.replay()
+        if i % 200 == 0 or i == 999:
+            check(out, xi.astype(np.float64) @ truth.T, np.abs(xi) @ np.abs(truth).T, torch.bfloat16)

@@ -104,16 +104,31 @@ def test_form_choice():
     assert {kquant.moe_form(n, 8, 6144, 2048) for n in range(1, 9)} <= {"grouped", "pairs"}
 
 
-def test_a_prefill_dequantizes_only_past_the_decode_kernels_and_from_its_thresholds():
-    # linears: off at 0 (the default), never for the decode kernels' 1-8 tokens, from the threshold on
-    assert not any(kquant.prefill_dequant(n, 0) for n in (9, 64, 4096))
-    assert not any(kquant.prefill_dequant(n, 1) for n in range(1, kquant.MAX_TOKENS + 1))
-    assert [kquant.prefill_dequant(n, 64) for n in (9, 63, 64, 4096)] == [False, False, True, True]
-    # MoE: by routed tokens an expert; 256 tokens of top 8 are 128 an expert of 16, 8 an expert of 256
-    assert kquant.moe_prefill_dequant(256, 8, 16, 32) and not kquant.moe_prefill_dequant(256, 8, 256, 32)
-    assert kquant.moe_prefill_dequant(1024, 8, 256, 32) and not kquant.moe_prefill_dequant(1023, 8, 256, 32)
-    assert not kquant.moe_prefill_dequant(4096, 8, 16, 0)
-    assert not kquant.moe_prefill_dequant(kquant.MAX_TOKENS, 8, 1, 1)
+def test_a_prefill_dequantizes_from_its_threshold_else_chunks_up_to_its_limit_else_the_plugin():
+    form = kquant.prefill_form
+    assert set(kquant.PREFILL_FORMS) == {"dequant", "chunks", "plugin"}
+    # the decode kernels' own 1-8 tokens are never a prefill's, whatever the settings
+    assert {form(n, 4096, 1) for n in range(1, kquant.MAX_TOKENS + 1)} == {"plugin"}
+    assert [form(n, 0, 0) for n in (9, 64, 4096)] == ["plugin"] * 3  # both off
+    assert [form(n, 0, 64) for n in (9, 63, 64, 4096)] == ["plugin", "plugin", "dequant", "dequant"]
+    assert [form(n, 32, 0) for n in (9, 32, 33)] == ["chunks", "chunks", "plugin"]
+    # dequant first: chunks only where the dequantized form does not take the product
+    assert [form(n, 256, 64) for n in (9, 63, 64, 256, 257)] == ["chunks", "chunks", "dequant", "dequant", "dequant"]
+    # MoE: dequant by routed tokens an expert; 256 tokens of top 8 are 128 an expert of 16, 8 an expert of 256
+    moe = kquant.moe_prefill_form
+    assert moe(256, 8, 16, 0, 32) == "dequant" and moe(256, 8, 256, 0, 32) == "plugin"
+    assert moe(1024, 8, 256, 0, 32) == "dequant" and moe(1023, 8, 256, 0, 32) == "plugin"
+    assert moe(1023, 8, 256, 1023, 32) == "chunks" and moe(4096, 8, 16, 4096, 0) == "chunks"
+    assert moe(kquant.MAX_TOKENS, 8, 1, 4096, 1) == "plugin"
+
+
+def test_chunks_cover_every_row_once_in_decode_sized_calls():
+    for tokens in (1, 8, 9, 16, 19, 64, 257):
+        rows = kquant.chunk_rows(tokens)
+        assert rows[0][0] == 0 and rows[-1][1] == tokens
+        assert all(b == c for (_, b), (c, _) in zip(rows, rows[1:]))  # contiguous, no overlap
+        assert all(1 <= b - a <= kquant.MAX_TOKENS for a, b in rows)
+        assert len(rows) == -(-tokens // kquant.MAX_TOKENS)  # the fewest calls
 
 
 def test_a_moe_form_asked_for_says_why_it_cannot_serve():
@@ -194,3 +209,17 @@ def test_only_16_byte_aligned_weights_reach_the_kernels():
     assert kquant.weights_aligned(0x7F0000000000, 0x7F0000000010)
     assert not kquant.weights_aligned(0x7F0000000000, 0x7F0000000008)
     assert all(kquant.ROW_ALIGN[t] == 16 for t in (kquant.Q4_K, kquant.Q5_K))
+
+
+def test_a_decode_call_past_8_tokens_is_refused_before_any_launch():
+    # The kernels hold at most MAX_TOKENS activation vectors: more must go through the chunked calls, never
+    # silently through a kernel that would read only the first 8.
+    torch = pytest.importorskip("torch")
+    n = kquant.MAX_TOKENS + 1
+    w = torch.zeros(16, 144, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="linear_chunks takes any"):
+        kquant.linear(torch.zeros(n, 256), w, (kquant.Segment(kquant.Q4_K, 0, 16),))
+    w13, w2 = torch.zeros(2, 32, 144, dtype=torch.uint8), torch.zeros(2, 256, 144, dtype=torch.uint8)
+    ids, wts = torch.zeros(n, 2, dtype=torch.int32), torch.ones(n, 2)
+    with pytest.raises(ValueError, match="moe_chunks takes any"):
+        kquant.moe(torch.zeros(n, 256), w13, w2, wts, ids, kquant.Q4_K, kquant.Q4_K, None, silu=True)

@@ -239,24 +239,29 @@ def test_the_token_thresholds_reach_the_kernels(monkeypatch):
     unset, the policy's constants serve (the dequantized forms off); a bad value is named
     when the plugin loads (not at the first product, inside vLLM's model) and the kernels keep their last
     setting."""
+    from fastcomm.config import read
     from fastcomm_vllm.gguf import kquant, kquant_vllm, plugin
 
     def forms():
         f = kquant_vllm._FORMS
-        return f["mma_min"], f["grouped_min"], f["pdl"], f["dequant_min"], f["dequant_moe_min"]
+        return f["mma_min"], f["grouped_min"], f["pdl"], f["dequant_min"], f["dequant_moe_min"], f["chunk_max"]
 
     try:
         monkeypatch.setenv("FASTCOMM_GGUF_MMA_MIN_TOKENS", "5")
         monkeypatch.setenv("FASTCOMM_GGUF_GROUPED_MIN_TOKENS", "9")
         monkeypatch.setenv("FASTCOMM_GGUF_PDL", "0")
-        monkeypatch.setenv("FASTCOMM_GGUF_DEQUANT_MIN_TOKENS", "64")
         monkeypatch.setenv("FASTCOMM_GGUF_DEQUANT_MOE_MIN", "32")
+        monkeypatch.setenv("FASTCOMM_GGUF_DEQUANT_MIN_TOKENS", "128")
+        monkeypatch.setenv("FASTCOMM_GGUF_CHUNK_MAX_TOKENS", "256")
         plugin._decode_kernels()
-        assert forms() == (5, 9, False, 64, 32)
-        for name in ("MMA_MIN_TOKENS", "GROUPED_MIN_TOKENS", "PDL", "DEQUANT_MIN_TOKENS", "DEQUANT_MOE_MIN"):
+        assert forms() == (5, 9, False, 128, 32, 256)
+        for name in ("MMA_MIN_TOKENS", "GROUPED_MIN_TOKENS", "PDL", "DEQUANT_MIN_TOKENS", "DEQUANT_MOE_MIN",
+                     "CHUNK_MAX_TOKENS"):
             monkeypatch.delenv(f"FASTCOMM_GGUF_{name}")
         plugin._decode_kernels()
-        defaults = (kquant.MMA_MIN_TOKENS, kquant.MOE_GROUPED_MIN_TOKENS, True, 0, 0)
+        unset = {name: read(f"FASTCOMM_GGUF_{name}", {}) for name in ("DEQUANT_MIN_TOKENS", "DEQUANT_MOE_MIN",
+                                                                      "CHUNK_MAX_TOKENS")}  # config's defaults
+        defaults = (kquant.MMA_MIN_TOKENS, kquant.MOE_GROUPED_MIN_TOKENS, True, *unset.values())
         assert forms() == defaults
         monkeypatch.setenv("FASTCOMM_GGUF_MMA_MIN_TOKENS", "2")
         monkeypatch.setenv("FASTCOMM_GGUF_GROUPED_MIN_TOKENS", "0")  # named, and the last setting stays
@@ -268,7 +273,8 @@ def test_the_token_thresholds_reach_the_kernels(monkeypatch):
         assert forms() == defaults
     finally:
         kquant_vllm._FORMS.update(tensor_cores=True, mma_min=kquant.MMA_MIN_TOKENS,
-                                  grouped_min=kquant.MOE_GROUPED_MIN_TOKENS, pdl=True, dequant_min=0, dequant_moe_min=0)
+                                  grouped_min=kquant.MOE_GROUPED_MIN_TOKENS, pdl=True, dequant_min=0, dequant_moe_min=0,
+                                  chunk_max=0)
 
 
 def test_the_prefill_dequantized_forms_find_what_they_call():

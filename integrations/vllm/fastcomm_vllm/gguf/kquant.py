@@ -223,22 +223,45 @@ def decode_tokens_ok(tokens: int) -> bool:
     return 1 <= tokens <= MAX_TOKENS
 
 
-# A prefill (past MAX_TOKENS) goes to the plugin's kernels, whose K-quant GEMMs (MMQ, ggml_moe_a8) multiply on
-# dp4a. Why dequantizing can win: 8 prompts of 32 tokens took 1.24 s to their first tokens against FP8's 0.45 s
-# on the same shapes (H200, thirteenth session), and a bf16 GEMM on the tensor cores plus one pass writing the
-# weight out costs less than a compute-bound dp4a GEMM once the tokens are many. Off until a run sets them.
-def prefill_dequant(tokens: int, min_tokens: int) -> bool:
-    """Does a linear product of ``tokens`` dequantize its weight to bf16 for a cuBLAS GEMM (instead of the
-    plugin's MMQ)? From ``min_tokens`` (FASTCOMM_GGUF_DEQUANT_MIN_TOKENS; 0: never), past the decode kernels'."""
-    return min_tokens > 0 and tokens > MAX_TOKENS and tokens >= min_tokens
+# A prefill (past MAX_TOKENS) went to the plugin's kernels, whose K-quant GEMMs (MMQ, ggml_moe_a8) multiply on
+# dp4a and cost 4-40x the weight-read time (8 prompts of 32 tokens: 1.31 s to their first tokens against FP8's
+# 0.97 s on the same shapes; H200, fourteenth session). Two ways past them, each with its own threshold:
+# - dequant: the weight to bf16, then a GEMM on the tensor cores. Writing the weight out costs the same for 9
+#   tokens as for 9000, so it pays from many tokens (the linears of a 256-token prefill: 450 -> 63 ms; on from
+#   64). The MoE's form writes every expert out; it slowed 8 requests' decode in the one run it had, so it is off.
+# - chunks: fastcomm's decode kernels on MAX_TOKENS rows at a time, each chunk a full weight read (8 tokens:
+#   6.1 ms for a step's linears, 140 us a MoE layer, against the plugin's 44 ms and 1465 us at 16 tokens). It
+#   pays from 9 tokens until chunks x one read pass the dequantized form's cost. Off until a run times it
+#   end to end (FASTCOMM_GGUF_CHUNK_MAX_TOKENS).
+PREFILL_FORMS = ("dequant", "chunks", "plugin")
 
 
-def moe_prefill_dequant(tokens: int, topk: int, experts: int, min_per_expert: int) -> bool:
-    """Does an MoE layer's product of ``tokens`` dequantize all ``experts`` to bf16 for vLLM's fused_experts?
-    When its routed pairs are at least ``min_per_expert`` an expert on average (FASTCOMM_GGUF_DEQUANT_MOE_MIN; 0:
-    never): writing every expert out costs the same for 1 token as for 1000, so it pays only where each expert's
-    weights serve many tokens (GLM-5's 256 experts need 16x the tokens of the 16-expert benchmark model)."""
-    return min_per_expert > 0 and tokens > MAX_TOKENS and tokens * topk >= min_per_expert * experts
+def prefill_form(tokens: int, chunk_max: int, dequant_min: int) -> str:
+    """How a linear product of ``tokens`` past the decode kernels' runs (PREFILL_FORMS): ``dequant`` from
+    ``dequant_min`` (FASTCOMM_GGUF_DEQUANT_MIN_TOKENS), else ``chunks`` up to ``chunk_max``
+    (FASTCOMM_GGUF_CHUNK_MAX_TOKENS), else the plugin's; 0 turns either off. 1-8 tokens: ``plugin`` (the decode
+    kernels' own, not a prefill's)."""
+    if tokens <= MAX_TOKENS:
+        return "plugin"
+    if dequant_min > 0 and tokens >= dequant_min:
+        return "dequant"
+    return "chunks" if tokens <= chunk_max else "plugin"
+
+
+def moe_prefill_form(tokens: int, topk: int, experts: int, chunk_max: int, dequant_per_expert: int) -> str:
+    """``prefill_form`` for an MoE layer, whose dequantized form starts where its routed pairs reach
+    ``dequant_per_expert`` an expert on average (FASTCOMM_GGUF_DEQUANT_MOE_MIN): it writes all ``experts`` out,
+    so GLM-5's 256 experts need 16x the tokens of the 16-expert benchmark model."""
+    if tokens <= MAX_TOKENS:
+        return "plugin"
+    if dequant_per_expert > 0 and tokens * topk >= dequant_per_expert * experts:
+        return "dequant"
+    return "chunks" if tokens <= chunk_max else "plugin"
+
+
+def chunk_rows(tokens: int) -> list[tuple[int, int]]:
+    """(start, stop) rows of each decode-kernel call of a chunked product: MAX_TOKENS a call, the rest last."""
+    return [(i, min(i + MAX_TOKENS, tokens)) for i in range(0, tokens, MAX_TOKENS)]
 
 
 def gemv_variant(tokens: int) -> int:
@@ -398,22 +421,36 @@ def _aligned(x):
     return x
 
 
+def _out(out, rows: int, cols: int, x):
+    """``out`` checked as a contiguous [rows, cols] of x's dtype on x's device (the kernels write it densely),
+    or a new one."""
+    import torch
+
+    if out is None:
+        return torch.empty(rows, cols, dtype=x.dtype, device=x.device)
+    if tuple(out.shape) != (rows, cols) or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {x.dtype} [{rows}, {cols}] on {x.device} (got {out.dtype} "
+                         f"{list(out.shape)} on {out.device})")
+    return out
+
+
 def linear(x, qweight, segments: tuple[Segment, ...], form: str | None = None, tensor_cores: bool = True,
-           mma_min: int = MMA_MIN_TOKENS, warps: int | None = None, pdl: bool = True):
+           mma_min: int = MMA_MIN_TOKENS, warps: int | None = None, pdl: bool = True, out=None):
     """x [n, cols] (n <= 8) times the segments' rows of ``qweight`` (uint8 [rows, row_stride]): [n, sum rows].
     ``form``: one of FORMS_LINEAR (None: ``linear_form``'s choice, the mma form only with ``tensor_cores``,
     from ``mma_min`` tokens); ``warps``: the mma form's warps a tile (None: ``mma_warps``'); ``pdl``: the mma form
-    may launch as a dependent of its quantize launch (FASTCOMM_GGUF_PDL, ``dependent_launch``)."""
-    import torch
-
+    may launch as a dependent of its quantize launch (FASTCOMM_GGUF_PDL, ``dependent_launch``); ``out``: where
+    to write the product (``_out``), e.g. rows of a chunked product's output."""
     if not weights_aligned(qweight.data_ptr()):
         raise ValueError(f"the K-quant kernels need a 16-byte aligned weight (at {qweight.data_ptr():#x})")
+    if not decode_tokens_ok(x.shape[0]):
+        raise ValueError(f"linear takes 1-{MAX_TOKENS} tokens (got {x.shape[0]}; linear_chunks takes any)")
     x = _aligned(x)
     n, cols = x.shape
     dev, dt, stream = x.device.index, _dt(x), _stream(x)
     table = _segs_table(qweight.data_ptr(), qweight.stride(0) * qweight.element_size(), segments)
     total = table.total_rows
-    out = torch.empty(n, total, dtype=x.dtype, device=x.device)
+    out = _out(out, n, total, x)
     fits = staged_fits(dev, n, cols)
     form = form or linear_form(n, tensor_cores and mma_ok(segments, cols), fits, mma_min)
     if form == "mma":
@@ -438,19 +475,21 @@ def linear(x, qweight, segments: tuple[Segment, ...], form: str | None = None, t
 
 def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu: bool = False,
         form: str | None = None, tensor_cores: bool = True, grouped_min: int = MOE_GROUPED_MIN_TOKENS,
-        shared_warps: int = MOE_SHARED_WARPS):
+        shared_warps: int = MOE_SHARED_WARPS, out=None):
     """The routed experts of 1-8 tokens: x [T, hidden], w13 [E, 2 inter, row13], w2 [E, hidden, row2] (uint8
     blocks); returns [T, hidden], each token's experts summed in their top-k order, router weights applied.
     ``activation`` maps [pairs, 2 inter] to [pairs, inter]; ``silu``: it is vLLM's silu_and_mul, which the
     activations' quantize launch then applies itself (``activation`` is not called). ``form``: one of FORMS_MOE
     (None: ``moe_form``'s, the grouped form only with ``tensor_cores``, from ``grouped_min`` tokens); a form that
     cannot serve the shapes raises ValueError (``moe_form_error`` says why). ``shared_warps``: the shared form's
-    tiles a block (1, 2, 4 or 8; the benchmark times each)."""
+    tiles a block (1, 2, 4 or 8; the benchmark times each); ``out``: where to write the sums (``_out``)."""
     import torch
 
     if not weights_aligned(w13.data_ptr(), w2.data_ptr()):
         raise ValueError(f"the K-quant kernels need 16-byte aligned expert weights (at {w13.data_ptr():#x}, "
                          f"{w2.data_ptr():#x})")
+    if not decode_tokens_ok(x.shape[0]):
+        raise ValueError(f"moe takes 1-{MAX_TOKENS} tokens (got {x.shape[0]}; moe_chunks takes any)")
     x = _aligned(x)
     tokens, hidden = x.shape
     topk = topk_ids.shape[1]
@@ -483,7 +522,7 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu:
                 abi.KQ_THREADS, stream, (w13.data_ptr(), e13, r13, t13, rows13, hidden, ids.data_ptr(), topk,
                                          xq.data_ptr(), xds.data_ptr(), up.data_ptr()))
     aq, ads = quantize(up, silu=True, mma=grouped) if silu else quantize(_aligned(activation(up)), mma=grouped)
-    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    out = _out(out, tokens, hidden, x)
     if grouped:
         y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
         down = (w2.data_ptr(), e2, r2, t2, hidden, inter, ids.data_ptr(), topk, pairs, aq.data_ptr(), ads.data_ptr(),
@@ -499,4 +538,23 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu:
     _launch(dev, abi.KQ_MOE_DOWN, dt, ((hidden + abi.KQ_ROWS_PER_BLOCK - 1) // abi.KQ_ROWS_PER_BLOCK, tokens),
             abi.KQ_THREADS, stream, (w2.data_ptr(), e2, r2, t2, hidden, inter, ids.data_ptr(), weights.data_ptr(),
                                      topk, aq.data_ptr(), ads.data_ptr(), out.data_ptr()))
+    return out
+
+
+def linear_chunks(x, qweight, segments: tuple[Segment, ...], **forms):
+    """``linear`` for any number of tokens: MAX_TOKENS rows a call (``chunk_rows``) into one output, each call its
+    own read of the weight; ``forms`` as ``linear`` takes them. No host sync: a CUDA graph can hold it."""
+    x = _aligned(x)
+    out = _out(None, x.shape[0], sum(s.rows for s in segments), x)
+    for a, b in chunk_rows(x.shape[0]):
+        linear(x[a:b], qweight, segments, out=out[a:b], **forms)
+    return out
+
+
+def moe_chunks(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, **forms):
+    """``moe`` for any number of tokens, MAX_TOKENS a call as ``linear_chunks``; ``forms`` as ``moe`` takes them."""
+    x = _aligned(x)
+    out = _out(None, x.shape[0], x.shape[1], x)
+    for a, b in chunk_rows(x.shape[0]):
+        moe(x[a:b], w13, w2, topk_weights[a:b], topk_ids[a:b], t13, t2, activation, out=out[a:b], **forms)
     return out

@@ -3,10 +3,11 @@
 ``install()`` wraps ``GGUFLinearMethod.apply`` (every quantized linear layer, the LM head included) and
 ``GGUFMoEMethod.apply``: a layer whose weights the kernels can read (``kquant.plan_linear`` /
 ``kquant.moe_types_ok``, decided once per layer) calls a torch custom op that takes fastcomm's kernels for
-1-8 tokens and the plugin's own function otherwise, so a CUDA graph of a decode batch records fastcomm's
-kernels and a prefill runs exactly as the plugin would. Layers the kernels cannot read keep the plugin's
-``apply``. A prefill may instead dequantize the weights to bf16 for the tensor cores (``dequant_linear`` /
-``dequant_moe``; kquant.prefill_dequant, off unless FASTCOMM_GGUF_DEQUANT_* set it). Idempotent.
+1-8 tokens (a decode step, an MTP verify), so a CUDA graph of a decode batch records fastcomm's kernels.
+Layers the kernels cannot read keep the plugin's ``apply``. A prefill (past 8 tokens) takes the form
+kquant.prefill_form / moe_prefill_form choose: the weights dequantized to bf16 for the tensor cores
+(``dequant_linear`` / ``dequant_moe``; FASTCOMM_GGUF_DEQUANT_*), fastcomm's kernels 8 tokens at a time
+(kquant.linear_chunks / moe_chunks; FASTCOMM_GGUF_CHUNK_MAX_TOKENS), or the plugin's own function. Idempotent.
 ``install(tensor_cores=False)`` (FASTCOMM_GGUF_KERNELS=dp4a) keeps the products on
 the dp4a forms; ``mma_min`` / ``grouped_min`` move the tensor-core forms' token thresholds
 (FASTCOMM_GGUF_MMA_MIN_TOKENS / FASTCOMM_GGUF_GROUPED_MIN_TOKENS); ``pdl`` allows the dense tensor-core form's
@@ -21,7 +22,7 @@ from . import kquant
 _PLAN = "_fastcomm_kq_plan"  # per layer: the segments (linear), True (MoE), or None (the plugin's path)
 # Set once by install(), from the FASTCOMM_GGUF_* settings, before any layer runs.
 _FORMS = {"tensor_cores": True, "mma_min": kquant.MMA_MIN_TOKENS, "grouped_min": kquant.MOE_GROUPED_MIN_TOKENS,
-          "pdl": True, "dequant_min": 0, "dequant_moe_min": 0}
+          "pdl": True, "dequant_min": 0, "dequant_moe_min": 0, "chunk_max": 0}
 
 
 def dequant_linear(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts: list[int],
@@ -56,12 +57,16 @@ def _linear_fn(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts:
                rows: list[int]) -> torch.Tensor:
     from vllm_gguf_plugin.quantization import linear as plin
 
-    if kquant.decode_tokens_ok(x.shape[0]) and kquant.weights_aligned(qweight.data_ptr()):
-        segs = tuple(kquant.Segment(t, s, r) for t, s, r in zip(types, starts, rows))
-        return kquant.linear(x, qweight, segs, tensor_cores=_FORMS["tensor_cores"], mma_min=_FORMS["mma_min"],
-                             pdl=_FORMS["pdl"])
-    if kquant.prefill_dequant(x.shape[0], _FORMS["dequant_min"]):
+    aligned = kquant.weights_aligned(qweight.data_ptr())
+    segs = tuple(kquant.Segment(t, s, r) for t, s, r in zip(types, starts, rows))
+    forms = {"tensor_cores": _FORMS["tensor_cores"], "mma_min": _FORMS["mma_min"], "pdl": _FORMS["pdl"]}
+    if kquant.decode_tokens_ok(x.shape[0]) and aligned:
+        return kquant.linear(x, qweight, segs, **forms)
+    prefill = kquant.prefill_form(x.shape[0], _FORMS["chunk_max"] if aligned else 0, _FORMS["dequant_min"])
+    if prefill == "dequant":
         return dequant_linear(x, qweight, types, starts, rows)
+    if prefill == "chunks":
+        return kquant.linear_chunks(x, qweight, segs, **forms)
     # Bytes of a row a segment uses (its shard's type over x's columns; the stored rows are padded to the widest).
     used = [kquant.BLOCKS[t][1] * (x.shape[1] // kquant.BLOCKS[t][0]) for t in types]
     if len(types) == 1 and used[0] == qweight.shape[1] and rows[0] == qweight.shape[0]:
@@ -93,12 +98,16 @@ def _moe_fn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: 
             topk_ids: torch.Tensor, t13: int, t2: int, activation: str) -> torch.Tensor:
     from vllm_gguf_plugin.quantization import fused_moe as pmoe
 
-    if kquant.decode_tokens_ok(x.shape[0]) and kquant.weights_aligned(w13.data_ptr(), w2.data_ptr()):
-        return kquant.moe(x, w13, w2, topk_weights, topk_ids, t13, t2, _activation(activation),
-                          silu=activation == "silu", tensor_cores=_FORMS["tensor_cores"],
-                          grouped_min=_FORMS["grouped_min"])
-    if kquant.moe_prefill_dequant(x.shape[0], topk_ids.shape[1], w13.shape[0], _FORMS["dequant_moe_min"]):
+    aligned = kquant.weights_aligned(w13.data_ptr(), w2.data_ptr())
+    forms = {"silu": activation == "silu", "tensor_cores": _FORMS["tensor_cores"], "grouped_min": _FORMS["grouped_min"]}
+    if kquant.decode_tokens_ok(x.shape[0]) and aligned:
+        return kquant.moe(x, w13, w2, topk_weights, topk_ids, t13, t2, _activation(activation), **forms)
+    prefill = kquant.moe_prefill_form(x.shape[0], topk_ids.shape[1], w13.shape[0],
+                                      _FORMS["chunk_max"] if aligned else 0, _FORMS["dequant_moe_min"])
+    if prefill == "dequant":
         return dequant_moe(x, w13, w2, topk_weights, topk_ids, t13, t2, activation)
+    if prefill == "chunks":
+        return kquant.moe_chunks(x, w13, w2, topk_weights, topk_ids, t13, t2, _activation(activation), **forms)
     return pmoe._fused_moe_gguf(x, w13, w2, topk_weights, topk_ids, t13, t2, activation)
 
 
@@ -163,8 +172,9 @@ def _after_loading(original, plan):
 
 
 def install(tensor_cores: bool = True, mma_min: int | None = None, grouped_min: int | None = None,
-            pdl: bool = True, dequant_min: int = 0, dequant_moe_min: int = 0) -> bool:
-    """Wrap the plugin's methods (once); False when the plugin is not importable here."""
+            pdl: bool = True, dequant_min: int = 0, dequant_moe_min: int = 0, chunk_max: int = 0) -> bool:
+    """Wrap the plugin's methods (once); False when the plugin is not importable here. The prefill's settings
+    (``dequant_min``, ``dequant_moe_min``, ``chunk_max``) as kquant.prefill_form takes them; 0: off."""
     try:
         from vllm_gguf_plugin.quantization import fused_moe as pmoe, linear as plin
     except ImportError:
@@ -173,7 +183,7 @@ def install(tensor_cores: bool = True, mma_min: int | None = None, grouped_min: 
     _FORMS["mma_min"] = mma_min or kquant.MMA_MIN_TOKENS
     _FORMS["grouped_min"] = grouped_min or kquant.MOE_GROUPED_MIN_TOKENS
     _FORMS["pdl"] = pdl
-    _FORMS["dequant_min"], _FORMS["dequant_moe_min"] = dequant_min, dequant_moe_min
+    _FORMS.update(dequant_min=dequant_min, dequant_moe_min=dequant_moe_min, chunk_max=chunk_max)
     if getattr(plin.GGUFLinearMethod.apply, "_fastcomm", False):
         return True
     register_ops()

@@ -61,8 +61,9 @@ def _decode_kernels() -> None:
         setting = read("FASTCOMM_GGUF_KERNELS")
         mma_min, grouped_min = read("FASTCOMM_GGUF_MMA_MIN_TOKENS"), read("FASTCOMM_GGUF_GROUPED_MIN_TOKENS")
         pdl = read("FASTCOMM_GGUF_PDL")
-        dequant = {"dequant_min": read("FASTCOMM_GGUF_DEQUANT_MIN_TOKENS"),
-                   "dequant_moe_min": read("FASTCOMM_GGUF_DEQUANT_MOE_MIN")}
+        prefill = {"dequant_min": read("FASTCOMM_GGUF_DEQUANT_MIN_TOKENS"),
+                   "dequant_moe_min": read("FASTCOMM_GGUF_DEQUANT_MOE_MIN"),
+                   "chunk_max": read("FASTCOMM_GGUF_CHUNK_MAX_TOKENS")}
     except ConfigError as e:  # a plugin hook must not stop vLLM: say it, keep the plugin's kernels
         logger.warning("fastcomm: %s; GGUF products stay with vllm-gguf-plugin's kernels", e)
         return
@@ -71,14 +72,14 @@ def _decode_kernels() -> None:
     from . import kquant_vllm
 
     if kquant_vllm.install(tensor_cores=setting != "dp4a", mma_min=mma_min, grouped_min=grouped_min, pdl=pdl,
-                           **dequant):
+                           **prefill):
         logger.info("fastcomm: GGUF products of 1-%d tokens through fastcomm's K-quant kernels%s "
                     "(FASTCOMM_GGUF_KERNELS=plugin: the plugin's)", kquant_vllm.kquant.MAX_TOKENS,
                     " (dp4a forms only)" if setting == "dp4a" else "")
-        if dequant["dequant_min"] or dequant["dequant_moe_min"]:
-            logger.info("fastcomm: GGUF prefills dequantized for the tensor cores: linears from %s tokens, MoE "
-                        "from %s routed tokens an expert (0: never)", dequant["dequant_min"],
-                        dequant["dequant_moe_min"])
+        logger.info("fastcomm: GGUF products past %d tokens: dequantized for the tensor cores (linears from %s "
+                    "tokens, MoE from %s routed tokens an expert), else fastcomm's kernels 8 tokens at a time up to "
+                    "%s tokens, else the plugin's (0: never)", kquant_vllm.kquant.MAX_TOKENS, prefill["dequant_min"],
+                    prefill["dequant_moe_min"], prefill["chunk_max"])
 
 
 def _teach_replicated_linear() -> None:
