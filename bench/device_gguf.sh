@@ -39,7 +39,7 @@
 #    python -m fastcomm_bench.gguf_kernels (plugin vs fastcomm per product at GLM-5's shapes, $OUT/gguf-kernels.json):
 #        eval "$(bash .stage/install.sh)" && bash bench/device_gguf.sh kquant .gguf_stage
 #    KQUANT_TOKENS=8,16,64,256 adds a prefill's products: the plugin's against the weights dequantized for the
-#    tensor cores (FASTCOMM_GGUF_DEQUANT_*) and fastcomm's kernels 8 tokens at a time
+#    tensor cores (FASTCOMM_GGUF_DEQUANT_*) and fastcomm's kernels 8 tokens a call
 #    (FASTCOMM_GGUF_CHUNK_MAX_TOKENS); --suggest on the JSON says from / up to how many tokens they win.
 #    The figures above take fastcomm's kernels by default; FASTCOMM_GGUF_KERNELS=plugin gives the plugin's.
 # 3c. A/B of kernel variants, committed revisions side by side in one call (no vLLM needed; ~90 s a tree):

@@ -19,7 +19,7 @@ result matches the plugin's (relative error), and prints a per-step sum: 75 MoE 
 LM head, as in one decode step of the 78-layer model. FASTCOMM_GGUF_PDL=0 times the mma form launched plainly.
 Token counts past fastcomm's 1-8 are a prefill's: the plugin's path against the weights dequantized to bf16 on
 the tensor cores (``dequant``: cuBLAS for the linears, vLLM's fused_experts for the MoE) and against fastcomm's
-kernels 8 tokens at a time (``chunks``, also timed launched eagerly as a prefill runs them: ``eager``), the
+kernels 8 tokens a call (the MoE up to 32) (``chunks``, also timed launched eagerly as a prefill runs them: ``eager``), the
 form kquant.prefill_form takes marked; no LM head (a prefill's logits are its last positions').
 Needs a GPU; the plugin's rows need vllm-gguf-plugin with its CUDA extension (without it they read '-').
 """
@@ -416,7 +416,7 @@ def _chunks_us(r) -> float:
 def chunk_limit(prefill: list[dict], dequant_min: int, dequant_moe_min: int) -> int:
     """FASTCOMM_GGUF_CHUNK_MAX_TOKENS from a run's prefill rows and the dequantized forms' thresholds: the most
     measured tokens up to which, at every smaller measured count too, the products the policy does not dequantize
-    sum to no more per step 8 tokens at a time (``_chunks_us``) than through the plugin's kernels (0: never).
+    sum to no more per step in calls of 8 tokens (``_chunks_us``) than through the plugin's kernels (0: never).
     A count where the dequantized forms take every product neither extends the limit nor ends it."""
     from fastcomm_vllm.gguf import kquant
 

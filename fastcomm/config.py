@@ -179,7 +179,7 @@ VARIABLES: tuple[Var, ...] = (
         "(bench/RESULTS.md).", _bool),
     Var("FASTCOMM_GGUF_KERNELS", "gguf_kernels", "auto", "auto | dp4a | plugin: GGUF products of 1-8 tokens "
         "(decode, MTP verify) through fastcomm's K-quant kernels (csrc/kquant.cu; Q4_K, Q5_K, Q6_K, Q8_0 weights), "
-        "the rest through vllm-gguf-plugin's (or dequantized, FASTCOMM_GGUF_DEQUANT_*, or 8 at a time, "
+        "the rest through vllm-gguf-plugin's (or dequantized, FASTCOMM_GGUF_DEQUANT_*, or in calls of 8, "
         "FASTCOMM_GGUF_CHUNK_MAX_TOKENS); dp4a: fastcomm's without "
         "the tensor-core forms; plugin: all through the plugin's.", _choice(*GGUF_KERNEL_SETTINGS)),
     Var("FASTCOMM_GGUF_MMA_MIN_TOKENS", "gguf_mma_min_tokens", "", "Tokens from which a GGUF linear layer's product "
@@ -198,8 +198,8 @@ VARIABLES: tuple[Var, ...] = (
         "8 requests' decode on an H200).", _count),
     Var("FASTCOMM_GGUF_CHUNK_MAX_TOKENS", "gguf_chunk_max_tokens", "0", "Tokens up to which a GGUF product past "
         "1-8 (a prefill, or a decode batch of 9+) that is not dequantized runs through fastcomm's K-quant kernels 8 "
-        "tokens at a time, each a read of the weight, instead of the plugin's dp4a kernels; 0: never (not yet timed "
-        "end to end).", _count),
+        "tokens a call (the MoE up to 32 of top 8), each call a read of the weights, instead of the plugin's dp4a "
+        "kernels; 0: never (not yet timed end to end).", _count),
     Var("FASTCOMM_GGUF_PDL", "gguf_pdl", "1", "1 lets fastcomm's dense tensor-core K-quant product start while the "
         "quantize launch before it runs (programmatic dependent launch, sm_90+: it fetches its first weights, then "
         "waits on the GPU for the activations); 0: plain launches.", _bool),

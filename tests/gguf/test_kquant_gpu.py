@@ -6,7 +6,7 @@ output dtype's rounding. Random activations are held to the int8 activation erro
 CUDA kernels where the plugin is installed. Also: multi-shard weights stored padded (read in place), the MoE
 (grouped by expert on the tensor cores, and per (token, expert) pair) with repeated and out-of-range expert
 ids, NaN, and CUDA graphs replayed with inputs (and routing) changed between replays; products past 8 tokens
-8 at a time (linear_chunks, moe_chunks); each linear test for every form (mma, staged, unstaged:
+in calls of 8 (linear_chunks; moe_chunks: the grouped forms up to their route table's pairs); each linear test for every form (mma, staged, unstaged:
 kquant.FORMS_LINEAR), each MoE test for each (grouped, pairs, shared: kquant.FORMS_MOE).
 Needs a GPU, torch, CuPy and gguf (not vLLM).
 """
@@ -484,12 +484,13 @@ def test_linear_chunks_of_any_count_read_in_place(n, form):
 
 @pytest.mark.parametrize("form", MOE_FORMS)
 def test_moe_chunks_of_any_count(form):
-    """The routed experts of 19 tokens 8 at a time (kquant.moe_chunks; for the grouped forms a foreign id among
-    the routes, as test_moe_repeated_and_foreign_expert_ids): against float64 pair by pair, and each chunk's rows
-    as a decode call on those tokens alone gives them (a chunk written to the wrong rows shows here)."""
+    """The routed experts of 70 tokens of top 4 (kquant.moe_chunks: the grouped forms 64 tokens a call, their
+    route table's 256 pairs, then 6; the pairs form 8 a call), for the grouped forms a foreign id among the
+    routes (as test_moe_repeated_and_foreign_expert_ids): against float64 pair by pair, and each call's rows as
+    ``moe`` on those tokens alone gives them (a call written to the wrong rows shows here)."""
     k = kq()
     rng = np.random.default_rng(43)
-    experts, hidden, inter, topk, tokens = 6, 512, 256, 4, 19
+    experts, hidden, inter, topk, tokens = 6, 512, 256, 4, 70
     w13, w13_t = weights("Q4_K", (experts, 2 * inter, hidden), seed=44)
     w2, w2_t = weights("Q5_K", (experts, hidden, inter), seed=45)
     x = rng.standard_normal((tokens, hidden)).astype(np.float32)
@@ -503,10 +504,37 @@ def test_moe_chunks_of_any_count(form):
     want = _moe_reference(x, ids, wts, w13_t, w2_t, experts)
     rel = np.linalg.norm(got.cpu().numpy() - want) / np.linalg.norm(want)
     assert rel < 3e-2, rel
-    for a, b in ((0, 8), (8, 16), (16, 19)):
+    calls = k.chunk_rows(tokens, k.moe_call_tokens(topk, hidden, inter, form))
+    assert len(calls) == (2 if form != "pairs" else 9)
+    for a, b in calls:
         alone = k.moe(xt[a:b].clone(), w13g, w2g, wtg[a:b].clone(), idg[a:b].clone(), k.Q4_K, k.Q5_K, _act,
                       silu=True, form=form)
         assert torch.equal(got[a:b], alone)
+
+
+@pytest.mark.parametrize("form", ["grouped", "shared"])
+def test_moe_grouped_forms_at_their_route_tables_limit(form):
+    """32 tokens of top 8, the 256 pairs a grouped launch routes (16 experts: 16 pairs an expert on average,
+    two or more passes of a tile), bf16: against float64, and against 8-token calls of the same form."""
+    k = kq()
+    rng = np.random.default_rng(48)
+    experts, hidden, inter, topk = 16, 512, 256, 8
+    tokens = k.abi.KQ_MAX_PAIRS // topk
+    w13, w13_t = weights("Q4_K", (experts, 2 * inter, hidden), seed=49)
+    w2, w2_t = weights("Q6_K", (experts, hidden, inter), seed=50)
+    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    ids = np.stack([rng.permutation(experts)[:topk] for _ in range(tokens)]).astype(np.int32)
+    wts = rng.random((tokens, topk)).astype(np.float32)
+    xt = torch.from_numpy(x).to(torch.bfloat16).cuda()
+    w13g, w2g = torch.from_numpy(w13).cuda(), torch.from_numpy(w2).cuda()
+    idg, wtg = torch.from_numpy(ids).cuda(), torch.from_numpy(wts).cuda()
+    got = k.moe(xt, w13g, w2g, wtg, idg, k.Q4_K, k.Q6_K, _act, silu=True, form=form)
+    want = _moe_reference(xt.float().cpu().numpy(), ids, wts, w13_t, w2_t, experts)
+    assert np.linalg.norm(got.float().cpu().numpy() - want) / np.linalg.norm(want) < 3e-2
+    eights = torch.cat([k.moe(xt[a:a + 8], w13g, w2g, wtg[a:a + 8], idg[a:a + 8], k.Q4_K, k.Q6_K, _act, silu=True,
+                              form=form) for a in range(0, tokens, 8)])
+    # the same pairs, only grouped differently: fp32 sums of the same products, rounded to bf16 once
+    assert float((got.float() - eights.float()).norm() / eights.float().norm()) < 1e-2
 
 
 def test_linear_chunks_in_a_cuda_graph_replayed_with_new_inputs():

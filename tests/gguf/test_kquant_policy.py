@@ -211,6 +211,18 @@ def test_only_16_byte_aligned_weights_reach_the_kernels():
     assert all(kquant.ROW_ALIGN[t] == 16 for t in (kquant.Q4_K, kquant.Q5_K))
 
 
+def test_a_moe_call_takes_what_the_grouped_route_table_holds_and_the_pairs_form_8():
+    calls = kquant.moe_call_tokens
+    assert calls(8, 6144, 2048) == abi.KQ_MAX_PAIRS // 8 == 32  # GLM-5: 32 tokens of top 8 a call
+    assert calls(4, 6144, 2048) == 64 and calls(8, 6144, 2048, form="shared") == 32
+    assert calls(64, 6144, 2048) == kquant.MAX_TOKENS  # never fewer than the decode kernels' 8
+    assert calls(8, 6144, 2048, form="pairs") == kquant.MAX_TOKENS
+    assert calls(8, 6144, 2048, tensor_cores=False) == kquant.MAX_TOKENS  # FASTCOMM_GGUF_KERNELS=dp4a
+    assert calls(8, 6144, 2048, min_tokens=9) == kquant.MAX_TOKENS  # FASTCOMM_GGUF_GROUPED_MIN_TOKENS=9
+    assert calls(8, 6144, 2000) == kquant.MAX_TOKENS  # shapes the grouped tiles cannot read
+    assert kquant.chunk_rows(70, 32) == [(0, 32), (32, 64), (64, 70)]
+
+
 def test_a_decode_call_past_8_tokens_is_refused_before_any_launch():
     # The kernels hold at most MAX_TOKENS activation vectors: more must go through the chunked calls, never
     # silently through a kernel that would read only the first 8.
@@ -221,5 +233,11 @@ def test_a_decode_call_past_8_tokens_is_refused_before_any_launch():
         kquant.linear(torch.zeros(n, 256), w, (kquant.Segment(kquant.Q4_K, 0, 16),))
     w13, w2 = torch.zeros(2, 32, 144, dtype=torch.uint8), torch.zeros(2, 256, 144, dtype=torch.uint8)
     ids, wts = torch.zeros(n, 2, dtype=torch.int32), torch.ones(n, 2)
-    with pytest.raises(ValueError, match="moe_chunks takes any"):
+    with pytest.raises(ValueError, match="moe_chunks takes any"):  # these shapes leave it the pairs form
         kquant.moe(torch.zeros(n, 256), w13, w2, wts, ids, kquant.Q4_K, kquant.Q4_K, None, silu=True)
+    # the grouped form takes up to its route table's pairs in a call, and no more
+    w13 = torch.zeros(2, 512, 144, dtype=torch.uint8)
+    big = abi.KQ_MAX_PAIRS // 2 + 1
+    with pytest.raises(ValueError, match=r"routes at most .* \(moe_chunks takes any number of tokens\)"):
+        kquant.moe(torch.zeros(big, 256), w13, w2, torch.ones(big, 2), torch.zeros(big, 2, dtype=torch.int32),
+                   kquant.Q4_K, kquant.Q4_K, None, silu=True, form="grouped")

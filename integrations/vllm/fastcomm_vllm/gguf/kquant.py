@@ -229,10 +229,11 @@ def decode_tokens_ok(tokens: int) -> bool:
 # - dequant: the weight to bf16, then a GEMM on the tensor cores. Writing the weight out costs the same for 9
 #   tokens as for 9000, so it pays from many tokens (the linears of a 256-token prefill: 450 -> 63 ms; on from
 #   64). The MoE's form writes every expert out; it slowed 8 requests' decode in the one run it had, so it is off.
-# - chunks: fastcomm's decode kernels on MAX_TOKENS rows at a time, each chunk a full weight read (8 tokens:
-#   6.1 ms for a step's linears, 140 us a MoE layer, against the plugin's 44 ms and 1465 us at 16 tokens). It
-#   pays from 9 tokens until chunks x one read pass the dequantized form's cost. Off until a run times it
-#   end to end (FASTCOMM_GGUF_CHUNK_MAX_TOKENS).
+# - chunks: fastcomm's decode kernels on MAX_TOKENS rows at a time (the grouped MoE on up to 32 tokens of top 8
+#   a call, its route table's limit), each call a read of the weights (8 tokens: 6.1 ms for a step's linears,
+#   140 us a MoE layer, against the plugin's 44 ms and 1465 us at 16 tokens). It pays from 9 tokens until the
+#   calls' reads pass the dequantized form's cost. Off until a run times it end to end
+#   (FASTCOMM_GGUF_CHUNK_MAX_TOKENS).
 PREFILL_FORMS = ("dequant", "chunks", "plugin")
 
 
@@ -259,9 +260,22 @@ def moe_prefill_form(tokens: int, topk: int, experts: int, chunk_max: int, dequa
     return "chunks" if tokens <= chunk_max else "plugin"
 
 
-def chunk_rows(tokens: int) -> list[tuple[int, int]]:
-    """(start, stop) rows of each decode-kernel call of a chunked product: MAX_TOKENS a call, the rest last."""
-    return [(i, min(i + MAX_TOKENS, tokens)) for i in range(0, tokens, MAX_TOKENS)]
+def chunk_rows(tokens: int, size: int = MAX_TOKENS) -> list[tuple[int, int]]:
+    """(start, stop) rows of each kernel call of a chunked product: ``size`` a call, the rest last."""
+    return [(i, min(i + size, tokens)) for i in range(0, tokens, size)]
+
+
+def moe_call_tokens(topk: int, hidden: int, inter: int, form: str | None = None, tensor_cores: bool = True,
+                    min_tokens: int = MOE_GROUPED_MIN_TOKENS) -> int:
+    """The most tokens one ``moe`` call takes in ``form`` (None: the one ``moe_form`` takes for that many): the
+    grouped forms' route table (KQ_MAX_PAIRS pairs: 32 tokens of top 8), as they read each routed expert once
+    per 8 of its pairs whatever the tokens; the pairs form MAX_TOKENS. ``moe_chunks`` calls it that many at a
+    time."""
+    most = max(MAX_TOKENS, abi.KQ_MAX_PAIRS // topk)
+    if form is None and min_tokens > MAX_TOKENS:  # FASTCOMM_GGUF_GROUPED_MIN_TOKENS=9: the grouped form is off
+        return MAX_TOKENS
+    form = form or moe_form(most, topk, hidden, inter, tensor_cores, min_tokens)
+    return most if form != "pairs" and moe_form_error(form, most, topk, hidden, inter) is None else MAX_TOKENS
 
 
 def gemv_variant(tokens: int) -> int:
@@ -476,7 +490,8 @@ def linear(x, qweight, segments: tuple[Segment, ...], form: str | None = None, t
 def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu: bool = False,
         form: str | None = None, tensor_cores: bool = True, grouped_min: int = MOE_GROUPED_MIN_TOKENS,
         shared_warps: int = MOE_SHARED_WARPS, out=None):
-    """The routed experts of 1-8 tokens: x [T, hidden], w13 [E, 2 inter, row13], w2 [E, hidden, row2] (uint8
+    """The routed experts of 1-8 tokens (the grouped forms: up to KQ_MAX_PAIRS pairs, ``moe_call_tokens``):
+    x [T, hidden], w13 [E, 2 inter, row13], w2 [E, hidden, row2] (uint8
     blocks); returns [T, hidden], each token's experts summed in their top-k order, router weights applied.
     ``activation`` maps [pairs, 2 inter] to [pairs, inter]; ``silu``: it is vLLM's silu_and_mul, which the
     activations' quantize launch then applies itself (``activation`` is not called). ``form``: one of FORMS_MOE
@@ -488,23 +503,23 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu:
     if not weights_aligned(w13.data_ptr(), w2.data_ptr()):
         raise ValueError(f"the K-quant kernels need 16-byte aligned expert weights (at {w13.data_ptr():#x}, "
                          f"{w2.data_ptr():#x})")
-    if not decode_tokens_ok(x.shape[0]):
-        raise ValueError(f"moe takes 1-{MAX_TOKENS} tokens (got {x.shape[0]}; moe_chunks takes any)")
     x = _aligned(x)
     tokens, hidden = x.shape
     topk = topk_ids.shape[1]
     pairs = tokens * topk
-    ids = topk_ids.to(torch.int32).contiguous()
-    weights = topk_weights.to(torch.float32).contiguous()
     experts, rows13 = w13.shape[0], w13.shape[1]
     inter = rows13 // 2
+    form = form or moe_form(tokens, topk, hidden, inter, tensor_cores, grouped_min)
+    if tokens < 1 or (tokens > MAX_TOKENS and form == "pairs"):
+        raise ValueError(f"moe takes 1-{MAX_TOKENS} tokens in the pairs form (got {tokens}; moe_chunks takes any)")
+    error = moe_form_error(form, tokens, topk, hidden, inter)
+    if error:
+        raise ValueError(f"{error} (moe_chunks takes any number of tokens)")
+    ids = topk_ids.to(torch.int32).contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
     dt, dev, stream = _dt(x), x.device.index, _stream(x)
     e13, r13 = w13.stride(0) * w13.element_size(), w13.stride(1) * w13.element_size()
     e2, r2 = w2.stride(0) * w2.element_size(), w2.stride(1) * w2.element_size()
-    form = form or moe_form(tokens, topk, hidden, inter, tensor_cores, grouped_min)
-    error = moe_form_error(form, tokens, topk, hidden, inter)
-    if error:
-        raise ValueError(error)
     busy = min(experts, pairs)  # experts a grouped launch's blocks can find work for
     grouped, shared = form in ("grouped", "shared"), form == "shared"
     xq, xds = quantize(x, mma=grouped)
@@ -552,9 +567,12 @@ def linear_chunks(x, qweight, segments: tuple[Segment, ...], **forms):
 
 
 def moe_chunks(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, **forms):
-    """``moe`` for any number of tokens, MAX_TOKENS a call as ``linear_chunks``; ``forms`` as ``moe`` takes them."""
+    """``moe`` for any number of tokens, ``moe_call_tokens`` a call (the grouped form's 32 of top 8; 8 in the
+    pairs form) into one output; ``forms`` as ``moe`` takes them (``form`` names one for every call)."""
     x = _aligned(x)
     out = _out(None, x.shape[0], x.shape[1], x)
-    for a, b in chunk_rows(x.shape[0]):
+    size = moe_call_tokens(topk_ids.shape[1], x.shape[1], w13.shape[1] // 2, forms.get("form"),
+                           forms.get("tensor_cores", True), forms.get("grouped_min", MOE_GROUPED_MIN_TOKENS))
+    for a, b in chunk_rows(x.shape[0], size):
         moe(x[a:b], w13, w2, topk_weights[a:b], topk_ids[a:b], t13, t2, activation, out=out[a:b], **forms)
     return out

@@ -6,7 +6,7 @@
 1-8 tokens (a decode step, an MTP verify), so a CUDA graph of a decode batch records fastcomm's kernels.
 Layers the kernels cannot read keep the plugin's ``apply``. A prefill (past 8 tokens) takes the form
 kquant.prefill_form / moe_prefill_form choose: the weights dequantized to bf16 for the tensor cores
-(``dequant_linear`` / ``dequant_moe``; FASTCOMM_GGUF_DEQUANT_*), fastcomm's kernels 8 tokens at a time
+(``dequant_linear`` / ``dequant_moe``; FASTCOMM_GGUF_DEQUANT_*), fastcomm's kernels 8 tokens a call
 (kquant.linear_chunks / moe_chunks; FASTCOMM_GGUF_CHUNK_MAX_TOKENS), or the plugin's own function. Idempotent.
 ``install(tensor_cores=False)`` (FASTCOMM_GGUF_KERNELS=dp4a) keeps the products on
 the dp4a forms; ``mma_min`` / ``grouped_min`` move the tensor-core forms' token thresholds

@@ -77,7 +77,7 @@ def _decode_kernels() -> None:
                     "(FASTCOMM_GGUF_KERNELS=plugin: the plugin's)", kquant_vllm.kquant.MAX_TOKENS,
                     " (dp4a forms only)" if setting == "dp4a" else "")
         logger.info("fastcomm: GGUF products past %d tokens: dequantized for the tensor cores (linears from %s "
-                    "tokens, MoE from %s routed tokens an expert), else fastcomm's kernels 8 tokens at a time up to "
+                    "tokens, MoE from %s routed tokens an expert), else fastcomm's kernels 8 tokens a call up to "
                     "%s tokens, else the plugin's (0: never)", kquant_vllm.kquant.MAX_TOKENS, prefill["dequant_min"],
                     prefill["dequant_moe_min"], prefill["chunk_max"])
 
