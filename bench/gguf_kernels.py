@@ -18,9 +18,10 @@ in a decode step), over enough copies of the weight that no call finds it in L2.
 result matches the plugin's (relative error), and prints a per-step sum: 75 MoE layers, 3 dense layers and the
 LM head, as in one decode step of the 78-layer model. FASTCOMM_GGUF_PDL=0 times the mma form launched plainly.
 Token counts past fastcomm's 1-8 are a prefill's: the plugin's path against the weights dequantized to bf16 on
-the tensor cores (``dequant``: cuBLAS for the linears, vLLM's fused_experts for the MoE) and against fastcomm's
-kernels 8 tokens a call (the MoE up to 32) (``chunks``, also timed launched eagerly as a prefill runs them: ``eager``), the
-form kquant.prefill_form takes marked; no LM head (a prefill's logits are its last positions').
+the tensor cores (``dequant``: cuBLAS for the linears, vLLM's fused_experts for the MoE; the weights written by
+kquant.DEQUANT_KERNEL, and by the other dequantizer as ``dequant_<it>``) and against fastcomm's kernels 8
+tokens a call, the MoE up to 32 (``chunks``, also timed launched eagerly as a prefill runs them: ``eager``);
+the form kquant.prefill_form takes marked; no LM head (a prefill's logits are its last positions').
 Needs a GPU; the plugin's rows need vllm-gguf-plugin with its CUDA extension (without it they read '-').
 """
 from __future__ import annotations
@@ -32,9 +33,12 @@ import sys
 
 import numpy as np
 
+from fastcomm_vllm.gguf import kquant
 from fastcomm_vllm.gguf.kquant import MAX_TOKENS as MAX_DECODE  # rows past it are a prefill's
 
 CALLS_PER_GRAPH = 16
+# The dequantizer the policy does not take (kquant.DEQUANT_KERNEL's other), timed beside it: dequant_<it>_us.
+OTHER_DEQUANT = next(k for k in kquant.DEQUANT_KERNELS if k != kquant.DEQUANT_KERNEL)
 SHARED_WARPS = (2, 8)  # the MoE's shared form at these block sizes too, beside kquant.MOE_SHARED_WARPS
 L2_CLEAR_BYTES = 256 << 20
 
@@ -122,8 +126,6 @@ def linear_weight(rng, shards, cols):
     ggml type ids)."""
     import gguf
 
-    from fastcomm_vllm.gguf import kquant
-
     stored = [_blocks(rng, t, (r,), cols) for t, r in shards]
     width = max(s.shape[1] for s in stored)
     padded = np.zeros((sum(r for _, r in shards), width), np.uint8)
@@ -175,7 +177,7 @@ def bench_linear(name, shards, cols, tokens, rng):
     weight dequantized for cuBLAS (kquant_vllm.dequant_linear), where the plugin is installed."""
     import torch
 
-    from fastcomm_vllm.gguf import kquant, kquant_vllm
+    from fastcomm_vllm.gguf import kquant_vllm
 
     plin = _plugin("linear")
     pdl = pdl_setting()
@@ -201,12 +203,16 @@ def bench_linear(name, shards, cols, tokens, rng):
             starts, nrows = [s.start for s in segs], [s.rows for s in segs]
             theirs = [plugin(w) for w in ws]
             mine = [lambda w=w: kquant_vllm.dequant_linear(x, w, types, starts, nrows) for w in ws]
+            alt = [lambda w=w: kquant_vllm.dequant_linear(x, w, types, starts, nrows, kernel=OTHER_DEQUANT)
+                   for w in ws]
             chunked = [lambda w=w: kquant.linear_chunks(x, w, segs, pdl=pdl) for w in ws]
             dequant_min, _, chunk_max = prefill_settings()
             row = {"op": name, "tokens": n, "weight_MB": round(nbytes / 1e6, 2),
                    "plugin_us": round(_graph_time_us(theirs), 2),
                    "default": kquant.prefill_form(n, chunk_max, dequant_min),
-                   "dequant_us": round(_graph_time_us(mine), 2), "chunks_us": round(_graph_time_us(chunked), 2),
+                   "dequant_us": round(_graph_time_us(mine), 2),
+                   f"dequant_{OTHER_DEQUANT}_us": round(_graph_time_us(alt), 2),
+                   "chunks_us": round(_graph_time_us(chunked), 2),
                    "chunks_eager_us": round(_eager_us(chunked[0]), 2),
                    "bf16_cublas_us": round(_graph_time_us([lambda d=d: x @ d.T for d in dense]), 2)}
             b = theirs[0]().float()
@@ -262,7 +268,7 @@ def bench_moe(tokens, rng):
     plugin's path and every expert dequantized for vLLM's fused_experts, kquant_vllm.dequant_moe)."""
     import torch
 
-    from fastcomm_vllm.gguf import kquant, kquant_vllm
+    from fastcomm_vllm.gguf import kquant_vllm
 
     pmoe = _plugin("fused_moe")
 
@@ -284,13 +290,17 @@ def bench_moe(tokens, rng):
                 continue
             mine = [lambda a=a, b=b: kquant_vllm.dequant_moe(x, a, b, wts, ids, q13, q2, "silu")
                     for a, b in zip(w13s, w2s)]
+            alt = [lambda a=a, b=b: kquant_vllm.dequant_moe(x, a, b, wts, ids, q13, q2, "silu", kernel=OTHER_DEQUANT)
+                   for a, b in zip(w13s, w2s)]
             chunked = [lambda a=a, b=b: kquant.moe_chunks(x, a, b, wts, ids, q13, q2, act, silu=True)
                        for a, b in zip(w13s, w2s)]
             _, dequant_moe_min, chunk_max = prefill_settings()
             row = {"op": name, "tokens": n, "weight_MB_read": round(nbytes * distinct / experts / 1e6, 1),
                    "plugin_us": round(_graph_time_us(plugin), 2),
                    "default": kquant.moe_prefill_form(n, topk, experts, chunk_max, dequant_moe_min),
-                   "dequant_us": round(_graph_time_us(mine), 2), "chunks_us": round(_graph_time_us(chunked), 2),
+                   "dequant_us": round(_graph_time_us(mine), 2),
+                   f"dequant_{OTHER_DEQUANT}_us": round(_graph_time_us(alt), 2),
+                   "chunks_us": round(_graph_time_us(chunked), 2),
                    "chunks_eager_us": round(_eager_us(chunked[0]), 2)}
             b = plugin[0]().float()
             row["rel_diff_vs_plugin"] = round(float((mine[0]().float() - b).norm() / b.norm()), 5)
@@ -418,8 +428,6 @@ def chunk_limit(prefill: list[dict], dequant_min: int, dequant_moe_min: int) -> 
     measured tokens up to which, at every smaller measured count too, the products the policy does not dequantize
     sum to no more per step in calls of 8 tokens (``_chunks_us``) than through the plugin's kernels (0: never).
     A count where the dequantized forms take every product neither extends the limit nor ends it."""
-    from fastcomm_vllm.gguf import kquant
-
     per_layer = _layers()
     _, experts, topk, *_ = MOE
     limit = 0

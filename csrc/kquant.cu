@@ -11,6 +11,7 @@
 //   fc_kq_moe_mma_down            the same for the down rows, one fp32 row per pair
 //   fc_kq_moe_mma_{up,down}_shared<type>  the same with a block's warps sharing each unit's activations
 //   fc_kq_moe_sum_<dt>            per token: the router-weighted sum of its pairs' fp32 rows
+//   fc_kq_dequant_<dt>            the segments' rows dequantized, for a prefill's GEMM on the tensor cores
 // <dt> is the activations' and the output's dtype. Host side: fastcomm_vllm/gguf/kquant.py; the C ABI's one
 // mirror: fastcomm/abi.py.
 #include "dtypes.cuh"
@@ -309,6 +310,30 @@ __device__ void kq_gemv_s(const KqSegs& segs, const typename D::raw* x, int n, i
                             out);                                                                            \
   }
 
+// A weight's segments dequantized into out [total_rows, cols] (row-major, the dtype): thread i decodes chunk
+// i % chunks of row i / chunks (kq_dequant_chunk) and writes its 32 values as 16-byte stores, so a warp writes
+// 32 adjacent chunks' bytes in whole sectors. Reads each weight byte once; the writes are the cost (bf16: 3.6x the
+// bytes of Q4_K), which is why a prefill takes this form only from many tokens (kquant.prefill_form).
+template <typename D>
+__device__ void kq_dequant(KqSegs segs, int cols, typename D::raw* out) {
+  typedef typename D::raw raw;
+  kq_grid_enter();
+  const int chunks = cols / FC_KQ_CHUNK;
+  const kq_u64 i = (kq_u64)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (kq_u64)segs.total_rows * chunks) return;
+  const int r = (int)(i / chunks), c = (int)(i - (kq_u64)r * chunks);
+  const KqSeg sg = kq_segment(segs, r);
+  float v[FC_KQ_CHUNK];
+  kq_dequant_chunk(sg.type, sg.w + (kq_u64)(r - sg.row0) * sg.row_stride, c, v);
+  raw vals[FC_KQ_CHUNK];
+#pragma unroll
+  for (int l = 0; l < FC_KQ_CHUNK; ++l) vals[l] = D::from_f(v[l]);
+  uint4* to = reinterpret_cast<uint4*>(out + (kq_u64)r * cols + (kq_u64)c * FC_KQ_CHUNK);
+  const uint4* from = reinterpret_cast<const uint4*>(vals);
+#pragma unroll
+  for (int j = 0; j < (int)(sizeof(vals) / sizeof(uint4)); ++j) to[j] = from[j];
+}
+
 #define FC_KQ_DEFINE(NAME, D)                                                                                \
   extern "C" __global__ void __launch_bounds__(256)                                                          \
       fc_kq_quantize_##NAME(const D::raw* x, int n, int cols, kq_u64 x_stride, kq_u32* xq, float2* xds,      \
@@ -350,6 +375,10 @@ __device__ void kq_gemv_s(const KqSegs& segs, const typename D::raw* x, int n, i
       fc_kq_moe_sum_##NAME(const float* y, const int* topk_ids, const float* topk_weights, int topk,         \
                            int experts, int tokens, int rows, D::raw* out) {                                 \
     kq_moe_sum<D>(y, topk_ids, topk_weights, topk, experts, tokens, rows, out);                              \
+  }                                                                                                          \
+  extern "C" __global__ void __launch_bounds__(256)                                                          \
+      fc_kq_dequant_##NAME(KqSegs segs, int cols, D::raw* out) {                                             \
+    kq_dequant<D>(segs, cols, out);                                                                          \
   }
 
 // The grouped MoE's shared form (kq_mma_moe's SHARED), built for each weight type only.

@@ -276,6 +276,19 @@ FC_KQ_HD void kq_decode_chunk(int type, const kq_u8* row, int c, KqChunk* k) {
   }
 }
 
+// The chunk's 32 weights as floats, value l = mul * q_l - sub as ggml dequantizes them (d * sc * q - dmin * m,
+// the same fp32 operations in the same order): q_l is byte l of the decode, signed for Q6_K and Q8_0.
+FC_KQ_HD void kq_dequant_chunk(int type, const kq_u8* row, int c, float v[FC_KQ_CHUNK]) {
+  KqChunk k;
+  kq_decode_chunk(type, row, c, &k);
+  const bool is_signed = type == FC_KQ_Q6_K || type == FC_KQ_Q8_0;
+  for (int l = 0; l < FC_KQ_CHUNK; ++l) {
+    const kq_u32 b = (k.q[l >> 2] >> (8 * (l & 3))) & 0xFF;
+    const int q = is_signed ? (int)(kq_i8)b : (int)b;
+    v[l] = (l < 16 ? k.mul_lo : k.mul_hi) * (float)q - k.sub;
+  }
+}
+
 // The chunk against one quantized activation chunk (8 words of int8, its scale xd and exact sum xs).
 FC_KQ_HD float kq_chunk_dot(const KqChunk& k, const kq_u32* xq, float xd, float xs) {
   int lo = 0, hi = 0;

@@ -244,5 +244,6 @@ KQ_MOE_MMA_DOWN_SHARED = Kernel("kq_moe_mma_down_shared", _GROUPED, variants=tup
                                 typed=False)
 KQ_MOE_SUM = Kernel("kq_moe_sum", (("y", "ptr"), ("topk_ids", "ptr"), ("topk_weights", "ptr"), ("topk", "i32"),
                                    ("experts", "i32"), ("tokens", "i32"), ("rows", "i32"), ("out", "ptr")))
+KQ_DEQUANT = Kernel("kq_dequant", (("segs", "segs"), ("cols", "i32"), ("out", "ptr")))
 KQ_KERNELS = (KQ_QUANTIZE, KQ_QUANTIZE_SILU, KQ_GEMV, KQ_GEMVS, KQ_MMA, KQ_MOE_UP, KQ_MOE_DOWN, KQ_MOE_MMA_UP,
-              KQ_MOE_MMA_DOWN, KQ_MOE_MMA_UP_SHARED, KQ_MOE_MMA_DOWN_SHARED, KQ_MOE_SUM)
+              KQ_MOE_MMA_DOWN, KQ_MOE_MMA_UP_SHARED, KQ_MOE_MMA_DOWN_SHARED, KQ_MOE_SUM, KQ_DEQUANT)

@@ -120,6 +120,14 @@ int main() {
   std::vector<float> x((size_t)n * cols);
   if (fread(w.data(), 1, (size_t)rows * row_bytes, stdin) != (size_t)rows * row_bytes) return 3;
   if (fread(x.data(), 4, x.size(), stdin) != x.size()) return 4;
+  if (warps < 0) {  // the weights dequantized, as fc_kq_dequant writes them (before the dtype's rounding)
+    std::vector<float> wv((size_t)rows * cols);
+    for (int r = 0; r < rows; ++r)
+      for (int c = 0; c < cols / FC_KQ_CHUNK; ++c)
+        kq_dequant_chunk(type, w.data() + (size_t)r * row_bytes, c, &wv[(size_t)r * cols + c * FC_KQ_CHUNK]);
+    fwrite(wv.data(), 4, wv.size(), stdout);
+    return 0;
+  }
   const int chunks = cols / FC_KQ_CHUNK;
   std::vector<kq_u32> xq((size_t)n * chunks * 8);
   std::vector<float> xd((size_t)n * chunks), xs((size_t)n * chunks);

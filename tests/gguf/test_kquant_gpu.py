@@ -6,8 +6,9 @@ output dtype's rounding. Random activations are held to the int8 activation erro
 CUDA kernels where the plugin is installed. Also: multi-shard weights stored padded (read in place), the MoE
 (grouped by expert on the tensor cores, and per (token, expert) pair) with repeated and out-of-range expert
 ids, NaN, and CUDA graphs replayed with inputs (and routing) changed between replays; products past 8 tokens
-in calls of 8 (linear_chunks; moe_chunks: the grouped forms up to their route table's pairs); each linear test for every form (mma, staged, unstaged:
-kquant.FORMS_LINEAR), each MoE test for each (grouped, pairs, shared: kquant.FORMS_MOE).
+in calls of 8 (linear_chunks; moe_chunks: the grouped forms up to their route table's pairs); the weights
+dequantized (dequantize); each linear test for every form (mma, staged, unstaged: kquant.FORMS_LINEAR), each
+MoE test for each (grouped, pairs, shared: kquant.FORMS_MOE).
 Needs a GPU, torch, CuPy and gguf (not vLLM).
 """
 import numpy as np
@@ -394,10 +395,33 @@ def _plugin_ops():
     return ops
 
 
-def test_prefill_dequant_linear_of_two_padded_types():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dequantize_is_gguf_py_s_rounded_once(dtype):
+    """fastcomm's dequantize (fc_kq_dequant) of fused_qkv_a as the plugin stores it (Q5_K rows, then Q8_0 rows
+    padded to the wider row, read in place) and of a Q4_K / Q6_K expert stack: every weight equals gguf-py's
+    dequantized weight rounded to the dtype (fp32: to the bit)."""
+    k = kq()
+    cols = 2048
+    qa, qa_t = weights("Q5_K", (40, cols), seed=51)
+    kva, kva_t = weights("Q8_0", (24, cols), seed=52)
+    padded = np.zeros((64, max(qa.shape[1], kva.shape[1])), np.uint8)
+    padded[:40, :qa.shape[1]], padded[40:, :kva.shape[1]] = qa, kva
+    segs = (k.Segment(k.Q5_K, 0, 40), k.Segment(k.Q8_0, 40, 24))
+    got = k.dequantize(torch.from_numpy(padded).cuda(), segs, cols, dtype)
+    want = torch.from_numpy(np.concatenate([qa_t, kva_t]).astype(np.float32)).to(dtype).cuda()
+    assert got.dtype == dtype and torch.equal(got, want)
+    for qtype in ("Q4_K", "Q6_K"):
+        stack, stack_t = weights(qtype, (3, 32, 512), seed=53)  # 3 experts of 32 rows, as w13 / w2 are stored
+        flat = torch.from_numpy(stack).cuda().reshape(96, -1)
+        got = k.dequantize(flat, (k.Segment(getattr(k, qtype), 0, 96),), 512, dtype).view(3, 32, 512)
+        assert torch.equal(got, torch.from_numpy(stack_t.astype(np.float32)).to(dtype).cuda()), qtype
+
+
+@pytest.mark.parametrize("kernel", ["plugin", "fastcomm"])
+def test_prefill_dequant_linear_of_two_padded_types(kernel):
     """The prefill's dequantized form (kquant_vllm.dequant_linear) of fused_qkv_a as the plugin stores it (Q5_K
-    rows, then Q8_0 rows padded to the wider row), 64 tokens: equal to float64 up to the bf16 weights' and
-    output's rounding, and to the plugin's own MMQ path."""
+    rows, then Q8_0 rows padded to the wider row), 64 tokens, the weights written by either dequantizer: equal to
+    float64 up to the bf16 weights' and output's rounding, and to the plugin's own MMQ path."""
     ops = _plugin_ops()
     from fastcomm_vllm.gguf import kquant_vllm
 
@@ -410,7 +434,7 @@ def test_prefill_dequant_linear_of_two_padded_types():
     padded[:64, :qa.shape[1]], padded[64:, :kva.shape[1]] = qa, kva
     x = torch.from_numpy(rng.standard_normal((64, cols)).astype(np.float32)).to(torch.bfloat16).cuda()
     w = torch.from_numpy(padded).cuda()
-    got = kquant_vllm.dequant_linear(x, w, [k.Q5_K, k.Q8_0], [0, 64], [64, 24]).float().cpu().numpy()
+    got = kquant_vllm.dequant_linear(x, w, [k.Q5_K, k.Q8_0], [0, 64], [64, 24], kernel=kernel).float().cpu().numpy()
     want = x.float().cpu().numpy().astype(np.float64) @ np.concatenate([qa_t, kva_t]).T
     assert got.shape == (64, 88)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
@@ -420,9 +444,11 @@ def test_prefill_dequant_linear_of_two_padded_types():
     assert np.linalg.norm(got - theirs) / np.linalg.norm(theirs) < 2e-2
 
 
-def test_prefill_dequant_moe():
-    """The prefill's dequantized MoE form (kquant_vllm.dequant_moe: every expert dequantized, vLLM's
-    fused_experts), 64 tokens with an expert no token routes to: against float64 pair by pair."""
+@pytest.mark.parametrize("kernel", ["plugin", "fastcomm"])
+def test_prefill_dequant_moe(kernel):
+    """The prefill's dequantized MoE form (kquant_vllm.dequant_moe: every expert dequantized by either
+    dequantizer, vLLM's fused_experts), 64 tokens with an expert no token routes to: against float64 pair by
+    pair."""
     _plugin_ops()
     from fastcomm_vllm.gguf import kquant_vllm
 
@@ -436,7 +462,8 @@ def test_prefill_dequant_moe():
     wts = rng.random((tokens, topk)).astype(np.float32)
     xt = torch.from_numpy(x).to(torch.bfloat16).cuda()
     got = kquant_vllm.dequant_moe(xt, torch.from_numpy(w13).cuda(), torch.from_numpy(w2).cuda(),
-                                  torch.from_numpy(wts).cuda(), torch.from_numpy(ids).cuda(), k.Q4_K, k.Q5_K, "silu")
+                                  torch.from_numpy(wts).cuda(), torch.from_numpy(ids).cuda(), k.Q4_K, k.Q5_K, "silu",
+                                  kernel=kernel)
     want = _moe_reference(xt.float().cpu().numpy(), ids, wts, w13_t, w2_t, experts)
     rel = np.linalg.norm(got.float().cpu().numpy() - want) / np.linalg.norm(want)
     assert rel < 2e-2, rel  # bf16 weights, activations and output against float64

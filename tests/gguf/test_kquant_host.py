@@ -51,6 +51,23 @@ def run(exe, qtype: str, stored: np.ndarray, x: np.ndarray, warps: int = 0) -> n
     return np.frombuffer(out, np.float32).reshape(n, rows)
 
 
+@pytest.mark.parametrize("qtype", TYPES)
+def test_dequantized_weights_are_gguf_py_s_to_the_bit(host_binary, qtype):
+    """kq_dequant_chunk (fc_kq_dequant's decode, before the dtype's rounding): the same fp32 operations as ggml's
+    dequantization in the same order, so every weight equals gguf-py's exactly."""
+    import gguf
+
+    rows, cols = 5, 1024
+    stored, truth = weights(qtype, (rows, cols), seed=4)
+    header = np.array([int(gguf.GGMLQuantizationType[qtype]), rows, cols, 1, -1], np.int32)
+    out = subprocess.run([str(host_binary)], input=header.tobytes() + stored.tobytes()
+                         + np.zeros(cols, np.float32).tobytes(), capture_output=True, check=True).stdout
+    got = np.frombuffer(out, np.float32).reshape(rows, cols)
+    assert np.isfinite(truth).all() and np.abs(truth).max() > 0
+    mismatched = int((got != truth.astype(np.float32)).sum())
+    assert mismatched == 0, (qtype, mismatched, float(np.abs(got - truth).max()))
+
+
 @pytest.mark.parametrize("warps", [0, 1, 3, 4, 8], ids=["dp4a", "mma-1warp", "mma-3warps", "mma-4warps", "mma-8warps"])
 @pytest.mark.parametrize("qtype", TYPES)
 def test_decode_matches_gguf_py(host_binary, qtype, warps):

@@ -190,12 +190,14 @@ def test_every_kernel_lets_the_next_launch_and_waits_before_it_reads():
     launch = (csrc / "kquant.cu").read_text()
     bodies = _bodies(launch + (csrc / "kquant_mma.cuh").read_text())
     entries = re.findall(r'extern "C" __global__ void[^{]*\{[\s\\]*(kq_\w+)<', launch)
-    assert len(set(entries)) == 8, sorted(set(entries))  # quantize, gemv, gemv_s, moe_up/down, mma_gemv/moe, sum
+    # quantize, gemv, gemv_s, moe_up/down, mma_gemv/moe, sum, dequant
+    assert len(set(entries)) == 9, sorted(set(entries))
     for name in set(entries):
         body = bodies[name]
         assert "kq_grid_" in body, f"{name} neither lets the next kernel launch nor waits"
         first = body.index("kq_grid_")
-        reads = [body.find(s) for s in ("__ldg", "kq_route", "kq_stage", "kq_row", "kq_mma_tile", "y[", "x +")]
+        reads = [body.find(s) for s in ("__ldg", "kq_route", "kq_stage", "kq_row", "kq_mma_tile", "y[", "x +",
+                                         "kq_dequant_chunk")]
         assert all(r < 0 or r > first for r in reads), name
         if "kq_grid_enter();" not in body:
             assert "kq_grid_launch_dependents();" in body and "kq_mma_tile_any" in body, name

@@ -15,9 +15,13 @@ quantizes the activations into shared memory) or ``unstaged`` (dp4a, quantize th
 ``grouped`` (tensor cores, each routed expert read once for all its tokens) or ``pairs`` (dp4a, once per
 (token, expert) pair). ``linear_form`` / ``moe_form`` choose.
 
+Past 8 tokens (a prefill) ``prefill_form`` / ``moe_prefill_form`` choose between the weights dequantized for
+a GEMM on the tensor cores (``dequantize``, or the plugin's), these kernels called on 8 tokens at a time
+(``linear_chunks`` / ``moe_chunks``) and the plugin's own kernels.
+
 Layers: ``plan_linear`` / ``moe_types_ok`` / ``decode_tokens_ok`` / ``*_form`` / ``staged_grid`` are pure
-policy; ``linear`` / ``moe`` run the kernels on torch tensors (the current stream, so CUDA-graph capture
-records them); kquant_vllm.py wires them into the plugin's layers. Structs, constants and kernel signatures
+policy; ``linear`` / ``moe`` / ``*_chunks`` / ``dequantize`` run the kernels on torch tensors (the current
+stream, so CUDA-graph capture records them); kquant_vllm.py wires them into the plugin's layers. Structs, constants and kernel signatures
 are fastcomm.abi's (the one mirror of csrc).
 """
 from __future__ import annotations
@@ -235,6 +239,11 @@ def decode_tokens_ok(tokens: int) -> bool:
 #   calls' reads pass the dequantized form's cost. Off until a run times it end to end
 #   (FASTCOMM_GGUF_CHUNK_MAX_TOKENS).
 PREFILL_FORMS = ("dequant", "chunks", "plugin")
+# Which kernel writes the dequantized form's bf16 weights: the plugin's ggml_dequantize (timed end to end, the
+# fourteenth session) or fastcomm's fc_kq_dequant ("fastcomm": one launch for every segment, 16-byte stores;
+# bench/gguf_kernels.py times both). The plugin's until fastcomm's is timed.
+DEQUANT_KERNELS = ("plugin", "fastcomm")
+DEQUANT_KERNEL = "plugin"
 
 
 def prefill_form(tokens: int, chunk_max: int, dequant_min: int) -> str:
@@ -575,4 +584,19 @@ def moe_chunks(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation
                            forms.get("tensor_cores", True), forms.get("grouped_min", MOE_GROUPED_MIN_TOKENS))
     for a, b in chunk_rows(x.shape[0], size):
         moe(x[a:b], w13, w2, topk_weights[a:b], topk_ids[a:b], t13, t2, activation, out=out[a:b], **forms)
+    return out
+
+
+def dequantize(qweight, segments: tuple[Segment, ...], cols: int, dtype):
+    """The segments' rows of ``qweight`` (uint8 [rows, row_stride], read in place) as ``dtype``: [sum of their
+    rows, cols], each weight as ggml dequantizes it rounded once to the dtype (fc_kq_dequant, one launch)."""
+    import torch
+
+    if not weights_aligned(qweight.data_ptr()):
+        raise ValueError(f"the K-quant kernels need a 16-byte aligned weight (at {qweight.data_ptr():#x})")
+    table = _segs_table(qweight.data_ptr(), qweight.stride(0) * qweight.element_size(), segments)
+    out = torch.empty(table.total_rows, cols, dtype=dtype, device=qweight.device)
+    threads = table.total_rows * (cols // abi.KQ_CHUNK)  # a chunk of 32 values each
+    _launch(qweight.device.index, abi.KQ_DEQUANT, _dt(out), ((threads + 255) // 256, 1), 256, _stream(qweight),
+            (table, cols, out.data_ptr()))
     return out

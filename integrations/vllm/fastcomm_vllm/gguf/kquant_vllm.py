@@ -26,11 +26,16 @@ _FORMS = {"tensor_cores": True, "mma_min": kquant.MMA_MIN_TOKENS, "grouped_min":
 
 
 def dequant_linear(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts: list[int],
-                   rows: list[int]) -> torch.Tensor:
-    """x times the weight dequantized to x's dtype (the plugin's ggml_dequantize), each segment by cuBLAS."""
+                   rows: list[int], kernel: str | None = None) -> torch.Tensor:
+    """x times the weight dequantized to x's dtype by ``kernel`` (kquant.DEQUANT_KERNELS; None:
+    kquant.DEQUANT_KERNEL): fastcomm's, every segment in one launch and one cuBLAS GEMM; the plugin's
+    ggml_dequantize, a GEMM a segment."""
+    cols, outs = x.shape[1], []
+    if (kernel or kquant.DEQUANT_KERNEL) == "fastcomm":
+        segs = tuple(kquant.Segment(t, s, r) for t, s, r in zip(types, starts, rows))
+        return x @ kquant.dequantize(qweight, segs, cols, x.dtype).T
     from vllm_gguf_plugin import ops as pops
 
-    cols, outs = x.shape[1], []
     for t, s, r in zip(types, starts, rows):
         used = kquant.BLOCKS[t][1] * (cols // kquant.BLOCKS[t][0])
         outs.append(x @ pops.ggml_dequantize(qweight[s:s + r, :used].contiguous(), t, r, cols, x.dtype).T)
@@ -38,17 +43,24 @@ def dequant_linear(x: torch.Tensor, qweight: torch.Tensor, types: list[int], sta
 
 
 def dequant_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor, t13: int, t2: int, activation: str) -> torch.Tensor:
-    """The routed experts dequantized to x's dtype, every one (no host sync: a CUDA graph may hold it), through
-    vLLM's fused_experts (Triton, the tensor cores), which weighs each pair by its router weight."""
+                topk_ids: torch.Tensor, t13: int, t2: int, activation: str, kernel: str | None = None) -> torch.Tensor:
+    """The routed experts dequantized to x's dtype by ``kernel`` (as ``dequant_linear``), every one (no host
+    sync: a CUDA graph may hold it), through vLLM's fused_experts (Triton, the tensor cores), which weighs each
+    pair by its router weight."""
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
-    from vllm_gguf_plugin import ops as pops
 
     experts, hidden, inter2 = w13.shape[0], x.shape[1], w13.shape[1]
     inter = inter2 // 2
-    a = pops.ggml_dequantize(w13.reshape(experts * inter2, -1), t13, experts * inter2, hidden, x.dtype)
-    b = pops.ggml_dequantize(w2.reshape(experts * hidden, -1), t2, experts * hidden, inter, x.dtype)
+    w13r, w2r = w13.reshape(experts * inter2, -1), w2.reshape(experts * hidden, -1)
+    if (kernel or kquant.DEQUANT_KERNEL) == "fastcomm":
+        a = kquant.dequantize(w13r, (kquant.Segment(t13, 0, experts * inter2),), hidden, x.dtype)
+        b = kquant.dequantize(w2r, (kquant.Segment(t2, 0, experts * hidden),), inter, x.dtype)
+    else:
+        from vllm_gguf_plugin import ops as pops
+
+        a = pops.ggml_dequantize(w13r, t13, experts * inter2, hidden, x.dtype)
+        b = pops.ggml_dequantize(w2r, t2, experts * hidden, inter, x.dtype)
     return fused_experts(x, a.view(experts, inter2, hidden), b.view(experts, hidden, inter), topk_weights, topk_ids,
                          activation=MoEActivation.from_str(activation))
 
@@ -63,8 +75,8 @@ def _linear_fn(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts:
     if kquant.decode_tokens_ok(x.shape[0]) and aligned:
         return kquant.linear(x, qweight, segs, **forms)
     prefill = kquant.prefill_form(x.shape[0], _FORMS["chunk_max"] if aligned else 0, _FORMS["dequant_min"])
-    if prefill == "dequant":
-        return dequant_linear(x, qweight, types, starts, rows)
+    if prefill == "dequant":  # fastcomm's dequantize reads as its other kernels do: an aligned weight only
+        return dequant_linear(x, qweight, types, starts, rows, kernel=None if aligned else "plugin")
     if prefill == "chunks":
         return kquant.linear_chunks(x, qweight, segs, **forms)
     # Bytes of a row a segment uses (its shard's type over x's columns; the stored rows are padded to the widest).
@@ -105,7 +117,8 @@ def _moe_fn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: 
     prefill = kquant.moe_prefill_form(x.shape[0], topk_ids.shape[1], w13.shape[0],
                                       _FORMS["chunk_max"] if aligned else 0, _FORMS["dequant_moe_min"])
     if prefill == "dequant":
-        return dequant_moe(x, w13, w2, topk_weights, topk_ids, t13, t2, activation)
+        return dequant_moe(x, w13, w2, topk_weights, topk_ids, t13, t2, activation,
+                           kernel=None if aligned else "plugin")
     if prefill == "chunks":
         return kquant.moe_chunks(x, w13, w2, topk_weights, topk_ids, t13, t2, _activation(activation), **forms)
     return pmoe._fused_moe_gguf(x, w13, w2, topk_weights, topk_ids, t13, t2, activation)
