@@ -21,8 +21,8 @@ a GEMM on the tensor cores (``dequantize``, or the plugin's), these kernels call
 
 Layers: ``plan_linear`` / ``moe_types_ok`` / ``decode_tokens_ok`` / ``*_form`` / ``staged_grid`` are pure
 policy; ``linear`` / ``moe`` / ``*_chunks`` / ``dequantize`` run the kernels on torch tensors (the current
-stream, so CUDA-graph capture records them); kquant_vllm.py wires them into the plugin's layers. Structs, constants and kernel signatures
-are fastcomm.abi's (the one mirror of csrc).
+stream, so CUDA-graph capture records them); kquant_vllm.py wires them into the plugin's layers. Structs,
+constants and kernel signatures are fastcomm.abi's (the one mirror of csrc).
 """
 from __future__ import annotations
 
