@@ -291,3 +291,50 @@ def test_the_prefill_dequantized_forms_find_what_they_call():
     assert "activation" in params
     assert list(inspect.signature(ops.ggml_dequantize).parameters) == ["W", "quant_type", "m", "n", "dtype"]
     assert MoEActivation.from_str("silu") is not None
+
+
+def test_each_token_count_reaches_the_form_the_policy_names(monkeypatch):
+    """The custom ops' routing (kquant_vllm._linear_fn / _moe_fn) on CPU tensors, every kernel replaced by a
+    recorder: 1-8 tokens to the decode kernels, past them dequant / chunks / the plugin's as kquant.prefill_form
+    and moe_prefill_form say for the installed settings, and an unaligned weight to the plugin's or its
+    dequantizer only."""
+    import torch
+    from vllm_gguf_plugin.quantization import fused_moe as pmoe, linear as plin
+
+    from fastcomm_vllm.gguf import kquant, kquant_vllm
+
+    seen = []
+    for mod, name in ((kquant, "linear"), (kquant, "linear_chunks"), (kquant, "moe"), (kquant, "moe_chunks"),
+                      (kquant_vllm, "dequant_linear"), (kquant_vllm, "dequant_moe"),
+                      (plin, "_fused_mul_mat_gguf"), (pmoe, "_fused_moe_gguf")):
+        def record(*args, _name=name, **kwargs):
+            seen.append((_name, kwargs.get("kernel")))
+            return None
+        monkeypatch.setattr(mod, name, record)
+    monkeypatch.setattr(kquant_vllm, "_activation", lambda name: None)
+    saved = dict(kquant_vllm._FORMS)
+    try:
+        kquant_vllm._FORMS.update(dequant_min=64, dequant_moe_min=64, chunk_max=256)  # MoE: from 128 tokens
+        w = torch.zeros(16, 144, dtype=torch.uint8)
+        w13, w2 = torch.zeros(16, 32, 144, dtype=torch.uint8), torch.zeros(16, 256, 144, dtype=torch.uint8)
+        for n, linear, moe in ((8, "linear", "moe"), (9, "linear_chunks", "moe_chunks"),
+                               (64, "dequant_linear", "moe_chunks"), (256, "dequant_linear", "dequant_moe"),
+                               (257, "dequant_linear", "dequant_moe")):
+            seen.clear()
+            kquant_vllm._linear_fn(torch.zeros(n, 256), w, [kquant.Q4_K], [0], [16])
+            kquant_vllm._moe_fn(torch.zeros(n, 256), w13, w2, torch.ones(n, 8), torch.zeros(n, 8, dtype=torch.int32),
+                                kquant.Q4_K, kquant.Q4_K, "silu")
+            assert [s for s, _ in seen] == [linear, moe], n
+        kquant_vllm._FORMS.update(chunk_max=32)
+        seen.clear()
+        kquant_vllm._linear_fn(torch.zeros(33, 256), w, [kquant.Q4_K], [0], [16])
+        assert seen == [("_fused_mul_mat_gguf", None)]  # past the chunks' limit, short of dequant's
+        unaligned = torch.zeros(16 * 144 + 8, dtype=torch.uint8)[8:].view(16, 144)
+        for n, want in ((8, ("_fused_mul_mat_gguf", None)), (9, ("_fused_mul_mat_gguf", None)),
+                        (64, ("dequant_linear", "plugin"))):
+            seen.clear()
+            kquant_vllm._linear_fn(torch.zeros(n, 256), unaligned, [kquant.Q4_K], [0], [16])
+            assert seen == [want], n
+    finally:
+        kquant_vllm._FORMS.clear()
+        kquant_vllm._FORMS.update(saved)
