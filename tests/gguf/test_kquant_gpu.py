@@ -137,6 +137,17 @@ def test_gemv_random_activations_and_the_plugin(qtype):
             assert np.linalg.norm(got - theirs) / np.linalg.norm(theirs) < 1e-2
 
 
+def _fused_qkv_a(rows_a: int, rows_b: int, cols: int, seed: int):
+    """GLM-5's fused_qkv_a_proj as the plugin stores it: ``rows_a`` q_a rows (Q5_K) then ``rows_b`` kv_a rows
+    (Q8_0), zero-padded to the wider row. (The padded uint8 weight, the two shards as stored, their float64
+    truth one under the other.)"""
+    qa, qa_t = weights("Q5_K", (rows_a, cols), seed=seed)
+    kva, kva_t = weights("Q8_0", (rows_b, cols), seed=seed + 1)
+    padded = np.zeros((rows_a + rows_b, max(qa.shape[1], kva.shape[1])), np.uint8)
+    padded[:rows_a, :qa.shape[1]], padded[rows_a:, :kva.shape[1]] = qa, kva
+    return padded, (qa, kva), np.concatenate([qa_t, kva_t])
+
+
 @pytest.mark.parametrize("form", LINEAR_FORMS)
 def test_padded_shards_of_two_types_read_in_place(form):
     """GLM-5's fused_qkv_a_proj as the plugin stores it: q_a (Q5_K) then kv_a (Q8_0) rows, zero-padded to the
@@ -144,17 +155,11 @@ def test_padded_shards_of_two_types_read_in_place(form):
     k = kq()
     rng = np.random.default_rng(7)
     cols = 6144
-    qa, qa_t = weights("Q5_K", (64, cols), seed=13)
-    kva, kva_t = weights("Q8_0", (24, cols), seed=14)
-    width = max(qa.shape[1], kva.shape[1])
-    padded = np.zeros((88, width), np.uint8)
-    padded[:64, :qa.shape[1]] = qa
-    padded[64:, :kva.shape[1]] = kva
-    segs = k.plan_linear([k.Q5_K, k.Q8_0], [(0, 64, qa.shape[1]), (64, 88, kva.shape[1])], width, cols)
+    padded, (qa, kva), both = _fused_qkv_a(64, 24, cols, seed=13)
+    segs = k.plan_linear([k.Q5_K, k.Q8_0], [(0, 64, qa.shape[1]), (64, 88, kva.shape[1])], padded.shape[1], cols)
     assert segs is not None
     x = exact_activations(rng, 2, cols)
     got = k.linear(torch.from_numpy(x).cuda(), torch.from_numpy(padded).cuda(), segs, form=form)
-    both = np.concatenate([qa_t, kva_t])
     check(got, x.astype(np.float64) @ both.T, np.abs(x) @ np.abs(both).T, torch.float32)
 
 
@@ -402,13 +407,10 @@ def test_dequantize_is_gguf_py_s_rounded_once(dtype):
     dequantized weight rounded to the dtype (fp32: to the bit)."""
     k = kq()
     cols = 2048
-    qa, qa_t = weights("Q5_K", (40, cols), seed=51)
-    kva, kva_t = weights("Q8_0", (24, cols), seed=52)
-    padded = np.zeros((64, max(qa.shape[1], kva.shape[1])), np.uint8)
-    padded[:40, :qa.shape[1]], padded[40:, :kva.shape[1]] = qa, kva
+    padded, _, truth = _fused_qkv_a(40, 24, cols, seed=51)
     segs = (k.Segment(k.Q5_K, 0, 40), k.Segment(k.Q8_0, 40, 24))
     got = k.dequantize(torch.from_numpy(padded).cuda(), segs, cols, dtype)
-    want = torch.from_numpy(np.concatenate([qa_t, kva_t]).astype(np.float32)).to(dtype).cuda()
+    want = torch.from_numpy(truth.astype(np.float32)).to(dtype).cuda()
     assert got.dtype == dtype and torch.equal(got, want)
     for qtype in ("Q4_K", "Q6_K"):
         stack, stack_t = weights(qtype, (3, 32, 512), seed=53)  # 3 experts of 32 rows, as w13 / w2 are stored
@@ -428,14 +430,11 @@ def test_prefill_dequant_linear_of_two_padded_types(kernel):
     k = kq()
     rng = np.random.default_rng(8)
     cols = 2048
-    qa, qa_t = weights("Q5_K", (64, cols), seed=21)
-    kva, kva_t = weights("Q8_0", (24, cols), seed=22)
-    padded = np.zeros((88, max(qa.shape[1], kva.shape[1])), np.uint8)
-    padded[:64, :qa.shape[1]], padded[64:, :kva.shape[1]] = qa, kva
+    padded, (qa, kva), truth = _fused_qkv_a(64, 24, cols, seed=21)
     x = torch.from_numpy(rng.standard_normal((64, cols)).astype(np.float32)).to(torch.bfloat16).cuda()
     w = torch.from_numpy(padded).cuda()
     got = kquant_vllm.dequant_linear(x, w, [k.Q5_K, k.Q8_0], [0, 64], [64, 24], kernel=kernel).float().cpu().numpy()
-    want = x.float().cpu().numpy().astype(np.float64) @ np.concatenate([qa_t, kva_t]).T
+    want = x.float().cpu().numpy().astype(np.float64) @ truth.T
     assert got.shape == (64, 88)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
     theirs = torch.cat([ops.ggml_mul_mat_a8(torch.from_numpy(qa).cuda(), x, k.Q5_K, 64),
@@ -495,14 +494,10 @@ def test_linear_chunks_of_any_count_read_in_place(n, form):
     k = kq()
     rng = np.random.default_rng(40 + n)
     cols = 2048
-    qa, qa_t = weights("Q5_K", (40, cols), seed=41)
-    kva, kva_t = weights("Q8_0", (24, cols), seed=42)
-    padded = np.zeros((64, max(qa.shape[1], kva.shape[1])), np.uint8)
-    padded[:40, :qa.shape[1]], padded[40:, :kva.shape[1]] = qa, kva
+    padded, _, truth = _fused_qkv_a(40, 24, cols, seed=41)
     segs = (k.Segment(k.Q5_K, 0, 40), k.Segment(k.Q8_0, 40, 24))
     x = exact_activations(rng, n, cols)
     w = torch.from_numpy(padded).cuda()
-    truth = np.concatenate([qa_t, kva_t])
     for dtype in (torch.bfloat16, torch.float32):
         got = k.linear_chunks(torch.from_numpy(x).to(dtype).cuda(), w, segs, form=form)
         assert got.shape == (n, 64)
