@@ -127,9 +127,10 @@ def moe_types_ok(t13: int, t2: int, hidden: int, inter: int, row13: int, row2: i
 
 def moe_form(tokens: int, topk: int, hidden: int, inter: int, tensor_cores: bool = True,
              min_tokens: int = MOE_GROUPED_MIN_TOKENS) -> str:
-    """``grouped`` where allowed (from ``min_tokens``: FASTCOMM_GGUF_GROUPED_MIN_TOKENS) and its tiles and route
-    table hold the shapes, else ``pairs``."""
-    if tensor_cores and tokens >= min_tokens and moe_form_error("grouped", tokens, topk, hidden, inter) is None:
+    """``grouped`` where allowed (from ``min_tokens``: FASTCOMM_GGUF_GROUPED_MIN_TOKENS; past MAX_TOKENS: never,
+    for any number of tokens) and its tiles and route table hold the shapes, else ``pairs``."""
+    allowed = tensor_cores and min_tokens <= MAX_TOKENS and tokens >= min_tokens
+    if allowed and moe_form_error("grouped", tokens, topk, hidden, inter) is None:
         return "grouped"
     return "pairs"
 
@@ -262,11 +263,9 @@ def moe_prefill_form(tokens: int, topk: int, experts: int, chunk_max: int, dequa
     """``prefill_form`` for an MoE layer, whose dequantized form starts where its routed pairs reach
     ``dequant_per_expert`` an expert on average (FASTCOMM_GGUF_DEQUANT_MOE_MIN): it writes all ``experts`` out,
     so GLM-5's 256 experts need 16x the tokens of the 16-expert benchmark model."""
-    if tokens <= MAX_TOKENS:
-        return "plugin"
-    if dequant_per_expert > 0 and tokens * topk >= dequant_per_expert * experts:
-        return "dequant"
-    return "chunks" if tokens <= chunk_max else "plugin"
+    # routed pairs >= dequant_per_expert x experts, as tokens: the fewest whose pairs reach it
+    dequant_min = -(-dequant_per_expert * experts // topk) if dequant_per_expert > 0 else 0
+    return prefill_form(tokens, chunk_max, dequant_min)
 
 
 def chunk_rows(tokens: int, size: int = MAX_TOKENS) -> list[tuple[int, int]]:
@@ -281,8 +280,6 @@ def moe_call_tokens(topk: int, hidden: int, inter: int, form: str | None = None,
     per 8 of its pairs whatever the tokens; the pairs form MAX_TOKENS. ``moe_chunks`` calls it that many at a
     time."""
     most = max(MAX_TOKENS, abi.KQ_MAX_PAIRS // topk)
-    if form is None and min_tokens > MAX_TOKENS:  # FASTCOMM_GGUF_GROUPED_MIN_TOKENS=9: the grouped form is off
-        return MAX_TOKENS
     form = form or moe_form(most, topk, hidden, inter, tensor_cores, min_tokens)
     return most if form != "pairs" and moe_form_error(form, most, topk, hidden, inter) is None else MAX_TOKENS
 
@@ -444,6 +441,13 @@ def _aligned(x):
     return x
 
 
+def _require_aligned(*pointers: int) -> None:
+    """The kernels read Q4_K / Q5_K rows by 16 bytes: refuse a weight off that alignment by its address."""
+    if not weights_aligned(*pointers):
+        at = ", ".join(f"{p:#x}" for p in pointers)
+        raise ValueError(f"the K-quant kernels need 16-byte aligned weights (at {at})")
+
+
 def _out(out, rows: int, cols: int, x):
     """``out`` checked as a contiguous [rows, cols] of x's dtype on x's device (the kernels write it densely),
     or a new one."""
@@ -464,8 +468,7 @@ def linear(x, qweight, segments: tuple[Segment, ...], form: str | None = None, t
     from ``mma_min`` tokens); ``warps``: the mma form's warps a tile (None: ``mma_warps``'); ``pdl``: the mma form
     may launch as a dependent of its quantize launch (FASTCOMM_GGUF_PDL, ``dependent_launch``); ``out``: where
     to write the product (``_out``), e.g. rows of a chunked product's output."""
-    if not weights_aligned(qweight.data_ptr()):
-        raise ValueError(f"the K-quant kernels need a 16-byte aligned weight (at {qweight.data_ptr():#x})")
+    _require_aligned(qweight.data_ptr())
     if not decode_tokens_ok(x.shape[0]):
         raise ValueError(f"linear takes 1-{MAX_TOKENS} tokens (got {x.shape[0]}; linear_chunks takes any)")
     x = _aligned(x)
@@ -509,9 +512,7 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu:
     tiles a block (1, 2, 4 or 8; the benchmark times each); ``out``: where to write the sums (``_out``)."""
     import torch
 
-    if not weights_aligned(w13.data_ptr(), w2.data_ptr()):
-        raise ValueError(f"the K-quant kernels need 16-byte aligned expert weights (at {w13.data_ptr():#x}, "
-                         f"{w2.data_ptr():#x})")
+    _require_aligned(w13.data_ptr(), w2.data_ptr())
     x = _aligned(x)
     tokens, hidden = x.shape
     topk = topk_ids.shape[1]
@@ -592,8 +593,7 @@ def dequantize(qweight, segments: tuple[Segment, ...], cols: int, dtype):
     rows, cols], each weight as ggml dequantizes it rounded once to the dtype (fc_kq_dequant, one launch)."""
     import torch
 
-    if not weights_aligned(qweight.data_ptr()):
-        raise ValueError(f"the K-quant kernels need a 16-byte aligned weight (at {qweight.data_ptr():#x})")
+    _require_aligned(qweight.data_ptr())
     table = _segs_table(qweight.data_ptr(), qweight.stride(0) * qweight.element_size(), segments)
     out = torch.empty(table.total_rows, cols, dtype=dtype, device=qweight.device)
     threads = table.total_rows * (cols // abi.KQ_CHUNK)  # a chunk of 32 values each
