@@ -171,6 +171,25 @@ def _eager_us(fn, calls: int = 8) -> float:
     return a.elapsed_time(b) * 1000 / calls
 
 
+def _rel_diff(got, ref) -> float:
+    got, ref = got.float(), ref.float()
+    return round(float((got - ref).norm() / ref.norm()), 5)
+
+
+def _prefill_times(plugin, dequant, weights, chunked) -> dict:
+    """A prefill row's times and differences: the plugin's calls (``plugin``, one per weight copy), the
+    dequantized form (``dequant(weight, kernel=)`` on each of ``weights``) with kquant.DEQUANT_KERNEL and with
+    OTHER_DEQUANT, and the chunked calls (``chunked``) in a graph and launched eagerly; each form's result
+    against the plugin's."""
+    mine = [lambda w=w: dequant(w) for w in weights]
+    alt = [lambda w=w: dequant(w, kernel=OTHER_DEQUANT) for w in weights]
+    ref = plugin[0]()
+    return {"plugin_us": round(_graph_time_us(plugin), 2), "dequant_us": round(_graph_time_us(mine), 2),
+            f"dequant_{OTHER_DEQUANT}_us": round(_graph_time_us(alt), 2),
+            "chunks_us": round(_graph_time_us(chunked), 2), "chunks_eager_us": round(_eager_us(chunked[0]), 2),
+            "rel_diff_vs_plugin": _rel_diff(mine[0](), ref), "chunks_rel_diff_vs_plugin": _rel_diff(chunked[0](), ref)}
+
+
 def bench_linear(name, shards, cols, tokens, rng):
     """Rows of one linear at each of ``tokens``: up to kquant.MAX_TOKENS (a decode step) the plugin's path and
     fastcomm's forms; past it (a prefill, which only the plugin's kernels served) the plugin's path and the
@@ -201,23 +220,16 @@ def bench_linear(name, shards, cols, tokens, rng):
             if not plin:
                 continue
             starts, nrows = [s.start for s in segs], [s.rows for s in segs]
-            theirs = [plugin(w) for w in ws]
-            mine = [lambda w=w: kquant_vllm.dequant_linear(x, w, types, starts, nrows) for w in ws]
-            alt = [lambda w=w: kquant_vllm.dequant_linear(x, w, types, starts, nrows, kernel=OTHER_DEQUANT)
-                   for w in ws]
+
+            def dequant(w, kernel=None, x=x):
+                return kquant_vllm.dequant_linear(x, w, types, starts, nrows, kernel=kernel)
+
             chunked = [lambda w=w: kquant.linear_chunks(x, w, segs, pdl=pdl) for w in ws]
             dequant_min, _, chunk_max = prefill_settings()
             row = {"op": name, "tokens": n, "weight_MB": round(nbytes / 1e6, 2),
-                   "plugin_us": round(_graph_time_us(theirs), 2),
                    "default": kquant.prefill_form(n, chunk_max, dequant_min),
-                   "dequant_us": round(_graph_time_us(mine), 2),
-                   f"dequant_{OTHER_DEQUANT}_us": round(_graph_time_us(alt), 2),
-                   "chunks_us": round(_graph_time_us(chunked), 2),
-                   "chunks_eager_us": round(_eager_us(chunked[0]), 2),
+                   **_prefill_times([plugin(w) for w in ws], dequant, ws, chunked),
                    "bf16_cublas_us": round(_graph_time_us([lambda d=d: x @ d.T for d in dense]), 2)}
-            b = theirs[0]().float()
-            row["rel_diff_vs_plugin"] = round(float((mine[0]().float() - b).norm() / b.norm()), 5)
-            row["chunks_rel_diff_vs_plugin"] = round(float((chunked[0]().float() - b).norm() / b.norm()), 5)
             rowsout.append(row)
             continue
         default = kquant.linear_form(n, kquant.mma_ok(segs, cols), kquant.staged_fits(x.device.index, n, cols))
@@ -230,8 +242,8 @@ def bench_linear(name, shards, cols, tokens, rng):
         row["bf16_cublas_us"] = round(_graph_time_us([lambda d=d: x @ d.T for d in dense]), 2)
         row["rel_diff_vs_plugin"] = None
         if plin:
-            mine, theirs = kquant.linear(x, ws[0], segs, pdl=pdl).float(), plugin(ws[0])().float()
-            row["rel_diff_vs_plugin"] = round(float((mine - theirs).norm() / theirs.norm()), 5)
+            mine, theirs = kquant.linear(x, ws[0], segs, pdl=pdl), plugin(ws[0])()
+            row["rel_diff_vs_plugin"] = _rel_diff(mine, theirs)
         rowsout.append(row)
     return rowsout
 
@@ -288,23 +300,15 @@ def bench_moe(tokens, rng):
         if n > MAX_DECODE:
             if not pmoe:
                 continue
-            mine = [lambda a=a, b=b: kquant_vllm.dequant_moe(x, a, b, wts, ids, q13, q2, "silu")
-                    for a, b in zip(w13s, w2s)]
-            alt = [lambda a=a, b=b: kquant_vllm.dequant_moe(x, a, b, wts, ids, q13, q2, "silu", kernel=OTHER_DEQUANT)
-                   for a, b in zip(w13s, w2s)]
+            def dequant(ab, kernel=None, x=x, ids=ids, wts=wts):
+                return kquant_vllm.dequant_moe(x, *ab, wts, ids, q13, q2, "silu", kernel=kernel)
+
             chunked = [lambda a=a, b=b: kquant.moe_chunks(x, a, b, wts, ids, q13, q2, act, silu=True)
                        for a, b in zip(w13s, w2s)]
             _, dequant_moe_min, chunk_max = prefill_settings()
             row = {"op": name, "tokens": n, "weight_MB_read": round(nbytes * distinct / experts / 1e6, 1),
-                   "plugin_us": round(_graph_time_us(plugin), 2),
                    "default": kquant.moe_prefill_form(n, topk, experts, chunk_max, dequant_moe_min),
-                   "dequant_us": round(_graph_time_us(mine), 2),
-                   f"dequant_{OTHER_DEQUANT}_us": round(_graph_time_us(alt), 2),
-                   "chunks_us": round(_graph_time_us(chunked), 2),
-                   "chunks_eager_us": round(_eager_us(chunked[0]), 2)}
-            b = plugin[0]().float()
-            row["rel_diff_vs_plugin"] = round(float((mine[0]().float() - b).norm() / b.norm()), 5)
-            row["chunks_rel_diff_vs_plugin"] = round(float((chunked[0]().float() - b).norm() / b.norm()), 5)
+                   **_prefill_times(plugin, dequant, list(zip(w13s, w2s)), chunked)}
             out.append(row)
             continue
         row = {"op": name, "tokens": n, "weight_MB_read": round(nbytes * distinct / experts / 1e6, 1),
@@ -320,9 +324,9 @@ def bench_moe(tokens, rng):
                 for a, b in zip(w13s, w2s)]), 2)
         row["rel_diff_vs_plugin"] = None
         if pmoe:
-            mine = kquant.moe(x, w13s[0], w2s[0], wts, ids, q13, q2, act, silu=True).float()
-            theirs = plugin[0]().float()
-            row["rel_diff_vs_plugin"] = round(float((mine - theirs).norm() / theirs.norm()), 5)
+            mine = kquant.moe(x, w13s[0], w2s[0], wts, ids, q13, q2, act, silu=True)
+            theirs = plugin[0]()
+            row["rel_diff_vs_plugin"] = _rel_diff(mine, theirs)
         out.append(row)
     return out
 
@@ -433,7 +437,6 @@ def chunk_limit(prefill: list[dict], dequant_min: int, dequant_moe_min: int) -> 
     limit = 0
     for n in sorted({r["tokens"] for r in prefill}):
         sel = [r for r in prefill if r["tokens"] == n]
-
         forms = {r["op"]: kquant.moe_prefill_form(n, topk, experts, n, dequant_moe_min) if r["op"] == MOE[0]
                  else kquant.prefill_form(n, n, dequant_min) for r in sel}
         chunked = [r for r in sel if forms[r["op"]] == "chunks"]

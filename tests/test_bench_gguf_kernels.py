@@ -241,3 +241,25 @@ def test_device_figures_take_the_tensor_parallel_size_and_its_rows(tmp_path):
     assert all("--tp 2 " in line and "--concurrency 1,8" in line for line in two)
     one = run()
     assert len(one) == 1 and "--configs vllm " in one[0] and "--tp 1 " in one[0]
+
+
+def test_a_prefill_row_times_each_form_from_its_own_calls(monkeypatch):
+    """_prefill_times on the CPU with the timers replaced by ones that run what they time: the dequantized form
+    runs on every weight copy with the policy's kernel and with the other one, and each form's difference is
+    its own result's against the plugin's."""
+    import torch
+
+    ran = []
+    monkeypatch.setattr(gk, "_graph_time_us", lambda fns: len([f() for f in fns]) * 1.0)
+    monkeypatch.setattr(gk, "_eager_us", lambda fn: fn().numel() * 0.0 + 9.0)
+    ref = torch.ones(4, 4)
+
+    def dequant(w, kernel=None):
+        ran.append((w, kernel))
+        return ref * (1.5 if kernel == gk.OTHER_DEQUANT else 1.25)
+
+    row = gk._prefill_times([lambda: ref], dequant, ["w0", "w1"], [lambda: ref * 0.5] * 3)
+    assert set(ran) == {(w, k) for w in ("w0", "w1") for k in (None, gk.OTHER_DEQUANT)}
+    assert (row["plugin_us"], row["dequant_us"], row[f"dequant_{gk.OTHER_DEQUANT}_us"]) == (1.0, 2.0, 2.0)
+    assert (row["chunks_us"], row["chunks_eager_us"]) == (3.0, 9.0)
+    assert (row["rel_diff_vs_plugin"], row["chunks_rel_diff_vs_plugin"]) == (0.25, 0.5)
