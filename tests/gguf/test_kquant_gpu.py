@@ -171,6 +171,14 @@ def _act(up: torch.Tensor) -> torch.Tensor:
     return (s * u).to(up.dtype)
 
 
+def _experts(t13: str, t2: str, experts: int, hidden: int, inter: int, seed: int):
+    """A MoE layer's experts as the plugin stores them: w13 [experts, 2 inter, row] of ``t13`` and w2 [experts,
+    hidden, row] of ``t2`` (seeds ``seed`` and ``seed + 1``), with their float64 truths: (w13, w13_t, w2, w2_t)."""
+    w13, w13_t = weights(t13, (experts, 2 * inter, hidden), seed=seed)
+    w2, w2_t = weights(t2, (experts, hidden, inter), seed=seed + 1)
+    return w13, w13_t, w2, w2_t
+
+
 def _moe_reference(x, ids, wts, w13_t, w2_t, experts):
     """float64, pair by pair; a pair routed outside [0, experts) adds nothing."""
     want = np.zeros((x.shape[0], w2_t.shape[1]))
@@ -192,8 +200,7 @@ def test_moe_up_and_down(types, tokens, form):
     assert set(MOE_FORMS) == set(k.FORMS_MOE)
     rng = np.random.default_rng(tokens)
     experts, hidden, inter, topk = 6, 512, 256, 4
-    w13, w13_t = weights(types[0], (experts, 2 * inter, hidden), seed=15)
-    w2, w2_t = weights(types[1], (experts, hidden, inter), seed=16)
+    w13, w13_t, w2, w2_t = _experts(types[0], types[1], experts, hidden, inter, seed=15)
     x = rng.standard_normal((tokens, hidden)).astype(np.float32)
     ids = np.stack([rng.permutation(experts)[:topk] for _ in range(tokens)]).astype(np.int32)
     wts = rng.random((tokens, topk)).astype(np.float32)
@@ -224,8 +231,7 @@ def test_moe_bf16_and_the_activation_hook(form):
     k = kq()
     rng = np.random.default_rng(21)
     experts, hidden, inter, topk, tokens = 8, 768, 512, 3, 5
-    w13, w13_t = weights("Q4_K", (experts, 2 * inter, hidden), seed=22)
-    w2, w2_t = weights("Q6_K", (experts, hidden, inter), seed=23)
+    w13, w13_t, w2, w2_t = _experts("Q4_K", "Q6_K", experts, hidden, inter, seed=22)
     x = (rng.standard_normal((tokens, hidden)) * 0.5).astype(np.float32)
     ids = np.stack([rng.permutation(experts)[:topk] for _ in range(tokens)]).astype(np.int32)
     wts = rng.random((tokens, topk)).astype(np.float32)
@@ -250,8 +256,7 @@ def test_moe_repeated_and_foreign_expert_ids(form):
     k = kq()
     rng = np.random.default_rng(24)
     experts, hidden, inter, topk, tokens = 4, 512, 256, 3, 8
-    w13, w13_t = weights("Q4_K", (experts, 2 * inter, hidden), seed=25)
-    w2, w2_t = weights("Q5_K", (experts, hidden, inter), seed=26)
+    w13, w13_t, w2, w2_t = _experts("Q4_K", "Q5_K", experts, hidden, inter, seed=25)
     x = rng.standard_normal((tokens, hidden)).astype(np.float32)
     ids = np.zeros((tokens, topk), np.int32)
     ids[:, 2] = rng.integers(1, experts, size=tokens)
@@ -272,8 +277,7 @@ def test_moe_graph_replays_with_new_routing():
     k = kq()
     rng = np.random.default_rng(27)
     experts, hidden, inter, topk, tokens = 8, 512, 256, 2, 4
-    w13, w13_t = weights("Q4_K", (experts, 2 * inter, hidden), seed=28)
-    w2, w2_t = weights("Q5_K", (experts, hidden, inter), seed=29)
+    w13, w13_t, w2, w2_t = _experts("Q4_K", "Q5_K", experts, hidden, inter, seed=28)
     x = torch.zeros(tokens, hidden, device="cuda")
     ids = torch.zeros(tokens, topk, dtype=torch.int32, device="cuda")
     wts = torch.zeros(tokens, topk, device="cuda")
@@ -454,8 +458,7 @@ def test_prefill_dequant_moe(kernel):
     k = kq()
     rng = np.random.default_rng(9)
     experts, hidden, inter, topk, tokens = 6, 512, 256, 4, 64
-    w13, w13_t = weights("Q4_K", (experts, 2 * inter, hidden), seed=23)
-    w2, w2_t = weights("Q5_K", (experts, hidden, inter), seed=24)
+    w13, w13_t, w2, w2_t = _experts("Q4_K", "Q5_K", experts, hidden, inter, seed=23)
     x = rng.standard_normal((tokens, hidden)).astype(np.float32)
     ids = np.stack([rng.permutation(experts - 1)[:topk] for _ in range(tokens)]).astype(np.int32)
     wts = rng.random((tokens, topk)).astype(np.float32)
@@ -513,8 +516,7 @@ def test_moe_chunks_of_any_count(form):
     k = kq()
     rng = np.random.default_rng(43)
     experts, hidden, inter, topk, tokens = 6, 512, 256, 4, 70
-    w13, w13_t = weights("Q4_K", (experts, 2 * inter, hidden), seed=44)
-    w2, w2_t = weights("Q5_K", (experts, hidden, inter), seed=45)
+    w13, w13_t, w2, w2_t = _experts("Q4_K", "Q5_K", experts, hidden, inter, seed=44)
     x = rng.standard_normal((tokens, hidden)).astype(np.float32)
     ids = np.stack([rng.permutation(experts)[:topk] for _ in range(tokens)]).astype(np.int32)
     if form != "pairs":
@@ -542,8 +544,7 @@ def test_moe_grouped_forms_at_their_route_tables_limit(form):
     rng = np.random.default_rng(48)
     experts, hidden, inter, topk = 16, 512, 256, 8
     tokens = k.abi.KQ_MAX_PAIRS // topk
-    w13, w13_t = weights("Q4_K", (experts, 2 * inter, hidden), seed=49)
-    w2, w2_t = weights("Q6_K", (experts, hidden, inter), seed=50)
+    w13, w13_t, w2, w2_t = _experts("Q4_K", "Q6_K", experts, hidden, inter, seed=49)
     x = rng.standard_normal((tokens, hidden)).astype(np.float32)
     ids = np.stack([rng.permutation(experts)[:topk] for _ in range(tokens)]).astype(np.int32)
     wts = rng.random((tokens, topk)).astype(np.float32)
