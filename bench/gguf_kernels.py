@@ -155,20 +155,14 @@ def prefill_settings() -> tuple[int, int, int]:
             read("FASTCOMM_GGUF_CHUNK_MAX_TOKENS"))
 
 
-def _eager_us(fn, calls: int = 8) -> float:
-    """GPU-timeline time of one call run eagerly, back to back (as vLLM runs a prefill outside its graphs):
+def _eager_us(fn) -> float:
+    """GPU-timeline time of one call run eagerly, 8 back to back (as vLLM runs a prefill outside its graphs):
     where the host cannot launch a call's kernels as fast as the GPU runs them, the gaps count."""
     import torch
 
-    fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(calls):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1000 / calls
+    from fastcomm.measure import timers
+
+    return timers(torch, fn, calls=8, iters=3, warmup=1, graph=False)
 
 
 def _rel_diff(got, ref) -> float:
