@@ -579,8 +579,12 @@ def linear_chunks(x, qweight, segments: tuple[Segment, ...], **forms):
 def moe_chunks(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, **forms):
     """``moe`` for any number of tokens, ``moe_call_tokens`` a call (the grouped form's 32 of top 8; 8 in the
     pairs form) into one output; ``forms`` as ``moe`` takes them (``form`` names one for every call)."""
+    import torch
+
     x = _aligned(x)
     out = _out(None, x.shape[0], x.shape[1], x)
+    # the kernels' id and weight types once, not per call (each call's slice of them then needs no copy)
+    topk_ids, topk_weights = topk_ids.to(torch.int32).contiguous(), topk_weights.to(torch.float32).contiguous()
     size = moe_call_tokens(topk_ids.shape[1], x.shape[1], w13.shape[1] // 2, forms.get("form"),
                            forms.get("tensor_cores", True), forms.get("grouped_min", MOE_GROUPED_MIN_TOKENS))
     for a, b in chunk_rows(x.shape[0], size):
