@@ -144,6 +144,7 @@ TRANSPORTS = ("auto", "p2p", "host")
 ALGOS = ("auto", "one_shot", "two_shot", "two_shot_ll", "pull", "two_shot_islands")
 FUSED_CLUSTER_SETTINGS = ("auto", "on", "off")
 GGUF_KERNEL_SETTINGS = ("auto", "dp4a", "plugin")
+GGUF_DEQUANT_KERNELS = ("plugin", "fastcomm")  # fastcomm_vllm.gguf.kquant.DEQUANT_KERNELS
 LOG_LEVELS = ("debug", "info", "warning", "error", "off")
 
 VARIABLES: tuple[Var, ...] = (
@@ -196,6 +197,10 @@ VARIABLES: tuple[Var, ...] = (
         "(tokens x top-k / experts), from which a GGUF MoE layer's prefill dequantizes all its experts to bf16 and "
         "runs vLLM's fused_experts instead of the plugin's dp4a MoE kernel; 0: never (the default: at 32 it slowed "
         "8 requests' decode on an H200).", _count),
+    Var("FASTCOMM_GGUF_DEQUANT_KERNEL", "gguf_dequant_kernel", "plugin", "plugin | fastcomm: which kernel writes "
+        "the dequantized prefill form's bf16 weights: vllm-gguf-plugin's ggml_dequantize (a launch a segment) or "
+        "fastcomm's (csrc/kquant.cu fc_kq_dequant: one launch for a fused weight's segments, 16-byte stores).",
+        _choice(*GGUF_DEQUANT_KERNELS)),
     Var("FASTCOMM_GGUF_CHUNK_MAX_TOKENS", "gguf_chunk_max_tokens", "0", "Tokens up to which a GGUF product past "
         "1-8 (a prefill, or a decode batch of 9+) that is not dequantized runs through fastcomm's K-quant kernels 8 "
         "tokens a call (the MoE up to 32 of top 8), each call a read of the weights, instead of the plugin's dp4a "
@@ -262,6 +267,7 @@ class Config:
     gguf_dequant_min_tokens: int = 64  # FASTCOMM_GGUF_DEQUANT_MIN_TOKENS (fastcomm_vllm.gguf.kquant.prefill_form)
     gguf_dequant_moe_min: int = 0      # FASTCOMM_GGUF_DEQUANT_MOE_MIN (kquant.moe_prefill_form)
     gguf_chunk_max_tokens: int = 0     # FASTCOMM_GGUF_CHUNK_MAX_TOKENS (kquant.prefill_form)
+    gguf_dequant_kernel: str = "plugin"  # FASTCOMM_GGUF_DEQUANT_KERNEL (kquant_vllm.dequant_linear / _moe)
     gguf_pdl: bool = True  # FASTCOMM_GGUF_PDL (fastcomm_vllm.gguf.kquant.dependent_launch)
     log_level: str = "warning"
     test_mode: bool = False
@@ -281,6 +287,8 @@ class Config:
             bad("fused_cluster", f"must be one of {', '.join(FUSED_CLUSTER_SETTINGS)}")
         if self.gguf_kernels not in GGUF_KERNEL_SETTINGS:
             bad("gguf_kernels", f"must be one of {', '.join(GGUF_KERNEL_SETTINGS)}")
+        if self.gguf_dequant_kernel not in GGUF_DEQUANT_KERNELS:
+            bad("gguf_dequant_kernel", f"must be one of {', '.join(GGUF_DEQUANT_KERNELS)}")
         if self.log_level not in LOG_LEVELS:
             bad("log_level", f"must be one of {', '.join(LOG_LEVELS)}")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \

@@ -244,7 +244,8 @@ def test_the_token_thresholds_reach_the_kernels(monkeypatch):
 
     def forms():
         f = kquant_vllm._FORMS
-        return f["mma_min"], f["grouped_min"], f["pdl"], f["dequant_min"], f["dequant_moe_min"], f["chunk_max"]
+        return (f["mma_min"], f["grouped_min"], f["pdl"], f["dequant_min"], f["dequant_moe_min"], f["chunk_max"],
+                f["dequant_kernel"])
 
     try:
         monkeypatch.setenv("FASTCOMM_GGUF_MMA_MIN_TOKENS", "5")
@@ -253,16 +254,17 @@ def test_the_token_thresholds_reach_the_kernels(monkeypatch):
         monkeypatch.setenv("FASTCOMM_GGUF_DEQUANT_MOE_MIN", "32")
         monkeypatch.setenv("FASTCOMM_GGUF_DEQUANT_MIN_TOKENS", "128")
         monkeypatch.setenv("FASTCOMM_GGUF_CHUNK_MAX_TOKENS", "256")
+        monkeypatch.setenv("FASTCOMM_GGUF_DEQUANT_KERNEL", "fastcomm")
         plugin._decode_kernels()
-        assert forms() == (5, 9, False, 128, 32, 256)
+        assert forms() == (5, 9, False, 128, 32, 256, "fastcomm")
         for name in ("MMA_MIN_TOKENS", "GROUPED_MIN_TOKENS", "PDL", "DEQUANT_MIN_TOKENS", "DEQUANT_MOE_MIN",
-                     "CHUNK_MAX_TOKENS"):
+                     "CHUNK_MAX_TOKENS", "DEQUANT_KERNEL"):
             monkeypatch.delenv(f"FASTCOMM_GGUF_{name}")
         plugin._decode_kernels()
         unset = {name: read(f"FASTCOMM_GGUF_{name}", {}) for name in ("DEQUANT_MIN_TOKENS", "DEQUANT_MOE_MIN",
-                                                                      "CHUNK_MAX_TOKENS")}  # config's defaults
+                                                                      "CHUNK_MAX_TOKENS", "DEQUANT_KERNEL")}
         defaults = (kquant.MMA_MIN_TOKENS, kquant.MOE_GROUPED_MIN_TOKENS, True, *unset.values())
-        assert forms() == defaults
+        assert forms() == defaults and forms()[-1] == kquant.DEQUANT_KERNEL  # config's default is the policy's
         monkeypatch.setenv("FASTCOMM_GGUF_MMA_MIN_TOKENS", "2")
         monkeypatch.setenv("FASTCOMM_GGUF_GROUPED_MIN_TOKENS", "0")  # named, and the last setting stays
         plugin._decode_kernels()
@@ -274,7 +276,7 @@ def test_the_token_thresholds_reach_the_kernels(monkeypatch):
     finally:
         kquant_vllm._FORMS.update(tensor_cores=True, mma_min=kquant.MMA_MIN_TOKENS,
                                   grouped_min=kquant.MOE_GROUPED_MIN_TOKENS, pdl=True, dequant_min=0, dequant_moe_min=0,
-                                  chunk_max=0)
+                                  chunk_max=0, dequant_kernel=kquant.DEQUANT_KERNEL)
 
 
 def test_the_prefill_dequantized_forms_find_what_they_call():

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from fastcomm import abi
+from fastcomm import abi, config
 
 # ggml type ids csrc/kquant.cuh reads, with (values, bytes) per block.
 Q8_0, Q4_K, Q5_K, Q6_K = abi.KQ_Q8_0, abi.KQ_Q4_K, abi.KQ_Q5_K, abi.KQ_Q6_K
@@ -240,10 +240,10 @@ def decode_tokens_ok(tokens: int) -> bool:
 #   calls' reads pass the dequantized form's cost. Off until a run times it end to end
 #   (FASTCOMM_GGUF_CHUNK_MAX_TOKENS).
 PREFILL_FORMS = ("dequant", "chunks", "plugin")
-# Which kernel writes the dequantized form's bf16 weights: the plugin's ggml_dequantize (timed end to end, the
-# fourteenth session) or fastcomm's fc_kq_dequant ("fastcomm": one launch for every segment, 16-byte stores;
-# bench/gguf_kernels.py times both). The plugin's until fastcomm's is timed.
-DEQUANT_KERNELS = ("plugin", "fastcomm")
+# Which kernel writes the dequantized form's bf16 weights (FASTCOMM_GGUF_DEQUANT_KERNEL): the plugin's
+# ggml_dequantize (timed end to end, the fourteenth session) or fastcomm's fc_kq_dequant ("fastcomm": one launch
+# for every segment, 16-byte stores; bench/gguf_kernels.py times both). The plugin's until fastcomm's is timed.
+DEQUANT_KERNELS = config.GGUF_DEQUANT_KERNELS
 DEQUANT_KERNEL = "plugin"
 
 

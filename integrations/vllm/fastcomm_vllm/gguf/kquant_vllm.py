@@ -22,7 +22,8 @@ from . import kquant
 _PLAN = "_fastcomm_kq_plan"  # per layer: the segments (linear), True (MoE), or None (the plugin's path)
 # Set once by install(), from the FASTCOMM_GGUF_* settings, before any layer runs.
 _FORMS = {"tensor_cores": True, "mma_min": kquant.MMA_MIN_TOKENS, "grouped_min": kquant.MOE_GROUPED_MIN_TOKENS,
-          "pdl": True, "dequant_min": 0, "dequant_moe_min": 0, "chunk_max": 0}
+          "pdl": True, "dequant_min": 0, "dequant_moe_min": 0, "chunk_max": 0,
+          "dequant_kernel": kquant.DEQUANT_KERNEL}
 
 
 def dequant_linear(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts: list[int],
@@ -76,7 +77,8 @@ def _linear_fn(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts:
         return kquant.linear(x, qweight, segs, **forms)
     prefill = kquant.prefill_form(x.shape[0], _FORMS["chunk_max"] if aligned else 0, _FORMS["dequant_min"])
     if prefill == "dequant":  # fastcomm's dequantize reads as its other kernels do: an aligned weight only
-        return dequant_linear(x, qweight, types, starts, rows, kernel=None if aligned else "plugin")
+        kernel = _FORMS["dequant_kernel"] if aligned else "plugin"
+        return dequant_linear(x, qweight, types, starts, rows, kernel=kernel)
     if prefill == "chunks":
         return kquant.linear_chunks(x, qweight, segs, **forms)
     # Bytes of a row a segment uses (its shard's type over x's columns; the stored rows are padded to the widest).
@@ -118,7 +120,7 @@ def _moe_fn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: 
                                       _FORMS["chunk_max"] if aligned else 0, _FORMS["dequant_moe_min"])
     if prefill == "dequant":
         return dequant_moe(x, w13, w2, topk_weights, topk_ids, t13, t2, activation,
-                           kernel=None if aligned else "plugin")
+                           kernel=_FORMS["dequant_kernel"] if aligned else "plugin")
     if prefill == "chunks":
         return kquant.moe_chunks(x, w13, w2, topk_weights, topk_ids, t13, t2, _activation(activation), **forms)
     return pmoe._fused_moe_gguf(x, w13, w2, topk_weights, topk_ids, t13, t2, activation)
@@ -185,9 +187,11 @@ def _after_loading(original, plan):
 
 
 def install(tensor_cores: bool = True, mma_min: int | None = None, grouped_min: int | None = None,
-            pdl: bool = True, dequant_min: int = 0, dequant_moe_min: int = 0, chunk_max: int = 0) -> bool:
+            pdl: bool = True, dequant_min: int = 0, dequant_moe_min: int = 0, chunk_max: int = 0,
+            dequant_kernel: str = kquant.DEQUANT_KERNEL) -> bool:
     """Wrap the plugin's methods (once); False when the plugin is not importable here. The prefill's settings
-    (``dequant_min``, ``dequant_moe_min``, ``chunk_max``) as kquant.prefill_form takes them; 0: off."""
+    (``dequant_min``, ``dequant_moe_min``, ``chunk_max``) as kquant.prefill_form takes them; 0: off;
+    ``dequant_kernel`` (kquant.DEQUANT_KERNELS) writes the dequantized form's weights."""
     try:
         from vllm_gguf_plugin.quantization import fused_moe as pmoe, linear as plin
     except ImportError:
@@ -196,7 +200,8 @@ def install(tensor_cores: bool = True, mma_min: int | None = None, grouped_min: 
     _FORMS["mma_min"] = mma_min or kquant.MMA_MIN_TOKENS
     _FORMS["grouped_min"] = grouped_min or kquant.MOE_GROUPED_MIN_TOKENS
     _FORMS["pdl"] = pdl
-    _FORMS.update(dequant_min=dequant_min, dequant_moe_min=dequant_moe_min, chunk_max=chunk_max)
+    _FORMS.update(dequant_min=dequant_min, dequant_moe_min=dequant_moe_min, chunk_max=chunk_max,
+                  dequant_kernel=dequant_kernel)
     if getattr(plin.GGUFLinearMethod.apply, "_fastcomm", False):
         return True
     register_ops()

@@ -63,7 +63,8 @@ def _decode_kernels() -> None:
         pdl = read("FASTCOMM_GGUF_PDL")
         prefill = {"dequant_min": read("FASTCOMM_GGUF_DEQUANT_MIN_TOKENS"),
                    "dequant_moe_min": read("FASTCOMM_GGUF_DEQUANT_MOE_MIN"),
-                   "chunk_max": read("FASTCOMM_GGUF_CHUNK_MAX_TOKENS")}
+                   "chunk_max": read("FASTCOMM_GGUF_CHUNK_MAX_TOKENS"),
+                   "dequant_kernel": read("FASTCOMM_GGUF_DEQUANT_KERNEL")}
     except ConfigError as e:  # a plugin hook must not stop vLLM: say it, keep the plugin's kernels
         logger.warning("fastcomm: %s; GGUF products stay with vllm-gguf-plugin's kernels", e)
         return
@@ -78,8 +79,9 @@ def _decode_kernels() -> None:
                     " (dp4a forms only)" if setting == "dp4a" else "")
         logger.info("fastcomm: GGUF products past %d tokens: dequantized for the tensor cores (linears from %s "
                     "tokens, MoE from %s routed tokens an expert), else fastcomm's kernels 8 tokens a call up to "
-                    "%s tokens, else the plugin's (0: never)", kquant_vllm.kquant.MAX_TOKENS, prefill["dequant_min"],
-                    prefill["dequant_moe_min"], prefill["chunk_max"])
+                    "%s tokens, else the plugin's (0: never); dequantized by %s's kernel", kquant_vllm.kquant.MAX_TOKENS,
+                    prefill["dequant_min"], prefill["dequant_moe_min"], prefill["chunk_max"],
+                    prefill["dequant_kernel"])
 
 
 def _teach_replicated_linear() -> None:
