@@ -68,9 +68,15 @@ def _int_list(flag: str, text: str, *, minimum: int = 1) -> list[int]:
 def settings_set(env=None) -> dict | None:
     """The FASTCOMM_* settings set where bench-decode runs (every row's engine inherits them, e.g.
     FASTCOMM_GGUF_DEQUANT_MIN_TOKENS), so a record says what it measured; None when none is set."""
-    from fastcomm.config import check_environment
+    from fastcomm.config import check_environment, read
 
-    found = {s.var.name: s.raw for s in check_environment(env) if s.raw is not None}
+    found = {}
+    for s in check_environment(env):
+        if s.raw is None or s.var.name == "FASTCOMM_CACHE_DIR":  # where kernels are cached measures nothing
+            continue
+        # a path (the tuning file) by its name: records hold no machine's paths
+        path = s.error is None and isinstance(read(s.var.name, env), Path)
+        found[s.var.name] = Path(s.raw).name if path else s.raw
     return found or None
 
 

@@ -179,7 +179,7 @@ def _prefill_times(plugin, dequant, weights, chunked) -> dict:
     alt = [lambda w=w: dequant(w, kernel=OTHER_DEQUANT) for w in weights]
     ref = plugin[0]()
     return {"plugin_us": round(_graph_time_us(plugin), 2), "dequant_us": round(_graph_time_us(mine), 2),
-            f"dequant_{OTHER_DEQUANT}_us": round(_graph_time_us(alt), 2),
+            "dequant_kernel": kquant.DEQUANT_KERNEL, f"dequant_{OTHER_DEQUANT}_us": round(_graph_time_us(alt), 2),
             "chunks_us": round(_graph_time_us(chunked), 2), "chunks_eager_us": round(_eager_us(chunked[0]), 2),
             "rel_diff_vs_plugin": _rel_diff(mine[0](), ref), "chunks_rel_diff_vs_plugin": _rel_diff(chunked[0](), ref)}
 
@@ -221,7 +221,7 @@ def bench_linear(name, shards, cols, tokens, rng):
             chunked = [lambda w=w: kquant.linear_chunks(x, w, segs, pdl=pdl) for w in ws]
             dequant_min, _, chunk_max = prefill_settings()
             row = {"op": name, "tokens": n, "weight_MB": round(nbytes / 1e6, 2),
-                   "default": kquant.prefill_form(n, chunk_max, dequant_min),
+                   "default": kquant.prefill_form(n, chunk_max, dequant_min, host_bound=True),  # eager
                    **_prefill_times([plugin(w) for w in ws], dequant, ws, chunked),
                    "bf16_cublas_us": round(_graph_time_us([lambda d=d: x @ d.T for d in dense]), 2)}
             rowsout.append(row)
@@ -404,15 +404,27 @@ def suggest(rows: list[dict]) -> dict[str, int]:
                                            NEVER)}
     prefill = [r for r in rows if r["tokens"] > MAX_DECODE]
     if prefill:
-        # The dequantized forms against the better of the others (runs before chunks_us existed: the plugin's).
-        other = lambda r: min(r["plugin_us"], _chunks_us(r)) if "chunks_us" in r else r["plugin_us"]  # noqa: E731
-        out["dequant_min_tokens"] = threshold(prefill, lambda r: r["dequant_us"], other, linears, 0)
-        n = threshold(prefill, lambda r: r["dequant_us"], other, {MOE[0]}, 0)
+        # The dequantized forms against the better of the others a prefill can take: the plugin's, and for the MoE
+        # the chunks (a linear's eager chunks are host-bound: kquant.prefill_form; runs before chunks_us existed:
+        # the plugin's).
+        def other(r):
+            return min(r["plugin_us"], _chunks_us(r)) if "chunks_us" in r and r["op"] == MOE[0] else r["plugin_us"]
+
+        out["dequant_min_tokens"] = threshold(prefill, dequant_us, other, linears, 0)
+        n = threshold(prefill, dequant_us, other, {MOE[0]}, 0)
         _, experts, topk, *_ = MOE
         out["dequant_moe_min"] = -(-n * topk // experts)  # the same tokens as routed pairs an expert
         if all("chunks_us" in r for r in prefill):
             out["chunk_max_tokens"] = chunk_limit(prefill, out["dequant_min_tokens"], out["dequant_moe_min"])
     return out
+
+
+def dequant_us(r, kernel: str = kquant.DEQUANT_KERNEL) -> float:
+    """A prefill row's dequantized form with ``kernel`` (kquant.DEQUANT_KERNELS): the row's ``dequant_us`` is
+    the kernel its run's policy took (``dequant_kernel``; runs before that field: the plugin's), the other's
+    ``dequant_<kernel>_us``."""
+    key = "dequant_us" if r.get("dequant_kernel", "plugin") == kernel else f"dequant_{kernel}_us"
+    return r.get(key, r["dequant_us"])  # a run that timed one dequantizer: that one's time
 
 
 def _chunks_us(r) -> float:
@@ -423,18 +435,21 @@ def _chunks_us(r) -> float:
 
 def chunk_limit(prefill: list[dict], dequant_min: int, dequant_moe_min: int) -> int:
     """FASTCOMM_GGUF_CHUNK_MAX_TOKENS from a run's prefill rows and the dequantized forms' thresholds: the most
-    measured tokens up to which, at every smaller measured count too, the products the policy does not dequantize
-    sum to no more per step in calls of 8 tokens (``_chunks_us``) than through the plugin's kernels (0: never).
-    A count where the dequantized forms take every product neither extends the limit nor ends it."""
+    measured tokens up to which, at every smaller measured count too, the products the policy chunks in a prefill
+    (neither dequantized nor, launched eagerly, a linear: kquant.prefill_form's ``host_bound``) sum to no more per
+    step in calls of 8 tokens (``_chunks_us``) than through the plugin's kernels (0: never).
+    A count where the dequantized forms take every such product extends a limit the chunks reached (the policy
+    tries the dequantized form first, so the chunks serve every count below it), and starts none."""
     per_layer = _layers()
     _, experts, topk, *_ = MOE
     limit = 0
     for n in sorted({r["tokens"] for r in prefill}):
         sel = [r for r in prefill if r["tokens"] == n]
         forms = {r["op"]: kquant.moe_prefill_form(n, topk, experts, n, dequant_moe_min) if r["op"] == MOE[0]
-                 else kquant.prefill_form(n, n, dequant_min) for r in sel}
+                 else kquant.prefill_form(n, n, dequant_min, host_bound=True) for r in sel}
         chunked = [r for r in sel if forms[r["op"]] == "chunks"]
-        if not chunked:  # the dequantized forms take every product at n: it says nothing about the chunks
+        if not chunked:  # the dequantized forms take every product at n: the chunks serve up to it
+            limit = n if limit else 0
             continue
         if sum(_chunks_us(r) * per_layer[r["op"]] for r in chunked) > sum(r["plugin_us"] * per_layer[r["op"]]
                                                                           for r in chunked):

@@ -144,7 +144,7 @@ TRANSPORTS = ("auto", "p2p", "host")
 ALGOS = ("auto", "one_shot", "two_shot", "two_shot_ll", "pull", "two_shot_islands")
 FUSED_CLUSTER_SETTINGS = ("auto", "on", "off")
 GGUF_KERNEL_SETTINGS = ("auto", "dp4a", "plugin")
-GGUF_DEQUANT_KERNELS = ("plugin", "fastcomm")  # fastcomm_vllm.gguf.kquant.DEQUANT_KERNELS
+GGUF_DEQUANT_KERNELS = ("fastcomm", "plugin")  # fastcomm_vllm.gguf.kquant.DEQUANT_KERNELS
 LOG_LEVELS = ("debug", "info", "warning", "error", "off")
 
 VARIABLES: tuple[Var, ...] = (
@@ -189,22 +189,24 @@ VARIABLES: tuple[Var, ...] = (
     Var("FASTCOMM_GGUF_GROUPED_MIN_TOKENS", "gguf_grouped_min_tokens", "", "Tokens from which a GGUF MoE layer's "
         "experts take the tensor-core form grouped by expert (unset: kquant.MOE_GROUPED_MIN_TOKENS; 9: never).",
         _decode_tokens),
-    Var("FASTCOMM_GGUF_DEQUANT_MIN_TOKENS", "gguf_dequant_min_tokens", "64", "Tokens from which a GGUF linear "
+    Var("FASTCOMM_GGUF_DEQUANT_MIN_TOKENS", "gguf_dequant_min_tokens", "16", "Tokens from which a GGUF linear "
         "layer's product past fastcomm's 1-8 (a prefill) dequantizes its weight to bf16 and multiplies on the tensor "
-        "cores (cuBLAS) instead of the plugin's dp4a MMQ kernel; 0: never. 64 from an H200 (bench/RESULTS.md); "
+        "cores (cuBLAS) instead of the plugin's dp4a MMQ kernel; 0: never. 16 from an H200 (bench/RESULTS.md); "
         "`python -m fastcomm_bench.gguf_kernels --tokens 16,64,256` times both and suggests it.", _count),
     Var("FASTCOMM_GGUF_DEQUANT_MOE_MIN", "gguf_dequant_moe_min", "0", "Routed tokens per expert, on average "
         "(tokens x top-k / experts), from which a GGUF MoE layer's prefill dequantizes all its experts to bf16 and "
         "runs vLLM's fused_experts instead of the plugin's dp4a MoE kernel; 0: never (the default: at 32 it slowed "
         "8 requests' decode on an H200).", _count),
-    Var("FASTCOMM_GGUF_DEQUANT_KERNEL", "gguf_dequant_kernel", "plugin", "plugin | fastcomm: which kernel writes "
-        "the dequantized prefill form's bf16 weights: vllm-gguf-plugin's ggml_dequantize (a launch a segment) or "
-        "fastcomm's (csrc/kquant.cu fc_kq_dequant: one launch for a fused weight's segments, 16-byte stores).",
+    Var("FASTCOMM_GGUF_DEQUANT_KERNEL", "gguf_dequant_kernel", "fastcomm", "fastcomm | plugin: which kernel writes "
+        "the dequantized prefill form's bf16 weights: fastcomm's (csrc/kquant.cu fc_kq_dequant: one launch for a "
+        "fused weight's segments, 16-byte stores; half the plugin's time on an H200) or vllm-gguf-plugin's "
+        "ggml_dequantize (a launch a segment).",
         _choice(*GGUF_DEQUANT_KERNELS)),
-    Var("FASTCOMM_GGUF_CHUNK_MAX_TOKENS", "gguf_chunk_max_tokens", "0", "Tokens up to which a GGUF product past "
-        "1-8 (a prefill, or a decode batch of 9+) that is not dequantized runs through fastcomm's K-quant kernels 8 "
-        "tokens a call (the MoE up to 32 of top 8), each call a read of the weights, instead of the plugin's dp4a "
-        "kernels; 0: never (not yet timed end to end).", _count),
+    Var("FASTCOMM_GGUF_CHUNK_MAX_TOKENS", "gguf_chunk_max_tokens", "256", "Tokens up to which a GGUF product "
+        "past 1-8 (a prefill, or a decode batch of 9+) that is not dequantized runs through fastcomm's K-quant "
+        "kernels 8 tokens a call (the MoE up to 32 of top 8), each call a read of the weights, instead of the "
+        "plugin's dp4a kernels: the MoE always, a linear only inside a CUDA graph capture (launched eagerly its "
+        "calls' host time exceeds their GPU time); 0: never. 256 from an H200 (bench/RESULTS.md).", _count),
     Var("FASTCOMM_GGUF_PDL", "gguf_pdl", "1", "1 lets fastcomm's dense tensor-core K-quant product start while the "
         "quantize launch before it runs (programmatic dependent launch, sm_90+: it fetches its first weights, then "
         "waits on the GPU for the activations); 0: plain launches.", _bool),
@@ -264,10 +266,10 @@ class Config:
     gguf_kernels: str = "auto"  # FASTCOMM_GGUF_KERNELS (fastcomm_vllm.gguf.kquant)
     gguf_mma_min_tokens: int | None = None      # FASTCOMM_GGUF_MMA_MIN_TOKENS (None: the kquant policy's)
     gguf_grouped_min_tokens: int | None = None  # FASTCOMM_GGUF_GROUPED_MIN_TOKENS
-    gguf_dequant_min_tokens: int = 64  # FASTCOMM_GGUF_DEQUANT_MIN_TOKENS (fastcomm_vllm.gguf.kquant.prefill_form)
+    gguf_dequant_min_tokens: int = 16  # FASTCOMM_GGUF_DEQUANT_MIN_TOKENS (fastcomm_vllm.gguf.kquant.prefill_form)
     gguf_dequant_moe_min: int = 0      # FASTCOMM_GGUF_DEQUANT_MOE_MIN (kquant.moe_prefill_form)
-    gguf_chunk_max_tokens: int = 0     # FASTCOMM_GGUF_CHUNK_MAX_TOKENS (kquant.prefill_form)
-    gguf_dequant_kernel: str = "plugin"  # FASTCOMM_GGUF_DEQUANT_KERNEL (kquant_vllm.dequant_linear / _moe)
+    gguf_chunk_max_tokens: int = 256   # FASTCOMM_GGUF_CHUNK_MAX_TOKENS (kquant.prefill_form)
+    gguf_dequant_kernel: str = "fastcomm"  # FASTCOMM_GGUF_DEQUANT_KERNEL (kquant_vllm.dequant_linear / _moe)
     gguf_pdl: bool = True  # FASTCOMM_GGUF_PDL (fastcomm_vllm.gguf.kquant.dependent_launch)
     log_level: str = "warning"
     test_mode: bool = False

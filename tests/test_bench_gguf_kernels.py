@@ -75,11 +75,11 @@ def test_prefill_rows_with_chunks_suggest_how_far_the_chunks_go_and_dequant_agai
         return _rows({8: 2.0}, {8: 50.0}) + rows
 
     got = gk.suggest(prefill({16: (20.0, 200.0), 64: (80.0, 400.0), 256: (320.0, 3200.0)}))
-    # linears: dequant (60) beats the chunks from 64 (80) on; the MoE's dequant (500) wins only at 256 (chunks
-    # 3200), 128 routed tokens an expert; so the chunks take the linears at 16 and the MoE at 16 and 64, where
-    # they beat the plugin; at 256 nothing is left to them
-    assert (got["dequant_min_tokens"], got["dequant_moe_min"], got["chunk_max_tokens"]) == (64, 128, 64)
-    assert gk._settings(got).endswith("FASTCOMM_GGUF_DEQUANT_MOE_MIN=128 FASTCOMM_GGUF_CHUNK_MAX_TOKENS=64")
+    # linears: a prefill's chunks are host-bound (never taken eagerly), so dequant (60) against the plugin (100)
+    # from 16; the MoE's dequant (500) beats its chunks only at 256 (3200), 128 routed tokens an expert; so the
+    # chunks take the MoE at 16 and 64, where they beat the plugin, and up to 256, where dequant takes over
+    assert (got["dequant_min_tokens"], got["dequant_moe_min"], got["chunk_max_tokens"]) == (16, 128, 256)
+    assert gk._settings(got).endswith("FASTCOMM_GGUF_DEQUANT_MOE_MIN=128 FASTCOMM_GGUF_CHUNK_MAX_TOKENS=256")
     # the MoE's chunks at 64: 550 us in a graph would beat the plugin's 1000, but a prefill runs them eagerly
     got = gk.suggest(prefill({16: (20.0, 200.0), 64: (80.0, 1100.0), 256: (320.0, 3200.0)}, moe_dequant=5000.0))
     assert (got["dequant_moe_min"], got["chunk_max_tokens"]) == (0, 16)

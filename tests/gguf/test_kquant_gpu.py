@@ -497,13 +497,14 @@ def test_linear_chunks_of_any_count_read_in_place(n, form):
     k = kq()
     rng = np.random.default_rng(40 + n)
     cols = 2048
-    padded, _, truth = _fused_qkv_a(40, 24, cols, seed=41)
-    segs = (k.Segment(k.Q5_K, 0, 40), k.Segment(k.Q8_0, 40, 24))
+    # q_a's rows end on a 16-row tile, as GLM-5's 2048 do: the mma form reads a tile from one segment only
+    padded, _, truth = _fused_qkv_a(48, 24, cols, seed=41)
+    segs = (k.Segment(k.Q5_K, 0, 48), k.Segment(k.Q8_0, 48, 24))
     x = exact_activations(rng, n, cols)
     w = torch.from_numpy(padded).cuda()
     for dtype in (torch.bfloat16, torch.float32):
         got = k.linear_chunks(torch.from_numpy(x).to(dtype).cuda(), w, segs, form=form)
-        assert got.shape == (n, 64)
+        assert got.shape == (n, 72)
         check(got, x.astype(np.float64) @ truth.T, np.abs(x) @ np.abs(truth).T, dtype)
 
 

@@ -114,12 +114,24 @@ def test_a_prefill_dequantizes_from_its_threshold_else_chunks_up_to_its_limit_el
     assert [form(n, 32, 0) for n in (9, 32, 33)] == ["chunks", "chunks", "plugin"]
     # dequant first: chunks only where the dequantized form does not take the product
     assert [form(n, 256, 64) for n in (9, 63, 64, 256, 257)] == ["chunks", "chunks", "dequant", "dequant", "dequant"]
+    # launched eagerly (host-bound), a linear never takes the chunks: the plugin's, or dequant from its threshold
+    assert [form(n, 256, 16, host_bound=True) for n in (9, 15, 16)] == ["plugin", "plugin", "dequant"]
+    assert [form(n, 256, 0, host_bound=True) for n in (9, 256)] == ["plugin", "plugin"]
     # MoE: dequant by routed tokens an expert; 256 tokens of top 8 are 128 an expert of 16, 8 an expert of 256
     moe = kquant.moe_prefill_form
     assert moe(256, 8, 16, 0, 32) == "dequant" and moe(256, 8, 256, 0, 32) == "plugin"
     assert moe(1024, 8, 256, 0, 32) == "dequant" and moe(1023, 8, 256, 0, 32) == "plugin"
     assert moe(1023, 8, 256, 1023, 32) == "chunks" and moe(4096, 8, 16, 4096, 0) == "chunks"
     assert moe(kquant.MAX_TOKENS, 8, 1, 4096, 1) == "plugin"
+    # the defaults (config's) on GLM-5's MoE and the benchmark's: chunks from 9 tokens to 256, the MoE never
+    # dequantized; a linear from 16 tokens dequantized, in a graph capture the chunks below that
+    from fastcomm.config import read
+
+    d = {v: read(f"FASTCOMM_GGUF_{v}", {}) for v in ("CHUNK_MAX_TOKENS", "DEQUANT_MIN_TOKENS", "DEQUANT_MOE_MIN")}
+    assert [moe(n, 8, e, d["CHUNK_MAX_TOKENS"], d["DEQUANT_MOE_MIN"]) for n, e in ((9, 256), (256, 16), (257, 16))] \
+        == ["chunks", "chunks", "plugin"]
+    assert [form(n, d["CHUNK_MAX_TOKENS"], d["DEQUANT_MIN_TOKENS"]) for n in (9, 16)] == ["chunks", "dequant"]
+    assert read("FASTCOMM_GGUF_DEQUANT_KERNEL", {}) == kquant.DEQUANT_KERNEL == "fastcomm"
 
 
 def test_chunks_cover_every_row_once_in_decode_sized_calls():

@@ -319,7 +319,8 @@ def test_each_token_count_reaches_the_form_the_policy_names(monkeypatch):
         kquant_vllm._FORMS.update(dequant_min=64, dequant_moe_min=64, chunk_max=256)  # MoE: from 128 tokens
         w = torch.zeros(16, 144, dtype=torch.uint8)
         w13, w2 = torch.zeros(16, 32, 144, dtype=torch.uint8), torch.zeros(16, 256, 144, dtype=torch.uint8)
-        for n, linear, moe in ((8, "linear", "moe"), (9, "linear_chunks", "moe_chunks"),
+        # eager (a prefill): a linear's chunks are host-bound, so the plugin's short of dequant's threshold
+        for n, linear, moe in ((8, "linear", "moe"), (9, "_fused_mul_mat_gguf", "moe_chunks"),
                                (64, "dequant_linear", "moe_chunks"), (256, "dequant_linear", "dequant_moe"),
                                (257, "dequant_linear", "dequant_moe")):
             seen.clear()
@@ -327,10 +328,21 @@ def test_each_token_count_reaches_the_form_the_policy_names(monkeypatch):
             kquant_vllm._moe_fn(torch.zeros(n, 256), w13, w2, torch.ones(n, 8), torch.zeros(n, 8, dtype=torch.int32),
                                 kquant.Q4_K, kquant.Q4_K, "silu")
             assert [s for s, _ in seen] == [linear, moe], n
+            # the dequantizer the settings name (FASTCOMM_GGUF_DEQUANT_KERNEL) writes an aligned weight
+            assert all(k == kquant_vllm._FORMS["dequant_kernel"] for s, k in seen if s.startswith("dequant")), n
+        # inside a CUDA graph capture (a decode batch of 9+) the linear's chunks up to their limit; a CPU tensor
+        # stands in for a CUDA one, as the routing asks only is_cuda and the capture state
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+        for n, want in ((9, "linear_chunks"), (63, "linear_chunks"), (64, "dequant_linear")):
+            seen.clear()
+            kquant_vllm._linear_fn(torch.zeros(n, 256), w, [kquant.Q4_K], [0], [16])
+            assert [s for s, _ in seen] == [want], n
         kquant_vllm._FORMS.update(chunk_max=32)
         seen.clear()
         kquant_vllm._linear_fn(torch.zeros(33, 256), w, [kquant.Q4_K], [0], [16])
         assert seen == [("_fused_mul_mat_gguf", None)]  # past the chunks' limit, short of dequant's
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
         unaligned = torch.zeros(16 * 144 + 8, dtype=torch.uint8)[8:].view(16, 144)
         for n, want in ((8, ("_fused_mul_mat_gguf", None)), (9, ("_fused_mul_mat_gguf", None)),
                         (64, ("dequant_linear", "plugin"))):

@@ -475,12 +475,16 @@ def test_the_record_names_the_settings_every_row_inherited_and_runs_under_other_
     for name in [n for n in os.environ if n.startswith("FASTCOMM_")]:  # the test runner's own, if any
         monkeypatch.delenv(name)
     monkeypatch.setenv("FASTCOMM_GGUF_DEQUANT_MIN_TOKENS", "64")
+    monkeypatch.setenv("FASTCOMM_CACHE_DIR", str(tmp_path / "cache"))  # where kernels live: not a setting
     assert B.main(["--configs", "vllm", "--tp", "1", "--max-tokens", "64", "--out", str(tmp_path / "r.json")]) == 0
     meta = json.loads((tmp_path / "r.json").read_text())["meta"]
     assert meta["settings"] == {"FASTCOMM_GGUF_DEQUANT_MIN_TOKENS": "64"}
     assert "settings FASTCOMM_GGUF_DEQUANT_MIN_TOKENS=64" in capsys.readouterr().out
     monkeypatch.delenv("FASTCOMM_GGUF_DEQUANT_MIN_TOKENS")
     assert B.settings_set({}) is None
+    tune = tmp_path / "tune.json"
+    tune.write_text("{}")
+    assert B.settings_set({"FASTCOMM_TUNE_FILE": str(tune)}) == {"FASTCOMM_TUNE_FILE": "tune.json"}  # no path
     other = {**meta, "settings": None}
     tokens = list(range(64))
     results, _ = decode_merge.merge_files([{"meta": m, "results": {"vllm": result("vllm", tokens)}}

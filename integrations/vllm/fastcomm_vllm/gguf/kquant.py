@@ -232,31 +232,35 @@ def decode_tokens_ok(tokens: int) -> bool:
 # dp4a and cost 4-40x the weight-read time (8 prompts of 32 tokens: 1.31 s to their first tokens against FP8's
 # 0.97 s on the same shapes; H200, fourteenth session). Two ways past them, each with its own threshold:
 # - dequant: the weight to bf16, then a GEMM on the tensor cores. Writing the weight out costs the same for 9
-#   tokens as for 9000, so it pays from many tokens (the linears of a 256-token prefill: 450 -> 63 ms; on from
-#   64). The MoE's form writes every expert out; it slowed 8 requests' decode in the one run it had, so it is off.
+#   tokens as for 9000, so it pays from many tokens: with fastcomm's dequantize every linear beats the plugin's
+#   from 16 tokens (fifteenth session). The MoE's form writes every expert out; it slowed 8 requests' decode in
+#   the one run it had (with the plugin's dequantize), so it is off.
 # - chunks: fastcomm's decode kernels on MAX_TOKENS rows at a time (the grouped MoE on up to 32 tokens of top 8
-#   a call, its route table's limit), each call a read of the weights (8 tokens: 6.1 ms for a step's linears,
-#   140 us a MoE layer, against the plugin's 44 ms and 1465 us at 16 tokens). It pays from 9 tokens until the
-#   calls' reads pass the dequantized form's cost. Off until a run times it end to end
-#   (FASTCOMM_GGUF_CHUNK_MAX_TOKENS).
+#   a call, its route table's limit), each call a read of the weights. On the GPU a linear's calls beat both
+#   others to ~32 tokens (o_proj at 16: 47 us, dequantized 179, the plugin's 207), but launched eagerly, as a
+#   prefill is, each call costs ~80 us of host time on the H200 machine against 6-24 us of GPU time (o_proj at
+#   16: 235 us), so a linear takes chunks only where a CUDA graph records them (``host_bound`` False). A MoE
+#   call's GPU time (140-350 us) hides its host time: chunks up to 256 tokens (2.8 ms a layer against the
+#   plugin's 8.7), first token of 8 prompts 1052 -> 648 ms end to end (fifteenth session).
 PREFILL_FORMS = ("dequant", "chunks", "plugin")
-# Which kernel writes the dequantized form's bf16 weights (FASTCOMM_GGUF_DEQUANT_KERNEL): the plugin's
-# ggml_dequantize (timed end to end, the fourteenth session) or fastcomm's fc_kq_dequant ("fastcomm": one launch
-# for every segment, 16-byte stores; bench/gguf_kernels.py times both). The plugin's until fastcomm's is timed.
+# Which kernel writes the dequantized form's bf16 weights (FASTCOMM_GGUF_DEQUANT_KERNEL): fastcomm's
+# fc_kq_dequant (one launch for every segment, 16-byte stores; bit-exact with gguf-py) took half the plugin's
+# ggml_dequantize time for every product on an H200 (o_proj 180 against 357 us; fifteenth session).
 DEQUANT_KERNELS = config.GGUF_DEQUANT_KERNELS
-DEQUANT_KERNEL = "plugin"
+DEQUANT_KERNEL = "fastcomm"
 
 
-def prefill_form(tokens: int, chunk_max: int, dequant_min: int) -> str:
-    """How a linear product of ``tokens`` past the decode kernels' runs (PREFILL_FORMS): ``dequant`` from
+def prefill_form(tokens: int, chunk_max: int, dequant_min: int, host_bound: bool = False) -> str:
+    """How a product of ``tokens`` past the decode kernels' runs (PREFILL_FORMS): ``dequant`` from
     ``dequant_min`` (FASTCOMM_GGUF_DEQUANT_MIN_TOKENS), else ``chunks`` up to ``chunk_max``
-    (FASTCOMM_GGUF_CHUNK_MAX_TOKENS), else the plugin's; 0 turns either off. 1-8 tokens: ``plugin`` (the decode
-    kernels' own, not a prefill's)."""
+    (FASTCOMM_GGUF_CHUNK_MAX_TOKENS) unless ``host_bound`` (a linear launched eagerly: its calls' host time
+    exceeds their GPU time), else the plugin's; 0 turns either off. 1-8 tokens: ``plugin`` (the decode kernels'
+    own, not a prefill's)."""
     if tokens <= MAX_TOKENS:
         return "plugin"
     if dequant_min > 0 and tokens >= dequant_min:
         return "dequant"
-    return "chunks" if tokens <= chunk_max else "plugin"
+    return "chunks" if tokens <= chunk_max and not host_bound else "plugin"
 
 
 def moe_prefill_form(tokens: int, topk: int, experts: int, chunk_max: int, dequant_per_expert: int) -> str:

@@ -75,7 +75,9 @@ def _linear_fn(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts:
     forms = {"tensor_cores": _FORMS["tensor_cores"], "mma_min": _FORMS["mma_min"], "pdl": _FORMS["pdl"]}
     if kquant.decode_tokens_ok(x.shape[0]) and aligned:
         return kquant.linear(x, qweight, segs, **forms)
-    prefill = kquant.prefill_form(x.shape[0], _FORMS["chunk_max"] if aligned else 0, _FORMS["dequant_min"])
+    # eager (no graph capture), a chunked linear's host time exceeds its GPU time: kquant.prefill_form
+    prefill = kquant.prefill_form(x.shape[0], _FORMS["chunk_max"] if aligned else 0, _FORMS["dequant_min"],
+                                  host_bound=not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
     if prefill == "dequant":  # fastcomm's dequantize reads as its other kernels do: an aligned weight only
         kernel = _FORMS["dequant_kernel"] if aligned else "plugin"
         return dequant_linear(x, qweight, types, starts, rows, kernel=kernel)
