@@ -108,6 +108,12 @@ def parse_args(argv):
                    help="dummy weights only: re-draw each MoE router as the GGUF benchmark file draws it, so tokens "
                         "spread over the experts as they do there (vLLM's dummy router sends every token to the "
                         "same experts)")
+    p.add_argument("--sweep-temperature", type=float, default=0.0, metavar="T",
+                   help="the concurrency sweep's requests sample at temperature T, each from its own seed (the same "
+                        "tokens in every repeat), instead of greedily: greedy decoding of random weights falls into "
+                        "the same 2-4 tokens in every request, so a step's tokens route alike and read the experts "
+                        "of one; each point records how many distinct tokens its requests had a step (default 0: "
+                        "greedy)")
     p.add_argument("--quantization", default=None, metavar="METHOD",
                    help="vLLM's --quantization for a checkpoint, config or Hugging Face model, e.g. fp8 (dummy "
                         "weights are quantized as they load); a GGUF file brings its own")
@@ -224,6 +230,8 @@ def _main(argv) -> int:
         model = decode_models.resolve(args.model, dummy=args.dummy, mtp=args.mtp)
     except decode_models.ModelError as e:
         raise UsageError(str(e)) from None
+    if not 0 <= args.sweep_temperature < float("inf"):
+        raise UsageError(f"--sweep-temperature {args.sweep_temperature}: a temperature is a finite number >= 0")
     if args.spread_routing and model.weights != "dummy":
         raise UsageError("--spread-routing re-draws routers of dummy weights; this model has real ones")
     if args.quantization:
@@ -244,7 +252,7 @@ def _main(argv) -> int:
                 gpu_memory_utilization=args.gpu_memory_utilization, profile_dir=args.profile_dir,
                 profile_tokens=args.profile_tokens, profile_concurrency=args.profile_concurrency,
                 fastcomm_env=fastcomm_env or None, quantization=model.engine.get("quantization"),
-                spread_routing=args.spread_routing)
+                spread_routing=args.spread_routing, sweep_temperature=args.sweep_temperature)
     # The record names the model as given (no absolute path of this machine) and the commit it ran.
     meta = {**{k: v for k, v in spec.items() if k not in ("engine", "gguf")}, "model": model.record_name, "model_source": model.source,
             "weights": model.weights, "configs": names, "rounds": args.rounds, "started": stamp,

@@ -13,10 +13,11 @@ LEGACY_PROMPTS = "one id repeated"
 
 # What makes two runs the same measurement; runs that differ in any of these are never merged as rounds.
 SETUP_KEYS = ("model", "tp", "max_tokens", "capture_sizes", "prompt_len", "prompts", "max_num_seqs",
-              "fastcomm_env", "weights", "mtp", "quantization", "settings")
+              "fastcomm_env", "weights", "mtp", "quantization", "settings", "sweep_temperature")
 # What a file written before a key existed measured (every run before weights/mtp were recorded used dummy
 # weights without MTP).
-LEGACY = {"prompts": LEGACY_PROMPTS, "weights": "dummy", "mtp": 0, "quantization": None, "settings": None}
+LEGACY = {"prompts": LEGACY_PROMPTS, "weights": "dummy", "mtp": 0, "quantization": None, "settings": None,
+          "sweep_temperature": 0.0}
 
 
 def combine_rounds(runs: list[dict]) -> dict:

@@ -57,6 +57,8 @@ def header(meta: dict) -> str:
             + ("  weights: vLLM dummy (random, same seed in every row)" if weights == "dummy" else "  weights: real")
             + (f"  quantization {meta['quantization']}" if meta.get("quantization") else "")
             + ("  routers re-drawn to spread tokens (--spread-routing)" if meta.get("spread_routing") else "")
+            + (f"  sweep sampled at temperature {meta['sweep_temperature']:g} (a seed a request)"
+               if meta.get("sweep_temperature") else "")
             + (f"  MTP {meta['mtp']} draft tokens" if meta.get("mtp") else "")
             + (f"  fastcomm rows with {env_text(meta['fastcomm_env'])}" if meta.get("fastcomm_env") else "")
             + (f"  settings {env_text(meta['settings'])}" if meta.get("settings") else ""))
@@ -85,6 +87,10 @@ def print_report(results: dict, meta: dict) -> None:
         if swept:
             print(f"{'':<14} TPOT / first token of all the prompts, ms: "
                   + ", ".join(f"c={c} {p['tpot_ms']:.2f} / {p['first_ms']:.0f}" for c, p in swept))
+        distinct = [(c, p["distinct_tokens"]) for c, p in swept if p.get("distinct_tokens") is not None]
+        if distinct:
+            print(f"{'':<14} distinct tokens across the requests a step (median): "
+                  + ", ".join(f"c={c} {d:g}" for c, d in distinct))
         accepted = [(label, p["spec_decode"]) for label, p in points if p.get("spec_decode")]
         if accepted:
             print(f"{'':<14} accepted draft tokens per step: "

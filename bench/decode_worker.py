@@ -59,6 +59,25 @@ def engine_kwargs(spec: dict, backend: Backend) -> dict:
     return kwargs
 
 
+def sweep_params(make, count: int, tokens: int, temperature: float, seed: int):
+    """The sampling of a sweep point's ``count`` requests (``make``: vLLM's SamplingParams): greedy at
+    temperature 0 (one params for all); else each request samples from its own seed, so every repeat draws the
+    same tokens and the requests draw different ones."""
+    common = dict(max_tokens=tokens, ignore_eos=True, detokenize=False)
+    if temperature == 0:
+        return make(temperature=0.0, **common)
+    return [make(temperature=temperature, seed=seed * 1000 + i, **common) for i in range(count)]
+
+
+def distinct_per_step(token_lists: list[list[int]]) -> float | None:
+    """The median, over a run's steps, of how many distinct tokens its requests had at that step: a step's
+    requests route to experts by their tokens, so 8 requests on 1-2 distinct tokens read one request's experts."""
+    steps = min((len(t) for t in token_lists), default=0)
+    if len(token_lists) < 2 or steps == 0:
+        return None
+    return statistics.median(len({t[i] for t in token_lists}) for i in range(steps))
+
+
 def spec_counters(metrics) -> dict[str, float]:
     """The spec-decode counters in a ``LLM.get_metrics()`` snapshot, summed over engines."""
     out = {DRAFTS: 0.0, ACCEPTED: 0.0, DRAFT_TOKENS: 0.0}
@@ -151,8 +170,8 @@ def run(spec: dict, backend: Backend, save) -> dict:
     def counters():
         return spec_counters(llm.get_metrics()) if spec.get("mtp") else None
 
-    def timed(batch: int, tokens: int):
-        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
+    def timed(batch: int, tokens: int, temperature: float = 0.0):
+        params = sweep_params(SamplingParams, batch, tokens, temperature, spec["seed"])
         times, outs = [], None
         before = counters()
         for _ in range(spec["repeats"]):
@@ -177,9 +196,9 @@ def run(spec: dict, backend: Backend, save) -> dict:
     if spec.get("profile_dir"):
         try:  # after the timed runs, so profiling never skews them
             llm.start_profile()
-            params = SamplingParams(temperature=0.0, max_tokens=spec.get("profile_tokens", 16), ignore_eos=True,
-                                    detokenize=False)
             batch = spec.get("profile_concurrency", 1)
+            params = sweep_params(SamplingParams, batch, spec.get("profile_tokens", 16),
+                                  spec.get("sweep_temperature", 0.0), spec["seed"])  # as the sweep samples
             llm.generate([{"prompt_token_ids": p} for p in batch_prompts[:batch]], params, use_tqdm=False)
             llm.stop_profile()
             result["profile"] = str(Path(spec["profile_dir"]) / backend.name)
@@ -190,14 +209,16 @@ def run(spec: dict, backend: Backend, save) -> dict:
     for c in spec["concurrency"]:
         # Untimed first: a new batch size compiles Triton kernels for its shapes (vLLM warns "JIT compilation
         # during inference"), which would otherwise land in the 1-token run and shrink the TPOT difference.
+        temperature = spec.get("sweep_temperature", 0.0)
         llm.generate([{"prompt_token_ids": p} for p in batch_prompts[:c]],
-                     SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False), use_tqdm=False)
-        c1, _, _, _ = timed(c, 1)
-        cn, _, runs, accepted = timed(c, n)
+                     sweep_params(SamplingParams, c, 4, temperature, spec["seed"]), use_tqdm=False)
+        c1, _, _, _ = timed(c, 1, temperature)
+        cn, outs, runs, accepted = timed(c, n, temperature)
         tpot_c = (cn - c1) / (n - 1)
         # first_ms: the c prompts' prefill and first step (the 1-token run), which out_tok_s counts and TPOT not.
         point = {"concurrency": c, "out_tok_s": round(c * n / cn, 1), "tpot_ms": round(tpot_c * 1e3, 3),
-                 "decode_tok_s": round(c / tpot_c, 1), "first_ms": round(c1 * 1e3, 2), "runs_s": runs}
+                 "decode_tok_s": round(c / tpot_c, 1), "first_ms": round(c1 * 1e3, 2), "runs_s": runs,
+                 "distinct_tokens": distinct_per_step([list(o.outputs[0].token_ids) for o in outs])}
         if accepted:
             point["spec_decode"] = accepted
         sweep.append(point)

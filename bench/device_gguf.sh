@@ -144,8 +144,11 @@ figures() {   # one row set per call: gguf | mtp | fp8 | fp8-spread | gguf-profi
   # rows are fastcomm's all-reduce beside vLLM's own (FIGURE_CONFIGS, default vllm at TP 1).
   local tp=${FIGURE_TP:-1}
   local cfgs=${FIGURE_CONFIGS:-$([ "$tp" = 1 ] && echo vllm || echo fastcomm-nofuse,vllm)}
+  # FIGURE_SWEEP_TEMPERATURE (default 1): the concurrency sweep samples, a seed a request, so 8 requests decode
+  # different tokens and their step reads the experts 8 real requests would (greedy decoding of random weights
+  # gives every request the same few tokens); 0: greedy, as the runs before 2026-12-03.
   local common=(--tp "$tp" --max-tokens 128 --capture-sizes 1,2,3,4,8 --repeats "${FIGURE_REPEATS:-3}"
-    --max-model-len 2048)
+    --max-model-len 2048 --sweep-temperature "${FIGURE_SWEEP_TEMPERATURE:-1}")
   # FIGURE_CONCURRENCY (default 1,2,3,4,8) and FIGURE_REPEATS (3) trim a run to fit one call on a fresh machine.
   local conc=${FIGURE_CONCURRENCY:-1,2,3,4,8}
   case "$what" in
@@ -167,7 +170,8 @@ figures() {   # one row set per call: gguf | mtp | fp8 | fp8-spread | gguf-profi
     gguf-profile|fp8-profile)
       local c=${PROFILE_CONCURRENCY:-1} kind=${what%-profile}
       local prof=(--concurrency "$c" --profile-dir "/tmp/prof-$kind-c$c" --profile-concurrency "$c" --profile-tokens 16
-        --max-tokens 64 --tp 1 --capture-sizes 1,2,4,8 --repeats 1 --max-model-len 2048)
+        --max-tokens 64 --tp 1 --capture-sizes 1,2,4,8 --repeats 1 --max-model-len 2048
+        --sweep-temperature "${FIGURE_SWEEP_TEMPERATURE:-1}")
       if [ "$kind" = gguf ]; then
         bash bench/device_decode.sh "gguf-prof-c$c" "$MODEL_FIRST" vllm "${prof[@]}" --no-mtp
       else

@@ -553,3 +553,40 @@ def test_spread_router_sends_tokens_to_different_experts():
     again.load_state_dict(model.state_dict())
     decode_worker.spread_router_(again, seed=3)
     assert torch.equal(again.layers[2].mlp.gate.weight, model.layers[2].mlp.gate.weight)  # seeded
+
+
+def test_a_sampled_sweep_gives_each_request_its_own_seed_and_records_how_its_tokens_spread(tmp_path, monkeypatch,
+                                                                                          capsys):
+    # Greedy decoding of random weights gives every request the same few tokens, whose step then reads one
+    # request's experts: --sweep-temperature samples the sweep, a seed a request, the same draws every repeat.
+    from vllm import SamplingParams
+
+    greedy = decode_worker.sweep_params(SamplingParams, 8, 16, 0.0, seed=0)
+    assert isinstance(greedy, SamplingParams) and greedy.temperature == 0.0 and greedy.max_tokens == 16
+    sampled = decode_worker.sweep_params(SamplingParams, 8, 16, 1.0, seed=0)
+    assert len(sampled) == 8 and {p.temperature for p in sampled} == {1.0} and len({p.seed for p in sampled}) == 8
+    assert [p.seed for p in sampled] == [p.seed for p in decode_worker.sweep_params(SamplingParams, 8, 4, 1.0, 0)]
+    # steps: {1}, {2, 5}, {3, 4}: median 2 distinct tokens a step; one request has no spread to speak of
+    assert decode_worker.distinct_per_step([[1, 2, 3], [1, 5, 3], [1, 2, 4]]) == 2
+    assert decode_worker.distinct_per_step([[1, 2, 3]]) is None
+    seen = _specs_run(tmp_path, monkeypatch)
+    assert B.main(["--configs", "vllm", "--tp", "1", "--max-tokens", "64", "--sweep-temperature", "1",
+                   "--out", str(tmp_path / "r.json")]) == 0
+    assert seen[0]["sweep_temperature"] == 1.0
+    meta = json.loads((tmp_path / "r.json").read_text())["meta"]
+    assert meta["sweep_temperature"] == 1.0 and "sweep sampled at temperature 1" in capsys.readouterr().out
+    # a greedy sweep (also every file from before the key) measured something else: never pooled as rounds
+    tokens = list(range(64))
+    old = {k: v for k, v in meta.items() if k != "sweep_temperature"}
+    results, _ = decode_merge.merge_files([{"meta": m, "results": {"vllm": result("vllm", tokens)}}
+                                           for m in (meta, old)])
+    assert set(results) == {"vllm", "vllm#2"} and "sweep_temperature 0.0" in results["vllm#2"]["setup_note"]
+    one_line_error(capsys, ["--sweep-temperature", "-1"], "--sweep-temperature -1", "finite number >= 0")
+
+
+def test_the_report_says_how_many_distinct_tokens_a_swept_step_had(capsys):
+    r = result("vllm", list(range(64)))
+    r["sweep"] = [{"concurrency": 8, "out_tok_s": 300.0, "tpot_ms": 21.0, "decode_tok_s": 380.0, "first_ms": 650.0,
+                   "distinct_tokens": 7.5}]
+    decode_report.print_report({"vllm": r}, {"model": "m", "tp": 1, "max_tokens": 64})
+    assert "distinct tokens across the requests a step (median): c=8 7.5" in capsys.readouterr().out
