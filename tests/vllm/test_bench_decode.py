@@ -555,17 +555,19 @@ def test_spread_router_sends_tokens_to_different_experts():
     assert torch.equal(again.layers[2].mlp.gate.weight, model.layers[2].mlp.gate.weight)  # seeded
 
 
-def test_a_sampled_sweep_gives_each_request_its_own_seed_and_records_how_its_tokens_spread(tmp_path, monkeypatch,
-                                                                                          capsys):
+def test_a_sampled_sweep_gives_each_request_its_own_seed():
     # Greedy decoding of random weights gives every request the same few tokens, whose step then reads one
     # request's experts: --sweep-temperature samples the sweep, a seed a request, the same draws every repeat.
-    from vllm import SamplingParams
+    SamplingParams = pytest.importorskip("vllm").SamplingParams
 
     greedy = decode_worker.sweep_params(SamplingParams, 8, 16, 0.0, seed=0)
     assert isinstance(greedy, SamplingParams) and greedy.temperature == 0.0 and greedy.max_tokens == 16
     sampled = decode_worker.sweep_params(SamplingParams, 8, 16, 1.0, seed=0)
     assert len(sampled) == 8 and {p.temperature for p in sampled} == {1.0} and len({p.seed for p in sampled}) == 8
     assert [p.seed for p in sampled] == [p.seed for p in decode_worker.sweep_params(SamplingParams, 8, 4, 1.0, 0)]
+
+
+def test_a_sampled_sweep_reaches_the_record_and_counts_how_its_tokens_spread(tmp_path, monkeypatch, capsys):
     # steps: {1}, {2, 5}, {3, 4}: median 2 distinct tokens a step; one request has no spread to speak of
     assert decode_worker.distinct_per_step([[1, 2, 3], [1, 5, 3], [1, 2, 4]]) == 2
     assert decode_worker.distinct_per_step([[1, 2, 3]]) is None
