@@ -130,6 +130,10 @@ def parse_args(argv):
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="vLLM's max_num_seqs (default: the largest concurrency). vLLM's default capture sizes "
                         "grow with it: 256 gives its 51-size list, 64 gives sizes up to 128")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="vLLM's max_num_batched_tokens (default: vLLM's). vLLM's start-up profiles memory with a "
+                        "dummy prefill of this many tokens (16384 by default: a minute of a 78-layer GGUF's "
+                        "start-up); it must hold the largest concurrency's prompts, so they prefill in one step")
     p.add_argument("--tp", type=int, default=2, help="tensor parallel size")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point (median)")
@@ -222,6 +226,9 @@ def _main(argv) -> int:
     if args.max_num_seqs is not None and args.max_num_seqs < max(conc):
         raise UsageError(f"--max-num-seqs {args.max_num_seqs} is below the largest concurrency {max(conc)}: vLLM "
                          f"would queue requests and the sweep would not measure that concurrency")
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < max(conc) * args.prompt_len:
+        raise UsageError(f"--max-num-batched-tokens {args.max_num_batched_tokens} is below the largest concurrency's "
+                         f"prompts ({max(conc)} x {args.prompt_len} tokens): they would prefill over several steps")
     if not 1 <= args.profile_concurrency <= max(conc):
         raise UsageError(f"--profile-concurrency {args.profile_concurrency} must be between 1 and the largest "
                          f"concurrency {max(conc)} (the prompts and max_num_seqs are sized by it)")
@@ -247,7 +254,8 @@ def _main(argv) -> int:
         print(f"bench-decode: note: the token agreement check covers only {args.max_tokens} tokens (< 64)")
 
     spec = dict(engine=model.engine, gguf=model.gguf, tp=args.tp, max_tokens=args.max_tokens, capture_sizes=sizes,
-                concurrency=conc, max_num_seqs=args.max_num_seqs, prompt_len=args.prompt_len, prompts=PROMPTS,
+                concurrency=conc, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                prompt_len=args.prompt_len, prompts=PROMPTS,
                 repeats=args.repeats, max_model_len=args.max_model_len, seed=args.seed, mtp=model.mtp,
                 gpu_memory_utilization=args.gpu_memory_utilization, profile_dir=args.profile_dir,
                 profile_tokens=args.profile_tokens, profile_concurrency=args.profile_concurrency,

@@ -54,6 +54,8 @@ def header(meta: dict) -> str:
     return (f"# model {meta.get('model')}  tp {meta.get('tp')}  max_tokens {meta.get('max_tokens')}  "
             f"capture sizes {meta.get('capture_sizes') or 'vLLM default'}"
             + (f"  max_num_seqs {meta['max_num_seqs']}" if meta.get("max_num_seqs") else "")
+            + (f"  max_num_batched_tokens {meta['max_num_batched_tokens']}" if meta.get("max_num_batched_tokens")
+               else "")
             + ("  weights: vLLM dummy (random, same seed in every row)" if weights == "dummy" else "  weights: real")
             + (f"  quantization {meta['quantization']}" if meta.get("quantization") else "")
             + ("  routers re-drawn to spread tokens (--spread-routing)" if meta.get("spread_routing") else "")

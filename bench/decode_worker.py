@@ -45,6 +45,8 @@ def engine_kwargs(spec: dict, backend: Backend) -> dict:
                      max_num_seqs=spec.get("max_num_seqs") or max(spec["concurrency"]),
                      gpu_memory_utilization=spec["gpu_memory_utilization"],
                      disable_custom_all_reduce=backend.disable_custom_all_reduce), **spec["engine"]}
+    if spec.get("max_num_batched_tokens"):
+        kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
     if spec.get("mtp"):
         kwargs["disable_log_stats"] = False  # LLM.get_metrics() needs vLLM's stat logging
     if spec["capture_sizes"] is not None:

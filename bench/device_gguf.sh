@@ -147,8 +147,11 @@ figures() {   # one row set per call: gguf | mtp | fp8 | fp8-spread | gguf-profi
   # FIGURE_SWEEP_TEMPERATURE (default 1): the concurrency sweep samples, a seed a request, so 8 requests decode
   # different tokens and their step reads the experts 8 real requests would (greedy decoding of random weights
   # gives every request the same few tokens); 0: greedy, as the runs before 2026-12-03.
+  # FIGURE_BATCHED_TOKENS (default 2048, the model length): vLLM's start-up profiles memory with a prefill of
+  # that many tokens (its own default, 16384, took 63 s of the GGUF's 306 s start-up on 2026-12-03).
+  local batched=(--max-num-batched-tokens "${FIGURE_BATCHED_TOKENS:-2048}")
   local common=(--tp "$tp" --max-tokens 128 --capture-sizes 1,2,3,4,8 --repeats "${FIGURE_REPEATS:-3}"
-    --max-model-len 2048 --sweep-temperature "${FIGURE_SWEEP_TEMPERATURE:-1}")
+    --max-model-len 2048 --sweep-temperature "${FIGURE_SWEEP_TEMPERATURE:-1}" "${batched[@]}")
   # FIGURE_CONCURRENCY (default 1,2,3,4,8) and FIGURE_REPEATS (3) trim a run to fit one call on a fresh machine.
   local conc=${FIGURE_CONCURRENCY:-1,2,3,4,8}
   case "$what" in
@@ -158,7 +161,7 @@ figures() {   # one row set per call: gguf | mtp | fp8 | fp8-spread | gguf-profi
     # start-up, the sweep's settings ran past a 560 s call (2026-12-02) and returned nothing.
     mtp) bash bench/device_decode.sh "gguf-mtp3-tp$tp" "$MODEL_FIRST" "$cfgs" --tp "$tp" --max-tokens 128 \
            --capture-sizes 1,4 --repeats "${FIGURE_REPEATS:-1}" --max-model-len 2048 --mtp 3 --concurrency 1 \
-           --max-num-seqs 1 ;;
+           --max-num-seqs 1 "${batched[@]}" ;;
     fp8) bash bench/device_decode.sh "fp8-tp$tp" glm5-78L-16E "$cfgs" "${common[@]}" --quantization fp8 \
            --concurrency "$conc" ;;
     # FP8 with its routers re-drawn as the GGUF file's (--spread-routing): vLLM 0.25's dummy router sends every
@@ -171,7 +174,7 @@ figures() {   # one row set per call: gguf | mtp | fp8 | fp8-spread | gguf-profi
       local c=${PROFILE_CONCURRENCY:-1} kind=${what%-profile}
       local prof=(--concurrency "$c" --profile-dir "/tmp/prof-$kind-c$c" --profile-concurrency "$c" --profile-tokens 16
         --max-tokens 64 --tp 1 --capture-sizes 1,2,4,8 --repeats 1 --max-model-len 2048
-        --sweep-temperature "${FIGURE_SWEEP_TEMPERATURE:-1}")
+        --sweep-temperature "${FIGURE_SWEEP_TEMPERATURE:-1}" "${batched[@]}")
       if [ "$kind" = gguf ]; then
         bash bench/device_decode.sh "gguf-prof-c$c" "$MODEL_FIRST" vllm "${prof[@]}" --no-mtp
       else

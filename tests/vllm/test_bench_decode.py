@@ -592,3 +592,21 @@ def test_the_report_says_how_many_distinct_tokens_a_swept_step_had(capsys):
                    "distinct_tokens": 7.5}]
     decode_report.print_report({"vllm": r}, {"model": "m", "tp": 1, "max_tokens": 64})
     assert "distinct tokens across the requests a step (median): c=8 7.5" in capsys.readouterr().out
+
+
+def test_max_num_batched_tokens_reaches_the_engine_and_must_hold_the_largest_batch_of_prompts(tmp_path, monkeypatch,
+                                                                                              capsys):
+    # vLLM's start-up profiles memory with a dummy prefill of max_num_batched_tokens (16384 by default): the
+    # figures lower it to the model length; below the sweep's prompts it would split their prefill.
+    seen = _specs_run(tmp_path, monkeypatch)
+    assert B.main(["--configs", "vllm", "--tp", "1", "--max-tokens", "64", "--concurrency", "1,8",
+                   "--max-num-batched-tokens", "2048", "--out", str(tmp_path / "r.json")]) == 0
+    kwargs = decode_worker.engine_kwargs(seen[0], decode_backends.BACKENDS["vllm"])
+    assert kwargs["max_num_batched_tokens"] == 2048
+    assert "max_num_batched_tokens" not in decode_worker.engine_kwargs({**seen[0], "max_num_batched_tokens": None},
+                                                                      decode_backends.BACKENDS["vllm"])
+    meta = json.loads((tmp_path / "r.json").read_text())["meta"]
+    assert meta["max_num_batched_tokens"] == 2048 and "max_num_batched_tokens 2048" in capsys.readouterr().out
+    assert "max_num_batched_tokens" in decode_merge.SETUP_KEYS
+    one_line_error(capsys, ["--concurrency", "1,8", "--prompt-len", "32", "--max-num-batched-tokens", "255"],
+                   "--max-num-batched-tokens 255", "8 x 32 tokens")
