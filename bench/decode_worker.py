@@ -185,6 +185,7 @@ def run(spec: dict, backend: Backend, save) -> dict:
         return statistics.median(times), outs, [round(x, 4) for x in times], accepted
 
     n = spec["max_tokens"]
+    sweep_t = spec.get("sweep_temperature", 0.0)  # the sweep's and the profile's sampling (sweep_params)
     timed(1, 8)  # warm-up: first-request allocations, sampler JIT
     t1, _, _, _ = timed(1, 1)
     tn, outs, runs, accepted = timed(1, n)
@@ -199,8 +200,7 @@ def run(spec: dict, backend: Backend, save) -> dict:
         try:  # after the timed runs, so profiling never skews them
             llm.start_profile()
             batch = spec.get("profile_concurrency", 1)
-            params = sweep_params(SamplingParams, batch, spec.get("profile_tokens", 16),
-                                  spec.get("sweep_temperature", 0.0), spec["seed"])  # as the sweep samples
+            params = sweep_params(SamplingParams, batch, spec.get("profile_tokens", 16), sweep_t, spec["seed"])
             llm.generate([{"prompt_token_ids": p} for p in batch_prompts[:batch]], params, use_tqdm=False)
             llm.stop_profile()
             result["profile"] = str(Path(spec["profile_dir"]) / backend.name)
@@ -211,11 +211,10 @@ def run(spec: dict, backend: Backend, save) -> dict:
     for c in spec["concurrency"]:
         # Untimed first: a new batch size compiles Triton kernels for its shapes (vLLM warns "JIT compilation
         # during inference"), which would otherwise land in the 1-token run and shrink the TPOT difference.
-        temperature = spec.get("sweep_temperature", 0.0)
         llm.generate([{"prompt_token_ids": p} for p in batch_prompts[:c]],
-                     sweep_params(SamplingParams, c, 4, temperature, spec["seed"]), use_tqdm=False)
-        c1, _, _, _ = timed(c, 1, temperature)
-        cn, outs, runs, accepted = timed(c, n, temperature)
+                     sweep_params(SamplingParams, c, 4, sweep_t, spec["seed"]), use_tqdm=False)
+        c1, _, _, _ = timed(c, 1, sweep_t)
+        cn, outs, runs, accepted = timed(c, n, sweep_t)
         tpot_c = (cn - c1) / (n - 1)
         # first_ms: the c prompts' prefill and first step (the 1-token run), which out_tok_s counts and TPOT not.
         point = {"concurrency": c, "out_tok_s": round(c * n / cn, 1), "tpot_ms": round(tpot_c * 1e3, 3),

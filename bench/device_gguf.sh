@@ -150,8 +150,9 @@ figures() {   # one row set per call: gguf | mtp | fp8 | fp8-spread | gguf-profi
   # FIGURE_BATCHED_TOKENS (default 2048, the model length): vLLM's start-up profiles memory with a prefill of
   # that many tokens (its own default, 16384, took 63 s of the GGUF's 306 s start-up on 2026-12-03).
   local batched=(--max-num-batched-tokens "${FIGURE_BATCHED_TOKENS:-2048}")
+  local sweep=(--sweep-temperature "${FIGURE_SWEEP_TEMPERATURE:-1}" "${batched[@]}")
   local common=(--tp "$tp" --max-tokens 128 --capture-sizes 1,2,3,4,8 --repeats "${FIGURE_REPEATS:-3}"
-    --max-model-len 2048 --sweep-temperature "${FIGURE_SWEEP_TEMPERATURE:-1}" "${batched[@]}")
+    --max-model-len 2048 "${sweep[@]}")
   # FIGURE_CONCURRENCY (default 1,2,3,4,8) and FIGURE_REPEATS (3) trim a run to fit one call on a fresh machine.
   local conc=${FIGURE_CONCURRENCY:-1,2,3,4,8}
   case "$what" in
@@ -173,8 +174,7 @@ figures() {   # one row set per call: gguf | mtp | fp8 | fp8-spread | gguf-profi
     gguf-profile|fp8-profile)
       local c=${PROFILE_CONCURRENCY:-1} kind=${what%-profile}
       local prof=(--concurrency "$c" --profile-dir "/tmp/prof-$kind-c$c" --profile-concurrency "$c" --profile-tokens 16
-        --max-tokens 64 --tp 1 --capture-sizes 1,2,4,8 --repeats 1 --max-model-len 2048
-        --sweep-temperature "${FIGURE_SWEEP_TEMPERATURE:-1}" "${batched[@]}")
+        --max-tokens 64 --tp 1 --capture-sizes 1,2,4,8 --repeats 1 --max-model-len 2048 "${sweep[@]}")
       if [ "$kind" = gguf ]; then
         bash bench/device_decode.sh "gguf-prof-c$c" "$MODEL_FIRST" vllm "${prof[@]}" --no-mtp
       else

@@ -448,8 +448,9 @@ def chunk_limit(prefill: list[dict], dequant_min: int, dequant_moe_min: int) -> 
         forms = {r["op"]: kquant.moe_prefill_form(n, topk, experts, n, dequant_moe_min) if r["op"] == MOE[0]
                  else kquant.prefill_form(n, n, dequant_min, host_bound=True) for r in sel}
         chunked = [r for r in sel if forms[r["op"]] == "chunks"]
-        if not chunked:  # the dequantized forms take every product at n: the chunks serve up to it
-            limit = n if limit else 0
+        if not chunked:  # the dequantized forms take every product at n: chunks that started serve up to it
+            if limit:
+                limit = n
             continue
         if sum(_chunks_us(r) * per_layer[r["op"]] for r in chunked) > sum(r["plugin_us"] * per_layer[r["op"]]
                                                                           for r in chunked):
