@@ -68,15 +68,14 @@ def _int_list(flag: str, text: str, *, minimum: int = 1) -> list[int]:
 def settings_set(env=None) -> dict | None:
     """The FASTCOMM_* settings set where bench-decode runs (every row's engine inherits them, e.g.
     FASTCOMM_GGUF_DEQUANT_MIN_TOKENS), so a record says what it measured; None when none is set."""
-    from fastcomm.config import check_environment, read
+    from fastcomm.config import check_environment, is_path
 
     found = {}
     for s in check_environment(env):
         if s.raw is None or s.var.name == "FASTCOMM_CACHE_DIR":  # where kernels are cached measures nothing
             continue
         # a path (the tuning file) by its name: records hold no machine's paths
-        path = s.error is None and isinstance(read(s.var.name, env), Path)
-        found[s.var.name] = Path(s.raw).name if path else s.raw
+        found[s.var.name] = Path(s.raw).name if is_path(s.var) else s.raw
     return found or None
 
 
@@ -229,6 +228,8 @@ def _main(argv) -> int:
     if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < max(conc) * args.prompt_len:
         raise UsageError(f"--max-num-batched-tokens {args.max_num_batched_tokens} is below the largest concurrency's "
                          f"prompts ({max(conc)} x {args.prompt_len} tokens): they would prefill over several steps")
+    if not 0 <= args.sweep_temperature < float("inf"):
+        raise UsageError(f"--sweep-temperature {args.sweep_temperature}: a temperature is a finite number >= 0")
     if not 1 <= args.profile_concurrency <= max(conc):
         raise UsageError(f"--profile-concurrency {args.profile_concurrency} must be between 1 and the largest "
                          f"concurrency {max(conc)} (the prompts and max_num_seqs are sized by it)")
@@ -237,8 +238,6 @@ def _main(argv) -> int:
         model = decode_models.resolve(args.model, dummy=args.dummy, mtp=args.mtp)
     except decode_models.ModelError as e:
         raise UsageError(str(e)) from None
-    if not 0 <= args.sweep_temperature < float("inf"):
-        raise UsageError(f"--sweep-temperature {args.sweep_temperature}: a temperature is a finite number >= 0")
     if args.spread_routing and model.weights != "dummy":
         raise UsageError("--spread-routing re-draws routers of dummy weights; this model has real ones")
     if args.quantization:

@@ -139,6 +139,11 @@ class Var:
     parse: Callable[[str], Any] = dataclasses.field(repr=False, compare=False)
 
 
+def is_path(var: Var) -> bool:
+    """Whether ``var`` names a file or folder (a record of the settings keeps its name, not a machine's path)."""
+    return var.parse is _path
+
+
 # The choices of the variables that take one (parsed, validated and read by policy from here).
 TRANSPORTS = ("auto", "p2p", "host")
 ALGOS = ("auto", "one_shot", "two_shot", "two_shot_ll", "pull", "two_shot_islands")
@@ -195,7 +200,8 @@ VARIABLES: tuple[Var, ...] = (
         "`python -m fastcomm_bench.gguf_kernels --tokens 16,64,256` times both and suggests it.", _count),
     Var("FASTCOMM_GGUF_DEQUANT_MOE_MIN", "gguf_dequant_moe_min", "0", "Routed tokens per expert, on average "
         "(tokens x top-k / experts), from which a GGUF MoE layer's prefill dequantizes all its experts to bf16 and "
-        "runs vLLM's fused_experts instead of the plugin's dp4a MoE kernel; 0: never (the default: at 32 it slowed "
+        "runs vLLM's fused_experts instead of fastcomm's calls (FASTCOMM_GGUF_CHUNK_MAX_TOKENS) or the plugin's dp4a MoE "
+        "kernel; 0: never (the default: at 32 it slowed "
         "8 requests' decode on an H200).", _count),
     Var("FASTCOMM_GGUF_DEQUANT_KERNEL", "gguf_dequant_kernel", "fastcomm", "fastcomm | plugin: which kernel writes "
         "the dequantized prefill form's bf16 weights: fastcomm's (csrc/kquant.cu fc_kq_dequant: one launch for a "

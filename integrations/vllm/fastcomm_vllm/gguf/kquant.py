@@ -247,7 +247,7 @@ PREFILL_FORMS = ("dequant", "chunks", "plugin")
 # fc_kq_dequant (one launch for every segment, 16-byte stores; bit-exact with gguf-py) took half the plugin's
 # ggml_dequantize time for every product on an H200 (o_proj 180 against 357 us; fifteenth session).
 DEQUANT_KERNELS = config.GGUF_DEQUANT_KERNELS
-DEQUANT_KERNEL = "fastcomm"
+DEQUANT_KERNEL = config.Config.gguf_dequant_kernel  # the setting's default: the config owns it
 
 
 def prefill_form(tokens: int, chunk_max: int, dequant_min: int, host_bound: bool = False) -> str:
