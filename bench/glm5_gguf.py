@@ -43,8 +43,10 @@ class Shape:
     index_heads: int = 32
     index_dim: int = 128
     index_topk: int = 2048
-    ffn: int = 1024
-    moe_ffn: int = 256
+    # Block-aligned as GLM-5's are at TP 8: every row-parallel K (ffn, moe_ffn, heads * v_head) over 8 ranks is
+    # a multiple of the 256-element K-quant super-block, so each rank's slice of a row is whole blocks.
+    ffn: int = 2048
+    moe_ffn: int = 2048
     experts: int = 8
     top_k: int = 2
     mtp: bool = True
@@ -249,12 +251,26 @@ def _put_kv_b(make, s: Shape, layer: int, gguf_tensors, truth):
     truth[f"model.layers.{layer}.self_attn.kv_b_proj.weight"] = kv_b.reshape(-1, s.kv_lora)
 
 
+# GLM-5's special tokens (the first ten of its added vocabulary), last in the list as in the real file.
+SPECIALS = ("<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
+            "<|assistant|>", "<|observation|>")
+# A chat template of GLM's form (the real file carries GLM-5's, much longer): vLLM's chat endpoint needs one.
+CHAT_TEMPLATE = ("[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
 def _tokens(s: Shape) -> list[str]:
-    # Byte-level BPE vocabulary: the 256 byte symbols, then filler merges, then GLM's special tokens.
+    """Byte-level BPE vocabulary: the 256 byte symbols, then two-symbol merges, then GLM's special tokens.
+    Every string distinct (llama.cpp refuses a vocabulary with duplicates): merge i joins symbols
+    (i mod 256, 7i + i // 256 mod 256), a distinct pair for each i below 65536."""
     sym = list(_bytes_to_unicode().values())
-    specials = ["<|endoftext|>", "[gMASK]", "<sop>", "<|user|>", "<|assistant|>"]
-    toks = sym + [f"{sym[i % 256]}{sym[(i * 7) % 256]}" for i in range(s.vocab - 256 - len(specials))] + specials
-    return toks
+    n = s.vocab - 256 - len(SPECIALS)
+    assert 0 < n <= 256 * 256, s.vocab
+    return sym + [sym[i % 256] + sym[(7 * i + i // 256) % 256] for i in range(n)] + list(SPECIALS)
+
+
+def special_id(s: Shape, token: str) -> int:
+    return s.vocab - len(SPECIALS) + SPECIALS.index(token)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -319,11 +335,19 @@ def write_gguf(out: Path, s: Shape = Shape(), *, seed: int = 0, shards: int = 3,
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("glm4")
     w.add_token_list(toks)
-    w.add_token_types([3 if t.startswith(("<|", "[", "<s")) and len(t) > 2 else 1 for t in toks])
-    w.add_token_merges([f"{t[0]} {t[1]}" for t in toks[256:s.vocab - 5]])
-    w.add_eos_token_id(s.vocab - 5)
-    w.add_bos_token_id(s.vocab - 4)
-    w.add_pad_token_id(s.vocab - 5)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in toks])   # 3: control
+    w.add_token_merges([f"{t[0]} {t[1]}" for t in toks[256:s.vocab - len(SPECIALS)]])
+    # As llama.cpp's converter sets a GLM vocabulary's special tokens.
+    w.add_eos_token_id(special_id(s, "<|endoftext|>"))
+    w.add_bos_token_id(special_id(s, "[gMASK]"))
+    w.add_eot_token_id(special_id(s, "<|user|>"))
+    w.add_eom_token_id(special_id(s, "<|observation|>"))
+    w.add_unk_token_id(special_id(s, "<|endoftext|>"))
+    w.add_pad_token_id(special_id(s, "<|endoftext|>"))
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for gname, stored, qtype in tensors:
         if qtype == Q.F32:
             w.add_tensor(gname, stored)

@@ -26,7 +26,7 @@ def prompt(vocab: int, seed: int = 1234) -> list[int]:
     import random
 
     rng = random.Random(seed)
-    return [rng.randrange(vocab - 8) for _ in range(PROMPT_LEN)]  # below GLM's special tokens
+    return [rng.randrange(vocab - 16) for _ in range(PROMPT_LEN)]  # below GLM's special tokens
 
 
 def main() -> None:

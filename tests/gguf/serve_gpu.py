@@ -330,7 +330,7 @@ def prompts(vocab: int) -> list[list[int]]:
     from gpu_worker import prompt
 
     rng = random.Random(99)
-    return [prompt(vocab), [rng.randrange(vocab - 8) for _ in range(48)]]
+    return [prompt(vocab), [rng.randrange(vocab - 16) for _ in range(48)]]
 
 
 def complete(base: str, model: str, ids: list[int], timeout: float) -> dict:

@@ -112,11 +112,13 @@ def test_metadata_to_config(tiny):
     want = tinyglm.hf_config(shape)
     assert {k: cfg[k] for k in VLLM_FIELDS} == {k: want[k] for k in VLLM_FIELDS}
     assert cfg["architectures"] == ["GlmMoeDsaForCausalLM"] and cfg["model_type"] == "glm_moe_dsa"
-    assert cfg["eos_token_id"] == shape.vocab - 5
+    assert cfg["eos_token_id"] == tinyglm.special_id(shape, "<|endoftext|>")
 
 
 def test_derived_config_loads_in_transformers(tiny):
     transformers = pytest.importorskip("transformers")
+    from fastcomm_bench import glm5_gguf as tinyglm
+
     first, _, shape = tiny
     plan = fg.plan(str(first))
     c = transformers.AutoConfig.from_pretrained(plan.config_dir)
@@ -125,7 +127,7 @@ def test_derived_config_loads_in_transformers(tiny):
         shape.layers, 1, shape.kv_lora, shape.index_dim)
     tok = transformers.AutoTokenizer.from_pretrained(plan.config_dir)
     ids = tok("hello <|user|>").input_ids
-    assert shape.vocab - 2 in ids and all(0 <= i < shape.vocab for i in ids)  # the special token stays whole
+    assert tinyglm.special_id(shape, "<|user|>") in ids and all(0 <= i < shape.vocab for i in ids)  # the special token stays whole
 
 
 def test_mtp_detection(tiny, tiny_no_mtp, tmp_path):

@@ -201,3 +201,24 @@ def test_hf_config_path_brings_its_tokenizer_or_the_derived_one(capsys, tiny, tm
     # A Hub id: vLLM resolves it (and reports a missing tokenizer itself).
     _, args, err = dry(capsys, [str(first), "--gpus", "1", "--hf-config-path", "zai-org/GLM-5"])
     assert opt(args, "--tokenizer") == "zai-org/GLM-5" and "tokenizer from --hf-config-path zai-org/GLM-5" in err
+
+
+def test_tensor_parallel_sizes_the_file_cannot_take(capsys, tiny, tmp_path):
+    """One line each, before vLLM starts: a TP size the heads do not divide among; a file whose row-parallel
+    quantized rows would split mid-block at that TP (the tiny file's 2048-wide down projections are 8 Q6_K
+    blocks: whole at TP 8, not at TP 16 = 128 elements a rank); a missing shard at TP 8."""
+    first, _, shape = tiny
+    msg = error(capsys, [str(first), "--gpus", "3"])
+    assert f"{shape.heads} attention heads" in msg and "3 tensor-parallel ranks" in msg and "\n" not in msg.strip()
+    msg = error(capsys, [str(first), "--gpus", "16"])
+    assert "does not split on block boundaries at tensor parallel 16" in msg and "\n" not in msg.strip()
+    assert "Q6_K" in msg or "Q5_K" in msg or "Q4_K" in msg
+    env, args, err = dry(capsys, [str(first), "--gpus", "8"])
+    assert opt(args, "--tensor-parallel-size") == "8"
+    assert "tensor parallel 8: every split weight divides on block boundaries" in err
+    shards = sorted(first.parent.glob("*.gguf"))
+    part = tmp_path / "part8"
+    part.mkdir()
+    for s in shards[:-1]:
+        (part / s.name).symlink_to(s)
+    assert shards[-1].name + " is missing" in error(capsys, [str(part / shards[0].name), "--gpus", "8"])

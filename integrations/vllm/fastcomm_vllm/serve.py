@@ -266,11 +266,8 @@ def build(opts: Options, vllm_args: Sequence[str], environ: Mapping[str, str], *
     notes = []
     env: list[tuple[str, str, str]] = []
     plugins_needed = ["fastcomm"] if opts.fastcomm else []
-    if _is_gguf(model):
-        args, gguf_notes = _gguf_args(opts, model, args)
-        notes += gguf_notes
-        plugins_needed += ["gguf", GGUF_ENTRY_POINT]
-    else:
+    gguf_model = _is_gguf(model)
+    if not gguf_model:
         if opts.mtp is not None:
             raise ServeError("--no-mtp / --mtp-tokens choose MTP for a GGUF model; for a checkpoint pass vLLM's "
                              "--speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": N}'")
@@ -291,6 +288,10 @@ def build(opts: Options, vllm_args: Sequence[str], environ: Mapping[str, str], *
         raise ServeError(f"--tensor-parallel-size {tp} is larger than the {gpus} visible GPU(s)")
     if tp * pp > gpus:
         raise ServeError(f"tensor parallel {tp} x pipeline parallel {pp} needs {tp * pp} GPUs; {gpus} visible")
+    if gguf_model:  # after the TP size is known: the file must split at it
+        args, gguf_notes = _gguf_args(opts, model, args, tp)
+        notes += gguf_notes
+        plugins_needed += ["gguf", GGUF_ENTRY_POINT]
     if tp == 1:
         notes.append("tensor parallel 1: there is no all-reduce for fastcomm to speed up")
     if _has_flag(args, "--enforce-eager"):
@@ -343,7 +344,7 @@ def _is_gguf(model: str) -> bool:
 GGUF_ENTRY_POINT = "fastcomm_gguf"
 
 
-def _gguf_args(opts: Options, model: str, args: list[str]) -> tuple[list[str], list[str]]:
+def _gguf_args(opts: Options, model: str, args: list[str], tp: int) -> tuple[list[str], list[str]]:
     """The vLLM arguments for a GGUF model, and what was decided (with why)."""
     from . import gguf
     from .gguf import kernels
@@ -357,7 +358,8 @@ def _gguf_args(opts: Options, model: str, args: list[str]) -> tuple[list[str], l
                          num_speculative_tokens=opts.mtp_tokens or 1,
                          tokenizer=_option_value(args, ("--tokenizer",)),
                          hf_config_path=_option_value(args, ("--hf-config-path",)),
-                         derive_tokenizer=not _has_flag(args, "--skip-tokenizer-init"))
+                         derive_tokenizer=not _has_flag(args, "--skip-tokenizer-init"),
+                         tensor_parallel_size=tp)
     except gguf.GgufError as e:
         raise ServeError(str(e)) from None
     notes = list(plan.notes)

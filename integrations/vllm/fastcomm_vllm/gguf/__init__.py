@@ -60,9 +60,10 @@ def require_packages() -> None:
 
 
 def plan(model: str, *, mtp: bool | None = None, num_speculative_tokens: int = 1, tokenizer: str | None = None,
-         hf_config_path: str | None = None, derive_tokenizer: bool = True) -> GgufPlan:
-    """Decide how to serve the GGUF ``model``; raises GgufError for anything that cannot work."""
-    from . import derive, files, metadata
+         hf_config_path: str | None = None, derive_tokenizer: bool = True, tensor_parallel_size: int = 1) -> GgufPlan:
+    """Decide how to serve the GGUF ``model`` at ``tensor_parallel_size``; raises GgufError for anything that
+    cannot work (before vLLM starts, so before any GPU memory is taken)."""
+    from . import derive, files, metadata, shards
 
     require_packages()
     if num_speculative_tokens < 1:
@@ -77,6 +78,12 @@ def plan(model: str, *, mtp: bool | None = None, num_speculative_tokens: int = 1
             raise GgufError(f"MTP needs a GLM-5 GGUF with its MTP block; {found.first.name} is {meta.arch!r}")
         notes.append("not GLM-5: vllm-gguf-plugin loads it with its own mapping; MTP off")
         return GgufPlan(found, meta.arch, False, 0, False, num_speculative_tokens, None, kwargs, tuple(notes))
+    problem = shards.tp_problem(meta.tensors, int(meta.need("{arch}.attention.head_count")), tensor_parallel_size,
+                                shards.gguf_block_of)
+    if problem is not None:
+        raise GgufError(f"{found.first.name}: {problem}")
+    if tensor_parallel_size > 1:
+        notes.append(f"tensor parallel {tensor_parallel_size}: every split weight divides on block boundaries")
     n_main, blocks = metadata.main_layers(meta), metadata.mtp_layers(meta)
     if mtp and blocks == 0:
         raise GgufError(f"MTP requested, but {found.first.name} has no MTP block (no blk.{n_main}.nextn.* "
@@ -126,7 +133,7 @@ def plan(model: str, *, mtp: bool | None = None, num_speculative_tokens: int = 1
 
 def engine_kwargs(model: str, *, mtp: bool | None = None, num_speculative_tokens: int = 1, **options) -> dict:
     """kwargs for ``vllm.LLM(...)`` serving the GGUF ``model`` (options: tokenizer, hf_config_path,
-    derive_tokenizer). Registers fastcomm's GLM-5 adapter in this process too (in-process engines)."""
+    derive_tokenizer, tensor_parallel_size: checked here, passed to vLLM by the caller). Registers fastcomm's GLM-5 adapter in this process too (in-process engines)."""
     p = plan(model, mtp=mtp, num_speculative_tokens=num_speculative_tokens, **options)
     from . import plugin
 

@@ -13,6 +13,11 @@ in each worker, after or before the plugin's own ``gguf`` entry point (both orde
   the GGUF file: transformers takes a file path for a Hub repo id and raises. A GGUF file has none: {};
 - (FASTCOMM_GGUF_KERNELS=auto, the default, or dp4a) the plugin's linear and MoE methods take fastcomm's
   K-quant kernels for 1-8 tokens (kquant_vllm.py);
+- vllm-gguf-plugin 0.0.5's fused-weight loads (``load_merged_column_weight`` / ``load_qkv_weight``) narrow at
+  ``kwargs.get("tp_rank", 0)``; vLLM 0.25 passes the layer's rank, newer vLLM does not (its own parameters carry
+  it; the plugin's, uninitialized parameters, do not), so at TP > 1 every rank would load rank 0's rows of
+  gate_up_proj. The layer's loader stamps its rank on the parameter, and the load takes it where the call
+  gives none;
 - vLLM's MTP drafter shares the target's embedding, but first reads its ``.weight``, which a GGUF-quantized
   embedding does not have (its data is ``qweight``): for an MTP draft over such an embedding it shares it
   directly (GLM-5's nextn.embed_tokens is a copy of token_embd, so nothing is lost).
@@ -40,6 +45,7 @@ def register() -> None:
     if GlmDsaGGUFAdapter not in weights_adapter._ADAPTER_REGISTRY:
         weights_adapter._ADAPTER_REGISTRY.insert(0, GlmDsaGGUFAdapter)
     _teach_replicated_linear()
+    _fused_loads_take_the_layers_rank()
     _no_image_processor_for_gguf_files()
     _mtp_draft_shares_gguf_embedding()
     original = GGUFConfigParser._resolve_config_source
@@ -101,6 +107,47 @@ def _teach_replicated_linear() -> None:
 
     weight_loader._fastcomm = True
     ReplicatedLinear.weight_loader = weight_loader
+
+
+def _fused_loads_take_the_layers_rank() -> None:
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+    from vllm_gguf_plugin.quantization import params
+
+    mixin = getattr(params, "_GGUFParamLoadMixin", None)
+    if mixin is None:  # another plugin layout: tests/gguf/test_tp_load.py checks what it loads
+        logger.warning("fastcomm: vllm-gguf-plugin has no _GGUFParamLoadMixin; fused GGUF weights at TP > 1 "
+                       "are loaded as the plugin does")
+        return
+    for layer in (MergedColumnParallelLinear, QKVParallelLinear):
+        if not getattr(layer.weight_loader_v2, "_fastcomm", False):
+            layer.weight_loader_v2 = stamping_layers_rank(layer.weight_loader_v2)
+    for name in ("load_merged_column_weight", "load_qkv_weight"):
+        if not getattr(getattr(mixin, name), "_fastcomm", False):
+            setattr(mixin, name, with_stamped_rank(getattr(mixin, name)))
+
+
+def stamping_layers_rank(original):
+    """The layer's loader stamps its rank on a GGUF parameter (the plugin's are uninitialized parameters,
+    without vLLM's tp_rank) before the parameter narrows: 0 for a replicated layer, the rank otherwise."""
+    @functools.wraps(original)
+    def loader(self, param, loaded_weight, *args, **kwargs):
+        if hasattr(param, "_store"):  # a vllm-gguf-plugin parameter
+            param.fastcomm_tp_rank = self.tp_rank
+        return original(self, param, loaded_weight, *args, **kwargs)
+
+    loader._fastcomm = True
+    return loader
+
+
+def with_stamped_rank(original):
+    @functools.wraps(original)
+    def load(self, loaded_weight, **kwargs):
+        if "tp_rank" not in kwargs:  # vLLM >= 0.3x passes none
+            kwargs["tp_rank"] = getattr(self, "fastcomm_tp_rank", getattr(self, "tp_rank", 0))
+        return original(self, loaded_weight, **kwargs)
+
+    load._fastcomm = True
+    return load
 
 
 def _no_image_processor_for_gguf_files() -> None:

@@ -55,7 +55,10 @@ def _mapped(files: GgufFiles, dtype, part, main_layers) -> Iterator[tuple[str, l
 
     kv_b: dict[int, dict[str, np.ndarray]] = {}
     for path in files.shards:
-        reader = gguf.GGUFReader(path)
+        # Copy-on-write mapping: tensors go out as views of the file (writable, so torch takes them without a
+        # warning; nothing writes them), vLLM narrows each to this rank's slice and the plugin copies only that.
+        # No rank reads or copies the rest of the file.
+        reader = gguf.GGUFReader(path, "c")
         for t in reader.tensors:
             tgt = names.target(t.name)
             if tgt is None:
@@ -74,7 +77,7 @@ def _mapped(files: GgufFiles, dtype, part, main_layers) -> Iterator[tuple[str, l
                     del kv_b[tgt.layer]
                     joined = names.join_kv_b(torch.from_numpy(parts[names.KV_B_K]),
                                              torch.from_numpy(parts[names.KV_B_V]))
-                    yield tgt.hf, [(tgt.hf, joined.to(dtype).contiguous())]
+                    yield tgt.hf, [(tgt.hf, joined.contiguous())]  # float32: see _dense_out
                 continue
             if tgt.how == names.EXPERTS:
                 data = np.asarray(t.data) if quantized else None
@@ -84,10 +87,10 @@ def _mapped(files: GgufFiles, dtype, part, main_layers) -> Iterator[tuple[str, l
                     if quantized:
                         yield hf, _quant_pair(hf, qtype, data[e])
                     else:
-                        yield hf, [(hf, torch.from_numpy(dense[e].copy()).to(dtype))]
+                        yield hf, [(hf, torch.from_numpy(dense[e]))]
                 continue
             if tgt.how == names.DENSE or (quantized and not tgt.hf.endswith(".weight")):
-                yield tgt.hf, [(tgt.hf, torch.from_numpy(_dense(t)).to(dtype))]
+                yield tgt.hf, [(tgt.hf, _dense_out(tgt, torch.from_numpy(_dense(t)), dtype))]
             elif quantized:
                 yield tgt.hf, _quant_pair(tgt.hf, qtype, np.asarray(t.data))
             else:
@@ -96,6 +99,14 @@ def _mapped(files: GgufFiles, dtype, part, main_layers) -> Iterator[tuple[str, l
         layer, parts = next(iter(kv_b.items()))
         missing = "attn_v_b" if names.KV_B_K in parts else "attn_k_b"
         raise GgufError(f"blk.{layer}.{missing}.weight is missing: kv_b_proj of layer {layer} needs both halves")
+
+
+def _dense_out(tgt: names.Target, dense, dtype):
+    """A dequantized tensor goes out in float32, so vLLM's loader rounds it once, to its parameter's dtype
+    (GLM-5's router is float32 while the model is bf16: rounding to the model dtype here would lose its
+    precision). The one exception is the draft's embedding, always a model-dtype parameter and large (vocab x
+    hidden): it goes in the model dtype, the same values."""
+    return dense.to(dtype) if dense_in_draft(tgt) else dense
 
 
 def _canonical(units: Iterator[tuple[str, list]]) -> Iterator:
@@ -126,7 +137,7 @@ def _quant_pair(hf: str, qtype, data: np.ndarray) -> list:
 
     base = hf.removesuffix(".weight")
     return [(f"{base}.qweight_type", torch.tensor(int(qtype))),
-            (f"{base}.qweight", torch.from_numpy(np.array(data)))]  # a copy: the file stays mapped read-only
+            (f"{base}.qweight", torch.from_numpy(data))]  # a view of the mapped file: see _mapped
 
 
 def _dense(t) -> np.ndarray:
