@@ -52,6 +52,9 @@
 #    Where a kernel's time goes (ncu, one call, carry .gguf_stage; no vLLM): bash bench/device_gguf.sh ncu .gguf_stage
 #    profiles the grouped MoE and o_proj at 8 tokens (NCU_OPS=op:form:kernel-regex;..., NCU_TOKENS) into
 #    $OUT/ncu-OP-FORM.txt, through python -m fastcomm_bench.kquant_profile.
+# 3d. Tensor parallel 1-8 with every rank on this one GPU (fastcomm_vllm.one_gpu; one call per part set,
+#    same carry):  TP_PARTS=ref,tp1,tp2 bash bench/device_gguf.sh tp .gguf_stage   (then tp4,skew4; tp8,control8)
+#    $OUT/tp/*.json per engine, $OUT/tp/report.json: logits vs bf16 and TP 1, MTP, all-reduce counts.
 # 4. `fastcomm-serve` itself, end to end (one call, same carry; ~2-4 min, bounded at 540 s):
 #        eval "$(bash .stage/install.sh)" && bash bench/device_gguf.sh serve .gguf_stage
 #    tests/gguf/serve_gpu.py: the tiny GLM-5 GGUF (3 shards + MTP block) through `fastcomm-serve --dry-run`
@@ -358,8 +361,21 @@ serve() {
   return $rc
 }
 
+tp_one_gpu() {  # TP 1-8 with every rank on this one GPU (tests/gguf/tp_one_gpu.py; TP_PARTS picks the engines)
+  local out=${OUT:-$here/out}/tp
+  mkdir -p "$out"
+  install || return 1
+  timeout "${TP_BUDGET_S:-570}" python tests/gguf/tp_one_gpu.py "$out" "${TP_PARTS:-ref,tp1,tp2}"
+  python tests/gguf/tp_one_gpu.py --report "$out" > "$out/report.json"
+  local rc=$?
+  rm -rf "$out/models" "$out/cache"
+  tail -40 "$out/report.json"
+  return $rc
+}
+
 case "$mode" in
   prepare) prepare ;;
+  tp) tp_one_gpu ;;
   run) run ;;
   serve) serve ;;
   kquant) kquant ;;

@@ -121,6 +121,18 @@ def _rank_pair(text: str) -> tuple[int, int] | None:
     return _check_pair((a, b))
 
 
+def _rank_seconds(text: str) -> tuple[int, float]:
+    """'1:60' -> (1, 60.0): rank 1 waits 60 s (the start-up skew test's switch)."""
+    rank, sep, seconds = text.strip().partition(":")
+    try:
+        out = (int(rank), float(seconds))
+    except ValueError:
+        raise ValueError("expected a rank and seconds like '1:60'") from None
+    if not sep or out[0] < 0 or out[1] < 0:
+        raise ValueError("expected a rank and seconds like '1:60'")
+    return out
+
+
 def _check_pair(pair) -> tuple[int, int]:
     a, b = (int(r) for r in pair)
     if a == b or not (0 <= a < MAX_RANKS and 0 <= b < MAX_RANKS):
@@ -224,6 +236,12 @@ VARIABLES: tuple[Var, ...] = (
         "share a GPU.", _bool),
     Var("FASTCOMM_TEST_BREAK_P2P", "test_break_p2p", "", "Tests only (needs FASTCOMM_TEST_MODE=1): e.g. '0-1' makes "
         "the build-time P2P check treat writes from rank 0 to rank 1 as lost.", _rank_pair),
+    Var("FASTCOMM_TEST_STARTUP_DELAY", "test_startup_delay", "", "Tests only (needs FASTCOMM_TEST_MODE=1): e.g. "
+        "'1:60' makes rank 1 of the one-GPU vLLM harness wait 60 s before its first forward (start-up skew).",
+        _rank_seconds),
+    Var("FASTCOMM_TEST_SWAP_SHARDS", "test_swap_shards", "0", "Tests only (needs FASTCOMM_TEST_MODE=1): 1 makes the "
+        "one-GPU vLLM harness's workers load layer 0's gate and up GGUF shards under each other's names (the "
+        "negative control of the TP logits check).", _bool),
 )
 _BY_NAME = {v.name: v for v in VARIABLES}
 _BY_FIELD = {v.field: v for v in VARIABLES}
@@ -281,6 +299,8 @@ class Config:
     test_mode: bool = False
     test_shared_gpu: bool = False
     test_break_p2p: tuple[int, int] | None = None
+    test_startup_delay: tuple[int, float] | None = None
+    test_swap_shards: bool = False
 
     def __post_init__(self):
         # Constructor arguments get the same checks as the environment, named by argument.
@@ -328,7 +348,7 @@ class Config:
         if self.tune_file is not None:
             object.__setattr__(self, "tune_file", Path(self.tune_file).expanduser())
         if not self.test_mode:
-            for field in ("test_shared_gpu", "test_break_p2p"):
+            for field in ("test_shared_gpu", "test_break_p2p", "test_startup_delay", "test_swap_shards"):
                 if getattr(self, field):
                     raise ConfigError(f"{_BY_FIELD[field].name} ({field}) is a test switch: it needs "
                                       "FASTCOMM_TEST_MODE=1")

@@ -1,12 +1,15 @@
 """One vLLM engine per process, for test_gguf_gpu.py (run on a GPU machine with vLLM + vllm-gguf-plugin).
 
-    python gpu_worker.py MODE MODEL OUT_JSON [--tp N] [--swap] [--mtp K]
+    python gpu_worker.py MODE MODEL OUT_JSON [--tp N] [--swap] [--mtp K] [--one-gpu] [--graphs]
 
 MODE logits: the prompt log-probabilities (every vocabulary entry, every prompt position) of a fixed random
 128-token prompt. MODE greedy: 32 greedy tokens after the same prompt, and the MTP draft counters.
 MODEL: a GGUF (fastcomm's engine_kwargs) or a checkpoint folder (vLLM's normal loader). --swap hands layer 0's
 fused gate / up shards (the dense MLP's gate_up_proj: the same shape and type, so a wrong order loads and
-runs, silently wrong) over under each other's names (the negative control).
+runs, silently wrong) over under each other's names (the negative control). --one-gpu: every rank on one GPU
+(fastcomm_vllm.one_gpu, FASTCOMM_TEST_MODE=1), and the all-reduces of every forward pass counted by where they
+went ("allreduce" in the JSON, per rank). --graphs: torch.compile and CUDA graphs (vLLM's default capture
+sizes for the engine's limits) instead of eager.
 """
 import argparse
 import json
@@ -37,8 +40,10 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--swap", action="store_true")
     ap.add_argument("--mtp", type=int, default=0)
+    ap.add_argument("--one-gpu", action="store_true")
+    ap.add_argument("--graphs", action="store_true")
     a = ap.parse_args()
-    if a.tp == 1:
+    if a.tp == 1 and not a.one_gpu:
         # One process: fastcomm's adapter (registered below) is then in the process that loads the weights
         # even where the fastcomm_gguf entry point is not installed.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -48,11 +53,18 @@ def main() -> None:
     from fastcomm_vllm import gguf as fg
 
     kwargs = dict(tensor_parallel_size=a.tp, dtype="bfloat16", max_model_len=1024, max_num_seqs=4, seed=0,
-                  gpu_memory_utilization=0.35, enforce_eager=True, skip_tokenizer_init=True, disable_log_stats=False)
+                  gpu_memory_utilization=0.35, enforce_eager=not a.graphs, skip_tokenizer_init=True,
+                  disable_log_stats=False)
+    if a.one_gpu:
+        from fastcomm_vllm import one_gpu
+
+        kwargs.update(one_gpu.engine_kwargs(a.tp))
     if fg.is_gguf(a.model):
         kwargs.update(fg.engine_kwargs(a.model, mtp=a.mtp > 0, num_speculative_tokens=max(a.mtp, 1),
-                                       derive_tokenizer=False))
-        if a.swap:
+                                       derive_tokenizer=False, tensor_parallel_size=a.tp))
+        if a.swap and a.one_gpu:  # the workers are other processes: the harness swaps there
+            os.environ["FASTCOMM_TEST_SWAP_SHARDS"] = "1"
+        elif a.swap:
             from fastcomm_vllm.gguf import weights
 
             original = weights.iter_weights
@@ -91,6 +103,10 @@ def main() -> None:
             if m.name.startswith("vllm:spec_decode") and hasattr(m, "value"):
                 counters[m.name] = m.value
         result["spec_decode"] = counters
+    if a.one_gpu and a.tp > 1:
+        from fastcomm_vllm import one_gpu
+
+        result["allreduce"] = llm.collective_rpc(one_gpu.counts)
     Path(a.out).write_text(json.dumps(result))
 
 

@@ -13,11 +13,21 @@ whichever call next touches the device. Two things turn it into fastcomm's messa
 step: ``all_reduce`` re-raises such a RuntimeError as ``fastcomm.translate_error``'s FastcommTimeoutError,
 and the workspace's watcher logs the message through vLLM's logger the moment the kernel records it, for
 failures that surface elsewhere (a CUDA-graph replay, the sampler's sync).
+
+Start-up skew: ranks reach their first all-reduces minutes apart (torch.compile, warm-up, a slow load on one
+rank), far past FASTCOMM_TIMEOUT_S, which bounds a kernel's wait for its peers. Until the worker's warm-up
+(``compile_or_warm_up_model``) has returned, every eager all-reduce therefore first meets its peers at a
+barrier on the group's CPU (gloo) group, whose timeout is vLLM's distributed timeout, so a kernel starts only
+when every rank has arrived. Captures launch nothing and replays run no Python: neither pays for it, nor
+does any call after warm-up.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
+import sys
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -44,6 +54,10 @@ class FastcommCudaCommunicator(CudaCommunicator):
     def __init__(self, *args, **kwargs):
         # vLLM 0.33 passes use_all2all, 0.25 does not: forward whatever this vLLM gives.
         super().__init__(*args, **kwargs)
+        self._open_fastcomm()
+
+    def _open_fastcomm(self) -> None:
+        self.fastcomm_ready = False  # set when the worker's warm-up returns (see the module text)
         self.fastcomm_workspace = None
         self.fastcomm_why_not: str | None = "not a tensor-parallel group of 2+ ranks"
         if self.unique_name.split(":")[0] == "tp" and self.world_size >= 2 \
@@ -54,11 +68,15 @@ class FastcommCudaCommunicator(CudaCommunicator):
             import fastcomm
 
             self._fastcomm_try = fastcomm.try_all_reduce
+            _OPEN.add(self)
+            _mark_ready_after_warm_up()
 
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
         ws = self.fastcomm_workspace
         if ws is None:
             return super().all_reduce(input_)
+        if not self.fastcomm_ready and not torch.cuda.is_current_stream_capturing():
+            dist.barrier(group=self.cpu_group)  # start-up: meet the peers on the host first
         try:
             out = self._fastcomm_try(input_, ws)  # None: fastcomm's policy declines, on every rank alike
             return out if out is not None else super().all_reduce(input_)
@@ -131,3 +149,30 @@ class FastcommCudaCommunicator(CudaCommunicator):
         logger.warning("fastcomm: group %s rank %d: no workspace (%s); using vLLM's all-reduce",
                        self.unique_name, self.rank_in_group, reason)
         return reason
+
+
+_OPEN: "weakref.WeakSet[FastcommCudaCommunicator]" = weakref.WeakSet()
+
+
+def _mark_ready_after_warm_up() -> None:
+    """Wrap the worker's ``compile_or_warm_up_model`` (vLLM 0.25 and newer) so that, once it returns, this
+    process's communicators stop meeting at start-up barriers. Idempotent."""
+    module = sys.modules.get("vllm.v1.worker.gpu_worker")
+    worker = getattr(module, "Worker", None)
+    original = getattr(worker, "compile_or_warm_up_model", None)
+    if original is None:
+        logger.warning("fastcomm: vLLM's Worker.compile_or_warm_up_model not found; all-reduces keep meeting "
+                       "at a CPU barrier before each eager call")
+        return
+    if getattr(original, "_fastcomm", False):
+        return
+
+    @functools.wraps(original)
+    def compile_or_warm_up_model(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        for comm in list(_OPEN):
+            comm.fastcomm_ready = True
+        return out
+
+    compile_or_warm_up_model._fastcomm = True
+    worker.compile_or_warm_up_model = compile_or_warm_up_model

@@ -36,16 +36,23 @@ def _plain_rms_norm(norm) -> bool:
             and getattr(norm, "variance_size_override", None) is None)
 
 
-def wrap_helper(original: Callable) -> Callable:
-    """The helper with fastcomm first; anything fastcomm cannot take goes to ``original`` unchanged."""
+def wrap_helper(original: Callable, fuse: bool = True) -> Callable:
+    """The helper with fastcomm first; anything fastcomm cannot take goes to ``original`` unchanged.
+
+    ``fuse`` False (FASTCOMM_VLLM_FUSION unset): where a workspace exists, the all-reduce goes to the group's
+    communicator (fastcomm) followed by the norm, as the helper's own fallback does, instead of a fused kernel
+    of another library (FlashInfer's, which on some GPUs the helper would pick and fastcomm would never see)."""
+    from vllm.distributed import tensor_model_parallel_all_reduce
     from vllm.distributed.parallel_state import get_tp_group
 
     @functools.wraps(original)
     def fused_allreduce_rms_norm(hidden_states, residual, norm):
         comm = get_tp_group().device_communicator
         ws = getattr(comm, "fastcomm_workspace", None)
-        if ws is None or not _plain_rms_norm(norm):
+        if ws is None:
             return original(hidden_states, residual, norm)
+        if not fuse or not _plain_rms_norm(norm):
+            return norm(tensor_model_parallel_all_reduce(hidden_states), residual)
         if torch.compiler.is_compiling():
             # Traced callers get the op (it decides at run time); eager callers skip the dispatcher.
             return torch.ops.fastcomm_vllm.fused_all_reduce_rms_norm(
@@ -58,11 +65,14 @@ def wrap_helper(original: Callable) -> Callable:
     return fused_allreduce_rms_norm
 
 
+_FUSE = {"on": True}  # set once by route_fused_helper, before any module is wrapped
+
+
 def _wrap_module(module) -> None:
     helper = getattr(module, HELPER, None)
     if helper is None or hasattr(helper, "_fastcomm_original"):
         return
-    wrapped = wrap_helper(helper)
+    wrapped = wrap_helper(helper, _FUSE["on"])
     setattr(module, HELPER, wrapped)
     # Consumers imported before us hold the original: rebind them too (normally there are none yet). Read
     # each module's own dict: getattr would run lazy module __getattr__ hooks (flashinfer imports on them).
@@ -107,8 +117,9 @@ class _WrappingLoader(importlib.abc.Loader):
         return getattr(self.loader, name)
 
 
-def route_fused_helper() -> None:
+def route_fused_helper(fuse: bool = True) -> None:
     """Wrap the helper wherever this vLLM defines it, now or when first imported. Idempotent."""
+    _FUSE["on"] = fuse
     pending = []
     for name in HELPER_MODULES:
         if name in sys.modules:

@@ -5,8 +5,9 @@ Hooks, identical in vLLM 0.25.0 and the newest release (0.33.0):
   its device communicator through it, so returning ours puts fastcomm under ``tensor_model_parallel_all_reduce``.
 - ``...get_pass_manager_cls``: vLLM's compile backend builds its post-grad pass manager from it; ours adds
   the all-reduce + RMSNorm fusion pass.
-- the fused all-reduce + RMSNorm helper of the DSA (GLM-5 / DeepSeek-V3.2) model: see ``helper_route``.
-The last two only with FASTCOMM_VLLM_FUSION=1: no end-to-end run has yet shown the fused kernel faster than
+- the fused all-reduce + RMSNorm helper of the DSA (GLM-5 / DeepSeek-V3.2) model: see ``helper_route``;
+  always routed, so its all-reduce reaches fastcomm (without the fusion: fastcomm's all-reduce, then the norm).
+The pass manager and the fused kernel only with FASTCOMM_VLLM_FUSION=1: no end-to-end run has yet shown the fused kernel faster than
 fastcomm's all-reduce followed by vLLM's own norm (bench/RESULTS.md), so the default is the communicator alone.
 """
 from __future__ import annotations
@@ -64,12 +65,14 @@ def install(platform_cls: type, fuse: bool = False) -> None:
         _check(platform_cls, method, ours, vllms)
     for method, ours, _ in hooks:
         _point(platform_cls, method, ours)
-    if fuse:  # the fused op, the helper routing and the compile-key tag exist only for the fusion
-        from . import fused_op, helper_route
+    from . import helper_route
+
+    if fuse:  # the fused op and the compile-key tag exist only for the fusion
+        from . import fused_op
 
         fused_op.register_ops()
-        helper_route.route_fused_helper()
         _fold_into_compile_hash()
+    helper_route.route_fused_helper(fuse)
 
 
 def _check(platform_cls: type, method: str, ours: str, vllms: str) -> None:

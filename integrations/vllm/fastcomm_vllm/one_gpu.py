@@ -1,0 +1,256 @@
+"""Test harness: vLLM at tensor parallel N with every rank on one GPU (FASTCOMM_TEST_MODE=1 only).
+
+NCCL refuses two ranks on one GPU, and vLLM maps rank r to GPU r. So that TP 2-8 can be tested where one GPU
+is lent, ``engine_kwargs(tp)`` gives ``vllm.LLM`` (or ``vllm serve``):
+- ``worker_cls`` = ``OneGpuWorker``: vLLM's GPU worker with every rank on device 0, torch.distributed on gloo
+  (vLLM's device group then needs no NCCL), and this module's communicator for every group;
+- ``OneGpuCommunicator``: fastcomm's vLLM communicator (its all-reduce is fastcomm's, in shared-GPU test mode:
+  ranks' workspaces on one GPU, captured in CUDA graphs as on the user's box), with vLLM's NCCL, custom
+  all-reduce and symmetric-memory setup skipped and every other collective (and an all-reduce fastcomm
+  declines) done on the CPU over the group's gloo group. A declined all-reduce cannot be captured: a graph
+  capture that meets one fails, which is the point (none may fall back silently);
+- the multiprocessing executor (vLLM checks the GPU count only when it picks the executor itself), and a
+  fixed KV-cache size (vLLM's memory profiling would count the other ranks' memory as its own).
+Every all-reduce is counted by forward pass and destination (``counts``, through ``LLM.collective_rpc``).
+"""
+from __future__ import annotations
+
+import inspect
+import itertools
+import logging
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from .communicator import FastcommCudaCommunicator
+
+logger = logging.getLogger("vllm.fastcomm")
+
+WORKER = "fastcomm_vllm.one_gpu.OneGpuWorker"
+COMMUNICATOR = "fastcomm_vllm.one_gpu.OneGpuCommunicator"
+FASTCOMM, FALLBACK = "fastcomm", "fallback"
+
+
+def require_test_mode() -> None:
+    from fastcomm.config import Config
+
+    if not Config.from_env().test_mode:
+        raise RuntimeError("fastcomm_vllm.one_gpu is a test harness (every rank on one GPU): it needs "
+                           "FASTCOMM_TEST_MODE=1")
+
+
+def environment() -> dict[str, str]:
+    """What the engine's processes need in their environment (set before vLLM starts them)."""
+    return {"FASTCOMM_TEST_MODE": "1", "FASTCOMM_TEST_SHARED_GPU": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+
+
+def engine_kwargs(tp: int, kv_cache_bytes: int = 1 << 30, memory_fraction: float | None = None) -> dict:
+    """kwargs for ``vllm.LLM`` at tensor parallel ``tp`` on one GPU (see the module text)."""
+    require_test_mode()
+    os.environ.update(environment())
+    kwargs = {"tensor_parallel_size": tp, "kv_cache_memory_bytes": kv_cache_bytes,
+              "disable_custom_all_reduce": True,
+              "gpu_memory_utilization": memory_fraction or min(0.9, 0.8 / tp)}
+    if tp > 1:
+        kwargs.update(distributed_executor_backend="mp", worker_cls=WORKER)
+    return kwargs
+
+
+def _worker_base():
+    from vllm.v1.worker.gpu_worker import Worker
+
+    return Worker
+
+
+class OneGpuWorker(_worker_base()):
+    """vLLM's GPU worker, every rank on device 0 and torch.distributed on gloo."""
+
+    def init_device(self):
+        require_test_mode()
+        from vllm.platforms import current_platform
+
+        platform = type(current_platform)
+        platform.dist_backend = "gloo"
+        platform.get_device_communicator_cls = classmethod(lambda cls: COMMUNICATOR)
+        self.local_rank = 0
+        from fastcomm.config import Config
+
+        if Config.from_env().test_swap_shards:
+            swap_gate_up_of_layer_0()
+        return super().init_device()
+
+    def determine_available_memory(self, *args, **kwargs):
+        # The first forward (the profile run) follows: the start-up skew test delays one rank here.
+        from fastcomm.config import Config
+
+        delay = Config.from_env().test_startup_delay
+        if delay is not None and delay[0] == self.rank:
+            logger.warning("fastcomm test: rank %d waits %.0f s before its first forward", self.rank, delay[1])
+            time.sleep(delay[1])
+        return super().determine_available_memory(*args, **kwargs)
+
+
+def swap_gate_up_of_layer_0() -> None:
+    """The negative control: layer 0's gate and up shards (same shape and type, so a wrong order loads and
+    runs, silently wrong) handed over under each other's names."""
+    from .gguf import weights
+
+    original = weights.iter_weights
+    if getattr(original, "_fastcomm_swapped", False):
+        return
+    a, b = "model.layers.0.mlp.gate_proj.", "model.layers.0.mlp.up_proj."
+
+    def swapped(*args, **kwargs):
+        for name, tensor in original(*args, **kwargs):
+            yield (b + name[len(a):] if name.startswith(a) else a + name[len(b):] if name.startswith(b)
+                   else name), tensor
+
+    swapped._fastcomm_swapped = True
+    weights.iter_weights = swapped
+
+
+def _base_init_args(args, kwargs):
+    from vllm.distributed.device_communicators.base_device_communicator import DeviceCommunicatorBase
+
+    params = inspect.signature(DeviceCommunicatorBase.__init__).parameters
+    return DeviceCommunicatorBase, {k: v for k, v in kwargs.items() if k in params}
+
+
+_FORWARDS = itertools.count()
+
+
+def _forward_id() -> int | None:
+    """A number per vLLM forward pass (its forward context), None outside one."""
+    try:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+    except ImportError:
+        return None
+    if not is_forward_context_available():
+        return None
+    ctx = get_forward_context()
+    if not hasattr(ctx, "_fastcomm_forward"):
+        ctx._fastcomm_forward = next(_FORWARDS)
+    return ctx._fastcomm_forward
+
+
+class OneGpuCommunicator(FastcommCudaCommunicator):
+    """fastcomm's communicator over a gloo group, without vLLM's NCCL-based setup (see the module text)."""
+
+    def __init__(self, *args, **kwargs):
+        base, base_kwargs = _base_init_args(args, kwargs)
+        base.__init__(self, *args[:6], **base_kwargs)
+        for name in ("pynccl_comm", "ca_comm", "qr_comm", "symm_mem_comm", "fi_ar_comm", "aiter_ar_comm"):
+            setattr(self, name, None)
+        self.use_custom_allreduce = False
+        self.calls: list[tuple[int | None, int, str]] = []  # (forward, tokens, destination)
+        self._open_fastcomm()
+
+    def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
+        ws = self.fastcomm_workspace
+        if ws is not None:
+            if not self.fastcomm_ready and not torch.cuda.is_current_stream_capturing():
+                dist.barrier(group=self.cpu_group)
+            try:
+                out = self._fastcomm_try(input_, ws)
+            except RuntimeError as exc:
+                from .communicator import raise_translated
+
+                raise_translated(exc)
+                raise
+            if out is not None:
+                self.calls.append((_forward_id(), int(input_.shape[0]) if input_.dim() else 1, FASTCOMM))
+                return out
+        self.calls.append((_forward_id(), int(input_.shape[0]) if input_.dim() else 1, FALLBACK))
+        return self._on_cpu(input_, lambda t: dist.all_reduce(t, group=self.cpu_group))
+
+    def _on_cpu(self, input_: torch.Tensor, op) -> torch.Tensor:
+        t = input_.detach().to("cpu", copy=True)
+        op(t)
+        return t.to(input_.device)
+
+    def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        parts = self._gather_all(input_)
+        return torch.cat(parts, dim=dim if dim >= 0 else dim + input_.dim()).to(input_.device)
+
+    def _gather_all(self, input_: torch.Tensor) -> list[torch.Tensor]:
+        t = input_.detach().to("cpu").contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(parts, t, group=self.cpu_group)
+        return parts
+
+    def all_gatherv(self, input_, dim: int = 0, sizes=None):
+        if isinstance(input_, list):
+            return [self.all_gatherv(t, dim, sizes) for t in input_]
+        if sizes is None:
+            return self.all_gather(input_, dim)
+        # Pad to the largest size, gather, cut each rank's part back to its size.
+        longest = max(sizes)
+        pad = list(input_.shape)
+        pad[dim] = longest - input_.shape[dim]
+        padded = torch.cat([input_, input_.new_zeros(pad)], dim=dim) if pad[dim] else input_
+        parts = self._gather_all(padded)
+        return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim).to(input_.device)
+
+    def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        total = self._on_cpu(input_, lambda t: dist.all_reduce(t, group=self.cpu_group))
+        return total.chunk(self.world_size, dim=dim)[self.rank_in_group].contiguous()
+
+    def reduce_scatterv(self, input_: torch.Tensor, dim: int = -1, sizes=None) -> torch.Tensor:
+        if sizes is None:
+            return self.reduce_scatter(input_, dim)
+        total = self._on_cpu(input_, lambda t: dist.all_reduce(t, group=self.cpu_group))
+        start = sum(sizes[:self.rank_in_group])
+        return total.narrow(dim, start, sizes[self.rank_in_group]).contiguous()
+
+    def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1):
+        parts = self._gather_all(input_)
+        if self.rank_in_group != dst:
+            return None
+        return torch.cat(parts, dim=dim if dim >= 0 else dim + input_.dim()).to(input_.device)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        if self.world_size == 1:
+            return tensor
+        t = tensor.detach().to("cpu", copy=True)
+        dist.broadcast(t, self.ranks[src], group=self.cpu_group)
+        tensor.copy_(t)
+        return tensor
+
+    def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
+        dst = (self.rank_in_group + 1) % self.world_size if dst is None else dst
+        dist.send(tensor.detach().to("cpu"), self.ranks[dst], group=self.cpu_group)
+
+    def recv(self, size, dtype, src: int | None = None) -> torch.Tensor:
+        src = (self.rank_in_group - 1) % self.world_size if src is None else src
+        t = torch.empty(size, dtype=dtype)
+        dist.recv(t, self.ranks[src], group=self.cpu_group)
+        return t.to(self.device)
+
+    def destroy(self) -> None:
+        ws, self.fastcomm_workspace = self.fastcomm_workspace, None
+        if ws is not None:
+            ws.close()
+
+
+def counts(worker=None) -> dict:
+    """This rank's all-reduces, per forward pass: {"forwards": [[tokens, calls, fastcomm, fallback], ...] for
+    every forward seen (warm-up, capture, eager steps), "outside": calls outside a forward} (for
+    ``LLM.collective_rpc``; ``worker`` is vLLM's, unused)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    comm = get_tp_group().device_communicator
+    calls = getattr(comm, "calls", [])
+    by_forward: dict[int, list] = {}
+    outside = 0
+    for forward, tokens, dest in calls:
+        if forward is None:
+            outside += 1
+            continue
+        rec = by_forward.setdefault(forward, [tokens, 0, 0, 0])
+        rec[1] += 1
+        rec[2 if dest == FASTCOMM else 3] += 1
+    return {"forwards": [by_forward[k] for k in sorted(by_forward)], "outside": outside,
+            "fastcomm": getattr(comm, "fastcomm_workspace", None) is not None,
+            "why_not": getattr(comm, "fastcomm_why_not", None)}

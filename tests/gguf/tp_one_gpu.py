@@ -1,0 +1,156 @@
+"""GLM-5 GGUF at tensor parallel 1, 2, 4 and 8 with every rank on one GPU (fastcomm_vllm.one_gpu), each engine
+in its own process (gpu_worker.py --one-gpu --graphs: torch.compile and CUDA graphs on).
+
+    python tests/gguf/tp_one_gpu.py OUT_DIR PART[,PART...]      # run parts, one JSON per engine in OUT_DIR
+    python tests/gguf/tp_one_gpu.py --report OUT_DIR [OUT_DIR...] # check and summarise what the folders hold
+
+Parts: ref (bf16 reference at TP 1), tpN (N = 1, 2, 4, 8: prefill logits and greedy without MTP, greedy with
+MTP, the all-reduce counts), controlN (layer 0's gate/up shards swapped at TP N: must be far off), skewN (TP N
+with rank 1 waiting 60 s before its first forward under FASTCOMM_TIMEOUT_S=30: must start). The report checks:
+- logits at every TP against the bf16 reference (median per-position error < TOL, as test_gguf_gpu) and
+  against TP 1 (reported); the swapped control's error > CONTROL_MIN;
+- greedy tokens with and without MTP identical at each TP, and MTP proposed drafts;
+- every forward of one token ran 1 + 2 x layers all-reduces (embedding, then attention and MLP per layer; the
+  MTP draft's forward 1 + 2) on every rank, all through fastcomm, none falling back.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from test_gguf_gpu import CONTROL_MIN, TOL, summary, write_models  # noqa: E402
+
+TIMEOUT_S = 560
+
+
+def _run(out: Path, name: str, mode: str, model: Path, *extra, env=None) -> dict:
+    dest = out / f"{name}.json"
+    cmd = [sys.executable, str(HERE / "gpu_worker.py"), mode, str(model), str(dest), *map(str, extra)]
+    t0 = time.time()
+    with open(out / f"{name}.log", "w") as log:
+        r = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=TIMEOUT_S,
+                           env={**os.environ, **(env or {})})
+    took = time.time() - t0
+    if r.returncode != 0:
+        tail = (out / f"{name}.log").read_text()[-3000:]
+        (out / f"{name}.json").write_text(json.dumps({"failed": r.returncode, "seconds": took, "log_tail": tail}))
+        print(f"== {name}: FAILED ({r.returncode}) after {took:.0f} s\n{tail}", flush=True)
+        return {}
+    res = json.loads(dest.read_text())
+    res["seconds"] = took
+    dest.write_text(json.dumps(res))
+    print(f"== {name}: done in {took:.0f} s", flush=True)
+    return res
+
+
+def run_parts(out: Path, parts: list[str]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("FASTCOMM_CACHE_DIR", str(out / "cache"))
+    os.environ.update(FASTCOMM_TEST_MODE="1", FASTCOMM_TEST_SHARED_GPU="1")
+    first, ref = write_models(out / "models")
+    common = ("--one-gpu", "--graphs")
+    for part in parts:
+        if part == "ref":
+            _run(out, "ref", "logits", ref, "--tp", 1, *common)
+        elif part.startswith("tp"):
+            tp = int(part[2:])
+            _run(out, f"logits-tp{tp}", "logits", first, "--tp", tp, *common)
+            _run(out, f"greedy-tp{tp}", "greedy", first, "--tp", tp, *common)
+            _run(out, f"greedy-mtp-tp{tp}", "greedy", first, "--tp", tp, "--mtp", 1, *common)
+        elif part.startswith("control"):
+            tp = int(part[len("control"):])
+            _run(out, f"control-tp{tp}", "logits", first, "--tp", tp, "--swap", *common)
+        elif part.startswith("skew"):
+            tp = int(part[len("skew"):])
+            _run(out, f"skew-tp{tp}", "greedy", first, "--tp", tp, *common,
+                 env={"FASTCOMM_TEST_STARTUP_DELAY": "1:60", "FASTCOMM_TIMEOUT_S": "30"})
+        else:
+            raise SystemExit(f"unknown part {part!r}")
+
+
+def _load(dirs, name):
+    for d in dirs:
+        p = Path(d) / f"{name}.json"
+        if p.is_file():
+            return json.loads(p.read_text())
+    return None
+
+
+def _allreduce_check(res: dict, layers: int) -> dict:
+    """Forwards of one token per rank: how many all-reduces each ran and where they went."""
+    ranks = res.get("allreduce") or []
+    main, draft = 1 + 2 * layers, 3
+    seen, bad = {}, []
+    for rank, c in enumerate(ranks):
+        for tokens, calls, fc, fallback in c["forwards"]:
+            if tokens != 1:
+                continue
+            seen[calls] = seen.get(calls, 0) + 1
+            if fallback or calls not in (main, draft):
+                bad.append({"rank": rank, "calls": calls, "fastcomm": fc, "fallback": fallback})
+    return {"one_token_forwards_by_calls": seen, "expected_main": main, "expected_draft": draft, "bad": bad[:8],
+            "fastcomm_every_rank": all(c.get("fastcomm") for c in ranks) if ranks else None,
+            "ok": bool(ranks) and not bad and main in seen}
+
+
+def report(dirs) -> dict:
+    from fastcomm_bench import glm5_gguf as tinyglm
+
+    layers = tinyglm.Shape().layers
+    ref = _load(dirs, "ref")
+    tp1 = _load(dirs, "logits-tp1")
+    out, failures = {"tolerance": TOL, "control_min": CONTROL_MIN, "tp": {}}, []
+    for tp in (1, 2, 4, 8):
+        lg, g, gm = (_load(dirs, f"{k}-tp{tp}") for k in ("logits", "greedy", "greedy-mtp"))
+        if lg is None and g is None:
+            continue
+        row = {}
+        if lg and "prompt_logprobs" in lg and ref:
+            row["vs_ref"] = summary(lg["prompt_logprobs"], ref["prompt_logprobs"])
+            if not row["vs_ref"]["median"] < TOL:
+                failures.append(f"TP {tp} logits vs reference")
+        if lg and "prompt_logprobs" in lg and tp1 and tp != 1:
+            row["vs_tp1"] = summary(lg["prompt_logprobs"], tp1["prompt_logprobs"])
+        if g and gm and "tokens" in g and "tokens" in gm:
+            drafts = sum(v for n, v in gm["spec_decode"].items() if "num_draft_tokens" in n and "per_pos" not in n)
+            row["greedy_identical_with_mtp"] = g["tokens"] == gm["tokens"]
+            row["mtp_draft_tokens"] = drafts
+            if not (row["greedy_identical_with_mtp"] and drafts > 0):
+                failures.append(f"TP {tp} MTP")
+        if tp > 1:
+            for name, res in (("allreduce", g), ("allreduce_mtp", gm)):
+                if res and "allreduce" in res:
+                    row[name] = _allreduce_check(res, layers)
+                    if not row[name]["ok"]:
+                        failures.append(f"TP {tp} {name}")
+        row["start_s"] = {k: r.get("start_s") for k, r in (("logits", lg), ("greedy", g), ("mtp", gm)) if r}
+        for k, r in (("logits", lg), ("greedy", g), ("mtp", gm)):
+            if r is None or "failed" in r:
+                failures.append(f"TP {tp} {k} engine")
+        out["tp"][tp] = row
+    for tp in (2, 4, 8):
+        c = _load(dirs, f"control-tp{tp}")
+        if c and "prompt_logprobs" in c and ref:
+            out[f"control_tp{tp}"] = summary(c["prompt_logprobs"], ref["prompt_logprobs"])
+            if not out[f"control_tp{tp}"]["median"] > CONTROL_MIN:
+                failures.append(f"control TP {tp}")
+        s = _load(dirs, f"skew-tp{tp}")
+        if s is not None:
+            out[f"skew_tp{tp}"] = {"started": "tokens" in s, "start_s": s.get("start_s")}
+            if "tokens" not in s:
+                failures.append(f"skew TP {tp}")
+    out["failures"] = failures
+    return out
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--report":
+        res = report(sys.argv[2:])
+        print(json.dumps(res, indent=1))
+        sys.exit(1 if res["failures"] else 0)
+    run_parts(Path(sys.argv[1]), sys.argv[2].split(","))
