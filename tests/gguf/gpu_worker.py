@@ -34,7 +34,7 @@ def prompt(vocab: int, seed: int = 1234) -> list[int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=("logits", "greedy"))
+    ap.add_argument("mode", choices=("logits", "greedy", "both"))
     ap.add_argument("model")
     ap.add_argument("out")
     ap.add_argument("--tp", type=int, default=1)
@@ -84,7 +84,7 @@ def main() -> None:
     started = time.time() - t0
     ids = prompt(vocab)
     result = {"mode": a.mode, "model": a.model, "tp": a.tp, "mtp": a.mtp, "swap": a.swap, "start_s": started}
-    if a.mode == "logits":
+    if a.mode in ("logits", "both"):
         sp = SamplingParams(max_tokens=1, prompt_logprobs=vocab, detokenize=False, temperature=0.0)
         out = llm.generate([{"prompt_token_ids": ids}], sp)[0]
         rows = []
@@ -94,7 +94,7 @@ def main() -> None:
                 row[tok] = lp.logprob
             rows.append(row)
         result["prompt_logprobs"] = rows
-    else:
+    if a.mode in ("greedy", "both"):
         sp = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
         out = llm.generate([{"prompt_token_ids": ids}], sp)[0]
         result["tokens"] = list(out.outputs[0].token_ids)
@@ -104,9 +104,7 @@ def main() -> None:
                 counters[m.name] = m.value
         result["spec_decode"] = counters
     if a.one_gpu and a.tp > 1:
-        from fastcomm_vllm import one_gpu
-
-        result["allreduce"] = llm.collective_rpc(one_gpu.counts)
+        result["allreduce"] = llm.collective_rpc("fastcomm_counts")
     Path(a.out).write_text(json.dumps(result))
 
 

@@ -81,6 +81,10 @@ class OneGpuWorker(_worker_base()):
             swap_gate_up_of_layer_0()
         return super().init_device()
 
+    def fastcomm_counts(self) -> dict:
+        """``counts`` by name, for ``LLM.collective_rpc("fastcomm_counts")`` (vLLM serializes no functions)."""
+        return counts()
+
     def determine_available_memory(self, *args, **kwargs):
         # The first forward (the profile run) follows: the start-up skew test delays one rank here.
         from fastcomm.config import Config
