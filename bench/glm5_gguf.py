@@ -259,14 +259,22 @@ CHAT_TEMPLATE = ("[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>{{ m['co
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
-def _tokens(s: Shape) -> list[str]:
-    """Byte-level BPE vocabulary: the 256 byte symbols, then two-symbol merges, then GLM's special tokens.
-    Every string distinct (llama.cpp refuses a vocabulary with duplicates): merge i joins symbols
-    (i mod 256, 7i + i // 256 mod 256), a distinct pair for each i below 65536."""
+def _vocab(s: Shape) -> tuple[list[str], list[str]]:
+    """(tokens, merges): a byte-level BPE vocabulary of the 256 byte symbols, then merges, then GLM's special
+    tokens. Every string distinct (llama.cpp refuses a vocabulary with duplicates): merge i < 65536 joins
+    symbols (i mod 256, 7i + i // 256 mod 256), a distinct pair for each i; past those (GLM-5's 154880
+    entries), merge j joins the (j // 256)-th pair with symbol j mod 256."""
     sym = list(_bytes_to_unicode().values())
     n = s.vocab - 256 - len(SPECIALS)
-    assert 0 < n <= 256 * 256, s.vocab
-    return sym + [sym[i % 256] + sym[(7 * i + i // 256) % 256] for i in range(n)] + list(SPECIALS)
+    assert 0 < n <= 256 * 256 * 257, s.vocab
+    pairs = [(sym[i % 256], sym[(7 * i + i // 256) % 256]) for i in range(min(n, 256 * 256))]
+    triples = [(pairs[j // 256][0] + pairs[j // 256][1], sym[j % 256]) for j in range(n - len(pairs))]
+    merged = pairs + triples
+    return sym + [a + b for a, b in merged] + list(SPECIALS), [f"{a} {b}" for a, b in merged]
+
+
+def _tokens(s: Shape) -> list[str]:
+    return _vocab(s)[0]
 
 
 def special_id(s: Shape, token: str) -> int:
@@ -331,12 +339,12 @@ def write_gguf(out: Path, s: Shape = Shape(), *, seed: int = 0, shards: int = 3,
     w.add_indexer_head_count(s.index_heads)
     w.add_indexer_key_length(s.index_dim)
     w.add_indexer_top_k(s.index_topk)
-    toks = _tokens(s)
+    toks, merges = _vocab(s)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("glm4")
     w.add_token_list(toks)
     w.add_token_types([3 if t in SPECIALS else 1 for t in toks])   # 3: control
-    w.add_token_merges([f"{t[0]} {t[1]}" for t in toks[256:s.vocab - len(SPECIALS)]])
+    w.add_token_merges(merges)
     # As llama.cpp's converter sets a GLM vocabulary's special tokens.
     w.add_eos_token_id(special_id(s, "<|endoftext|>"))
     w.add_bos_token_id(special_id(s, "[gMASK]"))

@@ -80,21 +80,29 @@ def _load(dirs, name):
     return None
 
 
-def _allreduce_check(res: dict, layers: int) -> dict:
-    """Forwards of one token per rank: how many all-reduces each ran and where they went."""
+def _allreduce_check(res: dict, layers: int, mtp: bool) -> dict:
+    """Every forward whose Python ran (warm-up, graph capture, eager steps; a graph replay runs none, and routes
+    as its capture did) on every rank: how many all-reduces it ran and where they went. A main-model forward
+    runs 1 + 2 x layers (embedding, then attention and MLP per layer: 157 for GLM-5), the MTP draft's 3."""
     ranks = res.get("allreduce") or []
     main, draft = 1 + 2 * layers, 3
     seen, bad = {}, []
     for rank, c in enumerate(ranks):
         for tokens, calls, fc, fallback in c["forwards"]:
-            if tokens != 1:
-                continue
-            seen[calls] = seen.get(calls, 0) + 1
-            if fallback or calls not in (main, draft):
-                bad.append({"rank": rank, "calls": calls, "fastcomm": fc, "fallback": fallback})
-    return {"one_token_forwards_by_calls": seen, "expected_main": main, "expected_draft": draft, "bad": bad[:8],
-            "fastcomm_every_rank": all(c.get("fastcomm") for c in ranks) if ranks else None,
-            "ok": bool(ranks) and not bad and main in seen}
+            key = f"{calls} calls"
+            seen[key] = seen.get(key, 0) + 1
+            if fallback or calls not in ((main, draft) if mtp else (main,)):
+                bad.append({"rank": rank, "tokens": tokens, "calls": calls, "fastcomm": fc, "fallback": fallback})
+        if c["outside"]:
+            bad.append({"rank": rank, "outside_a_forward": c["outside"]})
+    ok = bool(ranks) and not bad and f"{main} calls" in seen and (not mtp or f"{draft} calls" in seen)
+    return {"forwards_by_calls": seen, "ranks": len(ranks), "expected_main": main,
+            "expected_draft": draft if mtp else None, "bad": bad[:8],
+            "fastcomm_every_rank": all(c.get("fastcomm") for c in ranks) if ranks else None, "ok": ok}
+
+
+def _first_difference(a: list, b: list) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
 def report(dirs) -> dict:
@@ -116,16 +124,19 @@ def report(dirs) -> dict:
                 failures.append(f"TP {tp} logits vs reference")
         if lg and "prompt_logprobs" in lg and tp1 and tp != 1:
             row["vs_tp1"] = summary(lg["prompt_logprobs"], tp1["prompt_logprobs"])
+        if g and tp1 and tp != 1 and "tokens" in g:
+            row["greedy_first_difference_vs_tp1"] = _first_difference(g["tokens"], tp1["tokens"])
         if g and gm and "tokens" in g and "tokens" in gm:
             drafts = sum(v for n, v in gm["spec_decode"].items() if "num_draft_tokens" in n and "per_pos" not in n)
             row["greedy_identical_with_mtp"] = g["tokens"] == gm["tokens"]
+            row["greedy_first_difference_with_mtp"] = _first_difference(g["tokens"], gm["tokens"])
             row["mtp_draft_tokens"] = drafts
             if not (row["greedy_identical_with_mtp"] and drafts > 0):
                 failures.append(f"TP {tp} MTP")
         if tp > 1:
-            for name, res in (("allreduce", g), ("allreduce_mtp", gm)):
+            for name, res, mtp in (("allreduce", g, False), ("allreduce_mtp", gm, True)):
                 if res and "allreduce" in res:
-                    row[name] = _allreduce_check(res, layers)
+                    row[name] = _allreduce_check(res, layers, mtp)
                     if not row[name]["ok"]:
                         failures.append(f"TP {tp} {name}")
         row["start_s"] = {k: r.get("start_s") for k, r in (("plain", lg), ("mtp", gm)) if r}

@@ -75,7 +75,7 @@ class FastcommCudaCommunicator(CudaCommunicator):
         ws = self.fastcomm_workspace
         if ws is None:
             return super().all_reduce(input_)
-        if not self.fastcomm_ready and not torch.cuda.is_current_stream_capturing():
+        if not self.fastcomm_ready and input_.is_cuda and not torch.cuda.is_current_stream_capturing():
             dist.barrier(group=self.cpu_group)  # start-up: meet the peers on the host first
         try:
             out = self._fastcomm_try(input_, ws)  # None: fastcomm's policy declines, on every rank alike

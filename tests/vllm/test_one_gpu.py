@@ -1,0 +1,89 @@
+"""The one-GPU TP harness and the start-up and helper hooks it relies on, against the real vLLM (CPU).
+The harness itself runs on a GPU (tests/gguf/tp_one_gpu.py, bench/device_gguf.sh tp)."""
+import subprocess
+import sys
+import types
+
+import pytest
+
+pytest.importorskip("vllm.config")  # a real vLLM: a folder of tests named vllm cannot satisfy it
+
+pytestmark = pytest.mark.vllm
+
+
+def test_harness_refuses_outside_test_mode():
+    code = ("from fastcomm_vllm import one_gpu\n"
+            "try:\n    one_gpu.engine_kwargs(8)\nexcept RuntimeError as e:\n    print(e)\n")
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("FASTCOMM_TEST")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert "needs FASTCOMM_TEST_MODE=1" in r.stdout, r.stderr[-3000:]
+
+
+def test_harness_kwargs_and_the_vllm_methods_it_overrides(monkeypatch):
+    from vllm.config import ParallelConfig
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from fastcomm_vllm import one_gpu
+
+    monkeypatch.setenv("FASTCOMM_TEST_MODE", "1")
+    kw = one_gpu.engine_kwargs(8)
+    assert kw["distributed_executor_backend"] == "mp" and kw["worker_cls"] == one_gpu.WORKER
+    assert kw["disable_custom_all_reduce"] and kw["kv_cache_memory_bytes"] > 0
+    assert "worker_cls" in ParallelConfig.__dataclass_fields__
+    for name in ("init_device", "determine_available_memory", "compile_or_warm_up_model"):
+        assert callable(getattr(Worker, name)), name  # what the harness and the start-up hook wrap
+    assert issubclass(one_gpu.OneGpuWorker, Worker)
+
+
+def test_warm_up_ends_the_start_up_barriers(monkeypatch):
+    """Until the worker's compile_or_warm_up_model returns, the communicator meets its peers at a CPU barrier
+    before each eager all-reduce (start-up skew cannot reach FASTCOMM_TIMEOUT_S); after it, never."""
+    from fastcomm_vllm import communicator
+
+    class Worker:
+        def compile_or_warm_up_model(self):
+            return "warmed"
+
+    fake = types.ModuleType("vllm.v1.worker.gpu_worker")
+    fake.Worker = Worker
+    monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu_worker", fake)
+    class Comm:
+        fastcomm_ready = False
+
+    c = Comm()
+    communicator._OPEN.add(c)
+    communicator._mark_ready_after_warm_up()
+    communicator._mark_ready_after_warm_up()  # idempotent
+    assert Worker.compile_or_warm_up_model._fastcomm
+    assert not c.fastcomm_ready
+    assert Worker().compile_or_warm_up_model() == "warmed"
+    assert c.fastcomm_ready
+
+
+def test_dsa_helper_reaches_the_communicator_without_the_fusion(monkeypatch):
+    """FASTCOMM_VLLM_FUSION unset: where a workspace exists, the helper's all-reduce goes to the group's
+    communicator, then the norm; the helper's own path (FlashInfer's kernel, on some GPUs) is not taken."""
+    import torch
+    import vllm.distributed as vd
+    from vllm.distributed import parallel_state
+
+    from fastcomm_vllm import helper_route
+
+    seen = []
+    group = types.SimpleNamespace(device_communicator=types.SimpleNamespace(fastcomm_workspace=object()),
+                                  unique_name="tp:0")
+    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: group)
+    monkeypatch.setattr(vd, "tensor_model_parallel_all_reduce", lambda x: seen.append("all_reduce") or x * 2)
+
+    def original(h, r, norm):
+        seen.append("original")
+        return h, r
+
+    wrapped = helper_route.wrap_helper(original, fuse=False)
+    h, r = torch.ones(2, 4), torch.zeros(2, 4)
+    out = wrapped(h, r, lambda x, res: (x + res, x))
+    assert seen == ["all_reduce"] and torch.equal(out[0], 2 * h)
+    group.device_communicator.fastcomm_workspace = None
+    seen.clear()
+    wrapped(h, r, lambda x, res: (x, res))
+    assert seen == ["original"]  # no workspace: vLLM's helper unchanged
