@@ -85,7 +85,7 @@ def main(rank: int, world: int, port: str, gguf_path: str, config_dir: str, out:
             with torch.device("cpu"):
                 model = cls(vllm_config=vc)
             start = time.perf_counter()
-            model.load_weights(weights.iter_weights(found, torch.bfloat16, part, n_main))
+            model.load_weights(weights.iter_weights(found, torch.bfloat16, part, n_main, (rank, world)))
             for module in model.modules():
                 method = getattr(module, "quant_method", None)
                 if method is not None and (hasattr(module, "qweight") or hasattr(module, "w13_qweight")):

@@ -62,7 +62,10 @@ class GlmDsaGGUFAdapter(GGUFWeightsAdapter):
         if self._files is None:
             yield from super().prepare_weights(model_config)
             return
-        yield from weights.iter_weights(self._files, model_config.dtype, self._part, self._main_layers)
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        tp = (get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())
+        yield from weights.iter_weights(self._files, model_config.dtype, self._part, self._main_layers, tp)
 
 
 def is_draft(config) -> bool:

@@ -22,15 +22,16 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 MAIN, MTP = "main", "mtp"
 
 
-def iter_weights(files: GgufFiles, dtype, part: str | None = None, main_layers: int | None = None
-                 ) -> Iterator[tuple[str, object]]:
+def iter_weights(files: GgufFiles, dtype, part: str | None = None, main_layers: int | None = None,
+                 tp: tuple[int, int] = (0, 1)) -> Iterator[tuple[str, object]]:
     """The tensors of every shard, mapped; raises GgufError on a tensor the GLM-5 mapping does not know.
 
     ``part`` MAIN leaves out the MTP blocks (layers >= ``main_layers``; vLLM's main model skips them anyway),
     MTP leaves out what the MTP draft does not load (the main layers, the final norm and head), so neither
-    load copies the other's tensors. None streams everything.
+    load copies the other's tensors. None streams everything. ``tp`` (rank, size): the rank this load is for
+    (only the draft's dense embedding uses it: see ``_draft_embedding``).
     """
-    yield from _canonical(_mapped(files, dtype, part, main_layers))
+    yield from _canonical(_mapped(files, dtype, part, main_layers, tp))
 
 
 def wanted(tgt: names.Target, part: str | None, main_layers: int | None) -> bool:
@@ -49,7 +50,7 @@ def dense_in_draft(tgt: names.Target) -> bool:
     return tgt.hf.endswith("embed_tokens.weight")
 
 
-def _mapped(files: GgufFiles, dtype, part, main_layers) -> Iterator[tuple[str, list]]:
+def _mapped(files: GgufFiles, dtype, part, main_layers, tp=(0, 1)) -> Iterator[tuple[str, list]]:
     import gguf
     import torch
 
@@ -89,7 +90,9 @@ def _mapped(files: GgufFiles, dtype, part, main_layers) -> Iterator[tuple[str, l
                     else:
                         yield hf, [(hf, torch.from_numpy(dense[e]))]
                 continue
-            if tgt.how == names.DENSE or (quantized and not tgt.hf.endswith(".weight")):
+            if part == MTP and dense_in_draft(tgt) and quantized:
+                yield tgt.hf, [(tgt.hf, _draft_embedding(t, dtype, *tp))]
+            elif tgt.how == names.DENSE or (quantized and not tgt.hf.endswith(".weight")):
                 yield tgt.hf, [(tgt.hf, _dense_out(tgt, torch.from_numpy(_dense(t)), dtype))]
             elif quantized:
                 yield tgt.hf, _quant_pair(tgt.hf, qtype, np.asarray(t.data))
@@ -107,6 +110,29 @@ def _dense_out(tgt: names.Target, dense, dtype):
     precision). The one exception is the draft's embedding, always a model-dtype parameter and large (vocab x
     hidden): it goes in the model dtype, the same values."""
     return dense.to(dtype) if dense_in_draft(tgt) else dense
+
+
+VOCAB_PADDING = 64  # vLLM's VocabParallelEmbedding pads the vocabulary to a multiple of this, then splits it
+
+
+def _draft_embedding(t, dtype, rank: int, size: int):
+    """The draft's embedding, dense, full shape, with only ``rank``'s vocabulary rows filled: vLLM narrows it to
+    exactly those rows, and the rest of the (vocab x hidden) tensor is never written, so never resident. The
+    whole table dequantized on every rank was 3.8 GB of float32 per rank at GLM-5's size."""
+    import gguf
+    import torch
+
+    data = np.asarray(t.data)
+    vocab = data.shape[0]
+    padded = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
+    per = padded // size
+    start, end = min(rank * per, vocab), min((rank + 1) * per, vocab)
+    out = torch.empty((vocab, int(t.shape[0])), dtype=dtype)
+    step = 4096  # rows at a time: the float32 intermediate stays small
+    for r in range(start, end, step):
+        rows = gguf.quants.dequantize(data[r:min(r + step, end)], t.tensor_type)
+        out[r:r + rows.shape[0]] = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)).to(dtype)
+    return out
 
 
 def _canonical(units: Iterator[tuple[str, list]]) -> Iterator:
