@@ -35,14 +35,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_ranks(world: int, first: Path, config_dir: Path, out: Path) -> None:
+def _run_ranks(world: int, first: Path, config_dir: Path, out: Path, *extra: str) -> None:
     """WORLD rank processes, joined with a deadline; leftovers killed; a failing rank's stderr shown."""
     out.mkdir(parents=True, exist_ok=True)
     port = str(_free_port())
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
     logs = [open(out / f"rank{r}.log", "w+") for r in range(world)]
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), port, str(first), str(config_dir),
-                               str(out)], stdout=logs[r], stderr=subprocess.STDOUT, env=env) for r in range(world)]
+                               str(out), *extra], stdout=logs[r], stderr=subprocess.STDOUT, env=env) for r in range(world)]
     deadline = time.monotonic() + DEADLINE_S
     try:
         while any(p.poll() is None for p in procs):

@@ -3,11 +3,13 @@ GLM-5 model and its MTP model (tiny config, vllm-gguf-plugin's quantization conf
 stream into them as vLLM's loader does, and save every parameter as this rank holds it (after
 process_weights_after_loading), for the test to compare with the file's slice for this rank.
 
-    python tp_load_worker.py RANK WORLD PORT GGUF_FIRST_SHARD CONFIG_DIR OUT_DIR
+    python tp_load_worker.py RANK WORLD PORT GGUF_FIRST_SHARD CONFIG_DIR OUT_DIR [nodump]
 
 Writes OUT_DIR/rank{RANK}.pt: {model tag: {parameter: record}}, a record being {"data": tensor} plus, for a
 GGUF-quantized module, "types" (shard -> GGML type) and "offsets" (shard -> (first row, end row, bytes)) of a
-fused weight; and OUT_DIR/rank{RANK}.json: peak and current host memory, load seconds.
+fused weight; and OUT_DIR/rank{RANK}.json: host memory before the model is built, after it is built and after
+its weights are loaded, each phase's peak its own where the kernel can reset it (before the dump; with nodump
+no dump is written: the load's memory alone), load seconds.
 """
 import json
 import os
@@ -34,7 +36,16 @@ def _memory() -> dict:
     return out
 
 
-def main(rank: int, world: int, port: str, gguf_path: str, config_dir: str, out: str) -> None:
+def _reset_peak() -> bool:
+    """Start VmHWM again from the current RSS (Linux's clear_refs 5), so that each phase's peak is its own."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def main(rank: int, world: int, port: str, gguf_path: str, config_dir: str, out: str, dump: bool = True) -> None:
     from vllm.platforms import current_platform
 
     if not current_platform.device_type:  # a CPU-only vLLM build reports no device type
@@ -67,7 +78,7 @@ def main(rank: int, world: int, port: str, gguf_path: str, config_dir: str, out:
     main_mc = ModelConfig(model=config_dir, dtype="bfloat16", max_model_len=1024, skip_tokenizer_init=True)
     draft_mc = ModelConfig(model=config_dir, dtype="bfloat16", max_model_len=1024, skip_tokenizer_init=True,
                            hf_overrides=SpeculativeConfig.hf_config_override)
-    saved, seconds = {}, {}
+    saved, seconds, memory = {}, {}, {}
     for tag, mc in (("main", main_mc), ("mtp", draft_mc)):
         part = weights.MTP if tag == "mtp" else weights.MAIN
         qc = GGUFConfig(unquantized_modules=adapter.unquantized_modules(meta, n_main, part))
@@ -82,8 +93,12 @@ def main(rank: int, world: int, port: str, gguf_path: str, config_dir: str, out:
                                              distributed_init_method=f"tcp://127.0.0.1:{port}")
                 initialize_model_parallel(world)
             cls, _ = get_model_architecture(mc)
+            phases = {"before": _memory()}
+            reset = _reset_peak()
             with torch.device("cpu"):
                 model = cls(vllm_config=vc)
+            phases["init"] = _memory()
+            reset = _reset_peak() and reset
             start = time.perf_counter()
             model.load_weights(weights.iter_weights(found, torch.bfloat16, part, n_main, (rank, world)))
             for module in model.modules():
@@ -91,9 +106,14 @@ def main(rank: int, world: int, port: str, gguf_path: str, config_dir: str, out:
                 if method is not None and (hasattr(module, "qweight") or hasattr(module, "w13_qweight")):
                     method.process_weights_after_loading(module)  # as vLLM's loader does after loading
             seconds[tag] = time.perf_counter() - start
-            saved[tag] = _records(model)
-    torch.save(saved, Path(out) / f"rank{rank}.pt")
-    (Path(out) / f"rank{rank}.json").write_text(json.dumps({"memory_kb": _memory(), "load_s": seconds}))
+            phases["load"] = _memory()
+            memory[tag] = {**phases, "peak_reset": reset}
+            if dump:
+                saved[tag] = _records(model)
+            del model
+    if dump:
+        torch.save(saved, Path(out) / f"rank{rank}.pt")
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps({"memory_kb": memory, "load_s": seconds}))
 
 
 def _records(model) -> dict:
@@ -111,4 +131,5 @@ def _records(model) -> dict:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6],
+         dump=sys.argv[7:] != ["nodump"])

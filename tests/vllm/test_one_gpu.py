@@ -25,7 +25,8 @@ def test_harness_kwargs_and_the_vllm_methods_it_overrides(monkeypatch):
 
     from fastcomm_vllm import one_gpu
 
-    monkeypatch.setenv("FASTCOMM_TEST_MODE", "1")
+    for name, value in one_gpu.environment().items():  # engine_kwargs sets them: monkeypatch restores them
+        monkeypatch.setenv(name, value)
     kw = one_gpu.engine_kwargs(8)
     assert kw["distributed_executor_backend"] == "mp" and kw["worker_cls"] == one_gpu.WORKER
     assert kw["disable_custom_all_reduce"] and kw["kv_cache_memory_bytes"] > 0
