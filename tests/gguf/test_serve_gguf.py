@@ -222,3 +222,35 @@ def test_tensor_parallel_sizes_the_file_cannot_take(capsys, tiny, tmp_path):
     for s in shards[:-1]:
         (part / s.name).symlink_to(s)
     assert shards[-1].name + " is missing" in error(capsys, [str(part / shards[0].name), "--gpus", "8"])
+
+
+def test_sm120_configuration_and_refusals(capsys, tiny, monkeypatch):
+    """On capability 12.0 (detected, or --capability) the DSA backend's needs are passed and said; what that
+    backend cannot take, and a vLLM + FlashInfer pair that cannot run it, are one line before vLLM starts."""
+    from fastcomm_vllm.gguf import attention
+
+    first = tiny[0]
+    env, args, err = dry(capsys, [str(first), "--gpus", "8", "--capability", "12.0"])
+    assert (opt(args, "--attention-backend"), opt(args, "--dtype"), opt(args, "--kv-cache-dtype"),
+            opt(args, "--block-size")) == ("FLASHINFER_MLA_SPARSE_SM120", "bfloat16", "fp8_ds_mla", "64")
+    assert "attention: FLASHINFER_MLA_SPARSE_SM120" in err and "activations bfloat16" in err
+    env, args, err = dry(capsys, [str(first), "--gpus", "8", "--capability", "12.0", "--block-size", "128"])
+    assert args.count("--block-size") == 1 and opt(args, "--block-size") == "128"
+    env, args, err = dry(capsys, [str(first), "--gpus", "8", "--capability", "9.0"])
+    assert "--attention-backend" not in args and "--kv-cache-dtype" not in args and "vLLM's own choice" in err
+    msg = error(capsys, [str(first), "--gpus", "8", "--capability", "12.0", "--dtype", "float16"])
+    assert "--dtype float16" in msg and "bfloat16 only" in msg
+    assert "MAJOR.MINOR" in error(capsys, [str(first), "--gpus", "8", "--capability", "12"])
+    old = attention.Stack("0.25.0", "0.6.13", True, True, True, False)
+    monkeypatch.setattr(attention, "stack", lambda: old)
+    msg = error(capsys, [str(first), "--gpus", "8", "--capability", "12.0"])
+    assert "vLLM 0.25.0" in msg and "flashinfer-python 0.6.13" in msg and "install vllm==" in msg
+    # The detected capability: the topology probe's GPUs.
+    from fastcomm import topology
+
+    gpus = tuple(topology.GpuInfo(index=i, name="NVIDIA RTX PRO 6000 Blackwell", compute_capability=(12, 0))
+                 for i in range(8))
+    link = tuple(tuple(topology.LinkType("host_bridge") for _ in gpus) for _ in gpus)
+    topo = topology.Topology(gpus=gpus, link=link, p2p=tuple(tuple(True for _ in gpus) for _ in gpus),
+                             source="recorded")
+    assert serve.detect_capability(topo) == (12, 0)

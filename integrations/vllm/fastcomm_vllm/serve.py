@@ -51,6 +51,11 @@ GGUF models (install: pip install -e ".[gguf]" from a fastcomm checkout):
                           works too; --served-model-name overrides); MTP speculative decoding with the
                           file's MTP block on by default (--no-mtp, --mtp-tokens N); --dry-run says what it
                           chose and why
+  on sm_120 (RTX PRO 6000 Blackwell, RTX 50xx; detected, or --capability 12.0)
+                          --attention-backend FLASHINFER_MLA_SPARSE_SM120, --dtype bfloat16, --kv-cache-dtype
+                          fp8_ds_mla, --block-size 64 (unless you pass them; values that backend cannot take
+                          are refused), and a vLLM + FlashInfer pair that cannot run it is refused in one
+                          line naming what to install, before anything loads
   other architectures     passed to vllm-gguf-plugin unchanged
 """
 
@@ -74,6 +79,7 @@ class Options:
     version: bool = False
     mtp: bool | None = None           # None: on when a GLM-5 GGUF carries its MTP block
     mtp_tokens: int | None = None     # draft tokens per step (None: 1)
+    capability: tuple[int, int] | None = None  # assumed compute capability (None: detected)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +117,13 @@ def _positive(value: str) -> int:
     return n
 
 
+def _capability(value: str) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d+)\.(\d)", value)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"expects MAJOR.MINOR such as 12.0, got {value!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
 def parser() -> argparse.ArgumentParser:
     # allow_abbrev=False: vLLM's --gpu-memory-utilization must not read as an abbreviation of --gpus.
     p = _Parser(prog="fastcomm-serve", usage="fastcomm-serve MODEL [fastcomm-serve options] [vllm serve options ...]",
@@ -122,6 +135,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--dry-run", action="store_true", help="print the exact command and environment, do not start vLLM")
     g.add_argument("--gpus", type=_count, metavar="N",
                    help="assume N visible GPUs instead of detecting them (e.g. for --dry-run elsewhere)")
+    g.add_argument("--capability", type=_capability, metavar="MAJOR.MINOR",
+                   help="assume GPUs of this compute capability instead of detecting it (e.g. 12.0 for RTX PRO 6000 "
+                        "Blackwell, with --gpus N for --dry-run elsewhere)")
     g.add_argument("--fastcomm-transport", dest="transport", choices=TRANSPORTS,
                    help="FASTCOMM_TRANSPORT: peer GPU memory (p2p), pinned host memory (host, for GPUs without "
                         "P2P), or the probe's choice (auto)")
@@ -145,7 +161,7 @@ def split_args(argv: Sequence[str]) -> tuple[Options, list[str]]:
     if ns.mtp is False and ns.mtp_tokens is not None:
         raise ServeError("--no-mtp and --mtp-tokens contradict each other: pick one")
     return Options(dry_run=ns.dry_run, gpus=ns.gpus, transport=ns.transport, fastcomm=ns.fastcomm, fusion=ns.fusion,
-                   nccl_env=ns.nccl_env, help=ns.help, version=ns.version,
+                   nccl_env=ns.nccl_env, help=ns.help, version=ns.version, capability=ns.capability,
                    mtp=True if ns.mtp_tokens is not None else ns.mtp, mtp_tokens=ns.mtp_tokens), rest
 
 
@@ -242,6 +258,21 @@ def count_gpus(topo) -> int:
         return 0
 
 
+def detect_capability(topo) -> tuple[int, int] | None:
+    """The GPUs' compute capability (the probe's, else torch's), or None; GPUs of mixed capability give the
+    lowest, which is what every rank must run."""
+    if topo is not None:
+        found = [g.compute_capability for g in topo.gpus if g.compute_capability is not None]
+        if found:
+            return min(found)
+    try:
+        import torch
+
+        return tuple(torch.cuda.get_device_capability(0)) if torch.cuda.is_available() else None
+    except Exception:
+        return None
+
+
 def nccl_env(topo, tp: int) -> list[tuple[str, str, str]]:
     """NCCL settings for the all-reduces that stay on NCCL, from the topology of the first ``tp`` GPUs."""
     if topo is None or len(topo.gpus) < tp or tp < 2:
@@ -289,7 +320,8 @@ def build(opts: Options, vllm_args: Sequence[str], environ: Mapping[str, str], *
     if tp * pp > gpus:
         raise ServeError(f"tensor parallel {tp} x pipeline parallel {pp} needs {tp * pp} GPUs; {gpus} visible")
     if gguf_model:  # after the TP size is known: the file must split at it
-        args, gguf_notes = _gguf_args(opts, model, args, tp)
+        capability = opts.capability or detect_capability(topo)
+        args, gguf_notes = _gguf_args(opts, model, args, tp, capability)
         notes += gguf_notes
         plugins_needed += ["gguf", GGUF_ENTRY_POINT]
     if tp == 1:
@@ -344,10 +376,11 @@ def _is_gguf(model: str) -> bool:
 GGUF_ENTRY_POINT = "fastcomm_gguf"
 
 
-def _gguf_args(opts: Options, model: str, args: list[str], tp: int) -> tuple[list[str], list[str]]:
+def _gguf_args(opts: Options, model: str, args: list[str], tp: int,
+               capability: tuple[int, int] | None = None) -> tuple[list[str], list[str]]:
     """The vLLM arguments for a GGUF model, and what was decided (with why)."""
     from . import gguf
-    from .gguf import kernels
+    from .gguf import attention, kernels
 
     user_spec = _speculation_flag(args)
     if user_spec is not None and opts.mtp is not None:
@@ -379,6 +412,12 @@ def _gguf_args(opts: Options, model: str, args: list[str], tp: int) -> tuple[lis
             args += ["--tokenizer", plan.kwargs["tokenizer"]]
         if plan.mtp and user_spec is None:
             args += ["--speculative-config", json.dumps(plan.kwargs["speculative_config"], separators=(",", ":"))]
+        chosen = attention.choose(capability, plan.index_topk, _user_attention(args),
+                                  attention.stack() if capability and capability[0] == 12 else _NO_STACK)
+        if chosen.error:
+            raise ServeError(chosen.error)
+        args += chosen.args
+        notes += chosen.notes
         if not _gguf_adapter_installed():
             raise ServeError(f"fastcomm's GGUF adapter entry point ({GGUF_ENTRY_POINT}) is not installed; "
                              f"reinstall fastcomm: {gguf.errors.INSTALL_HINT}")
@@ -387,6 +426,21 @@ def _gguf_args(opts: Options, model: str, args: list[str], tp: int) -> tuple[lis
                  f"K-quant kernels: vllm-gguf-plugin's CUDA extension ({kernel.detail})")
     notes.append(_decode_kernels_note())
     return args, notes
+
+
+_NO_STACK = None  # the installed packages are read only where the choice depends on them (sm_120)
+
+
+def _user_attention(args: Sequence[str]):
+    from .gguf.attention import UserAttention
+
+    block = _option_value(args, ("--block-size",))
+    if block is not None and not re.fullmatch(r"\d+", block):
+        raise ServeError(f"--block-size must be a positive integer, got {block!r}")
+    return UserAttention(dtype=_option_value(args, ("--dtype",)),
+                         kv_cache_dtype=_option_value(args, ("--kv-cache-dtype",)),
+                         block_size=int(block) if block is not None else None,
+                         backend=_option_value(args, ("--attention-backend",)))
 
 
 def _decode_kernels_note() -> str:

@@ -7,7 +7,7 @@ The interface for ``fastcomm-serve`` and ``fastcomm bench-decode``:
     GgufError               a one-line user error
 Modules: files (split discovery), metadata (GGUF metadata -> config, MTP detection), names (GGUF -> vLLM
 names, fused shard order), weights (the weight stream), derive (the config/tokenizer folder), kernels (CUDA
-extension or Triton fallback), adapter + plugin (registration into vllm-gguf-plugin, in vLLM's processes).
+extension or Triton fallback), attention (the backend, dtype and KV cache a GPU needs), adapter + plugin (registration into vllm-gguf-plugin, in vLLM's processes).
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ class GgufPlan:
     config_dir: Path | None        # derived config (and tokenizer) folder, or None
     kwargs: dict                   # for vllm.LLM(...)
     notes: tuple[str, ...]         # what was chosen and why, one line each
+    index_topk: int | None = None  # DSA's top-k (GLM-5), which the attention backend must take
 
 
 _VOCAB_FILES = ("tokenizer.json", "tokenizer.model")  # a fast tokenizer, or a SentencePiece model
@@ -128,7 +129,7 @@ def plan(model: str, *, mtp: bool | None = None, num_speculative_tokens: int = 1
     else:
         raise GgufError(f"no tokenizer: {derive.tokenizer_note(config_dir)} (e.g. --tokenizer zai-org/GLM-5)")
     return GgufPlan(found, meta.arch, True, blocks, use_mtp, num_speculative_tokens, config_dir, kwargs,
-                    tuple(notes))
+                    tuple(notes), int(meta.need("{arch}.attention.indexer.top_k")))
 
 
 def engine_kwargs(model: str, *, mtp: bool | None = None, num_speculative_tokens: int = 1, **options) -> dict:
