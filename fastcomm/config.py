@@ -35,6 +35,12 @@ def _seconds(text: str) -> float:
     return v
 
 
+def _seconds_or_off(text: str) -> float:
+    if text.strip() == "0":
+        return 0.0
+    return _seconds(text)
+
+
 def _bytes(text: str) -> int:
     v = parse_size(text)  # its message names the accepted forms
     if v <= 0:
@@ -195,6 +201,10 @@ VARIABLES: tuple[Var, ...] = (
     Var("FASTCOMM_VLLM_FUSION", "vllm_fusion", "0", "1 also fuses all-reduce + RMSNorm in vLLM (compile pass and "
         "GLM-5 helper routing). Opt-in until an end-to-end run shows it faster than the all-reduce alone "
         "(bench/RESULTS.md).", _bool),
+    Var("FASTCOMM_VLLM_STALL_S", "vllm_stall_s", "300", "A vLLM worker whose model step (execute_model / "
+        "sample_tokens) has not returned for this many seconds after warm-up logs one line naming rank, step and "
+        "the last kernel family launched, and exits (status 3) so that the server stops instead of spinning; 0 "
+        "turns the guard off.", _seconds_or_off),
     Var("FASTCOMM_GGUF_KERNELS", "gguf_kernels", "auto", "auto | dp4a | plugin: GGUF products of 1-8 tokens "
         "(decode, MTP verify) through fastcomm's K-quant kernels (csrc/kquant.cu; Q4_K, Q5_K, Q6_K, Q8_0 weights), "
         "the rest through vllm-gguf-plugin's (or dequantized, FASTCOMM_GGUF_DEQUANT_*, or in calls of 8, "
@@ -287,6 +297,7 @@ class Config:
     p2p_check: bool = True
     vllm_enabled: bool = True
     vllm_fusion: bool = False  # opt-in, see FASTCOMM_VLLM_FUSION
+    vllm_stall_s: float = 300.0  # FASTCOMM_VLLM_STALL_S (fastcomm_vllm.watchdog); 0: off
     gguf_kernels: str = "auto"  # FASTCOMM_GGUF_KERNELS (fastcomm_vllm.gguf.kquant)
     gguf_mma_min_tokens: int | None = None      # FASTCOMM_GGUF_MMA_MIN_TOKENS (None: the kquant policy's)
     gguf_grouped_min_tokens: int | None = None  # FASTCOMM_GGUF_GROUPED_MIN_TOKENS

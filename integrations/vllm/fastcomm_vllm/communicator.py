@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
 
+from . import watchdog
+
 logger = logging.getLogger("vllm.fastcomm")
 
 
@@ -64,6 +66,8 @@ class FastcommCudaCommunicator(CudaCommunicator):
                 and isinstance(self.cpu_group, dist.ProcessGroup):
             self.fastcomm_workspace, self.fastcomm_why_not = self._open_workspace()
         self._fastcomm_try = None
+        if self.unique_name.split(":")[0] == "tp":
+            watchdog.install_in_vllm(getattr(self, "global_rank", self.rank))  # the stall guard, once a process
         if self.fastcomm_workspace is not None:
             import fastcomm
 
@@ -77,6 +81,7 @@ class FastcommCudaCommunicator(CudaCommunicator):
             return super().all_reduce(input_)
         if not self.fastcomm_ready and input_.is_cuda and not torch.cuda.is_current_stream_capturing():
             dist.barrier(group=self.cpu_group)  # start-up: meet the peers on the host first
+        watchdog.PROGRESS.family = "fastcomm all-reduce"
         try:
             out = self._fastcomm_try(input_, ws)  # None: fastcomm's policy declines, on every rank alike
             return out if out is not None else super().all_reduce(input_)
