@@ -408,15 +408,17 @@ def _check(opts) -> str | None:
 
 
 def run(opts) -> int:
-    from fastcomm.config import Config, ConfigError
+    from fastcomm.config import ConfigError, read
 
     try:
         why = _check(opts)
+        read("FASTCOMM_MAX_BYTES")  # overridden by the run's own sizes, but a typo in it is still the user's
+        cache = read("FASTCOMM_CACHE_DIR")
     except ConfigError as e:
         why = str(e)
     if why:
         return fail(PROG, why)
-    world, why = prepare_gpus(opts.world, Config.from_env().cache_dir)
+    world, why = prepare_gpus(opts.world, cache)
     if why:
         return fail(PROG, why)
     import torch

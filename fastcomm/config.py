@@ -419,7 +419,9 @@ def check_environment(env: Mapping[str, str] | None = None) -> list[Status]:
         try:
             Config.from_env(env)
         except ConfigError as e:
-            named = [s for s in out if s.var.name in str(e)] or out[:1]
+            # On the variables it names that are set: an unset one's default is not the mistake.
+            named = [s for s in out if s.var.name in str(e) and s.raw is not None] or \
+                [s for s in out if s.var.name in str(e)] or out[:1]
             out = [dataclasses.replace(s, error=str(e)) if s in named else s for s in out]
     return out
 

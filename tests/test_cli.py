@@ -273,3 +273,11 @@ def test_bench_checks_the_settings_of_every_workspace_it_will_build(run, no_gpus
     rc, _, err = run("bench", "--transports", "p2p,host", "--host-workspace-bytes", "512K",
                      env={"FASTCOMM_ONE_SHOT_MAX_BYTES": "1M"})
     assert rc == 2 and "FASTCOMM_ONE_SHOT_MAX_BYTES" in one_line(err) and "524288" in one_line(err)
+
+
+@pytest.mark.parametrize("env, name", [({"FASTCOMM_MAX_BYTES": "8Q"}, "FASTCOMM_MAX_BYTES"),
+                                       ({"FASTCOMM_TIMEOUT_S": "-1"}, "FASTCOMM_TIMEOUT_S")])
+def test_bench_names_a_bad_setting_in_one_line(run, no_gpus, env, name):
+    # FASTCOMM_MAX_BYTES is overridden by the run's own workspace sizes, but a typo in it is still reported.
+    rc, _, err = run("bench", env=env)
+    assert rc == 2 and name in one_line(err) and "Traceback" not in err

@@ -190,6 +190,9 @@ def test_check_environment_reports_each_variable():
                                                        "FASTCOMM_ONE_SHOT_MAX_BYTES": "2M"})}
     assert pair["FASTCOMM_ONE_SHOT_MAX_BYTES"].error and pair["FASTCOMM_MAX_BYTES"].error
     assert pair["FASTCOMM_TIMEOUT_S"].error is None
+    # ... only on those that are set: an unset variable's default is not the mistake.
+    alone = {s.var.name: s for s in check_environment({"FASTCOMM_ONE_SHOT_MAX_BYTES": "16M"})}
+    assert alone["FASTCOMM_ONE_SHOT_MAX_BYTES"].error and alone["FASTCOMM_MAX_BYTES"].error is None
 
 
 def test_every_default_is_valid():

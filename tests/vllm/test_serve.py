@@ -153,6 +153,11 @@ def test_missing_model_path(capsys):
     assert "no model given" in error(capsys, ["--gpus", "2", "--max-model-len", "4096"])
 
 
+def test_a_folder_that_holds_no_model(capsys, tmp_path):
+    msg = error(capsys, [str(tmp_path), "--gpus", "2"])
+    assert "holds no config.json" in msg and "no .gguf file" in msg
+
+
 def test_bad_fastcomm_options(capsys, model):
     # Parsing fails before anything else is looked at, so these need no vLLM.
     err = error(capsys, [model, "--fastcomm-transport", "nvlink"])

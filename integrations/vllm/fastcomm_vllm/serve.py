@@ -60,6 +60,7 @@ GGUF models (install: pip install -e ".[gguf]" from a fastcomm checkout):
 """
 
 VLLM_MAIN = "vllm.entrypoints.cli.main"
+CHECKPOINT_FILES = ("config.json", "params.json")  # what vLLM reads a local checkpoint folder's config from
 VLLM_HINT = 'pip install -e ".[vllm]" (from a fastcomm checkout)'
 
 
@@ -304,6 +305,10 @@ def build(opts: Options, vllm_args: Sequence[str], environ: Mapping[str, str], *
                              "--speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": N}'")
         if looks_like_path(model) and not os.path.exists(os.path.expanduser(model)):
             raise ServeError(f"model path {model!r} does not exist")
+        folder = os.path.expanduser(model)
+        if os.path.isdir(folder) and not any(os.path.isfile(os.path.join(folder, name)) for name in CHECKPOINT_FILES):
+            raise ServeError(f"model folder {model!r} holds no {' / '.join(CHECKPOINT_FILES)} (a checkpoint) "
+                             "and no .gguf file")
     if gpus is None:
         gpus = count_gpus(topo)
     if gpus < 1:
