@@ -239,7 +239,8 @@ PY
 }
 
 kernel_tests() {   # the tree in the current folder: its K-quant GPU tests, the log's tail into $1
-  timeout 300 python -m pytest -q -p no:cacheprovider --durations=8 tests/gguf/test_kquant_gpu.py 2>&1 \
+  # every test twice: the GPU's own limits and sm_120's (the limits fixture)
+  timeout 420 python -m pytest -q -p no:cacheprovider --durations=8 tests/gguf/test_kquant_gpu.py 2>&1 \
     | tail -n 40 | tee "$1"
   local rc=${PIPESTATUS[0]}
   echo "== kquant GPU test exit $rc"
@@ -262,6 +263,12 @@ kquant() {   # fastcomm's K-quant decode kernels: GPU test, then plugin-vs-fastc
   local rc=0
   kernel_tests "$out/kquant-tests.log" || rc=1
   kernel_table "${KQUANT_TOKENS:-1,2,4,8}" "$out/gguf-kernels" || rc=1
+  # The same table with the launches planned for an RTX PRO 6000 (188 SMs, 99 KB a block): the forms and
+  # warps sm_120 gets, timed on this GPU under that cap (KQUANT_SM120=0 skips it).
+  if [ "${KQUANT_SM120:-1}" = 1 ]; then
+    FASTCOMM_TEST_MODE=1 FASTCOMM_TEST_DEVICE_LIMITS=sm_120 kernel_table "${KQUANT_TOKENS:-1,2,4,8}" \
+      "$out/gguf-kernels-sm120" || rc=1
+  fi
   return $rc
 }
 

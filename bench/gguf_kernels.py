@@ -27,6 +27,7 @@ Needs a GPU; the plugin's rows need vllm-gguf-plugin with its CUDA extension (wi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -229,7 +230,9 @@ def bench_linear(name, shards, cols, tokens, rng):
         default = kquant.linear_form(n, kquant.mma_ok(segs, cols), kquant.staged_fits(x.device.index, n, cols))
         row = {"op": name, "tokens": n, "weight_MB": round(nbytes / 1e6, 2),
                "plugin_us": round(_graph_time_us([plugin(w) for w in ws]), 2) if plin else None, "default": default,
-               "mma_entry": kquant.mma_variant(types, moe=False) or "any"}  # the kernel entry the mma form runs
+               "mma_entry": kquant.mma_variant(types, moe=False) or "any",  # the kernel entry the mma form runs
+               "mma_warps": kquant.launch_warps(0, kquant.abi.KQ_MMA, "bfloat16", [s.type for s in segs], cols,
+                                                kquant.tiles(sum(s.rows for s in segs)))}
         for form in kquant.FORMS_LINEAR:
             row[f"{form}_us"] = round(_graph_time_us([lambda w=w, f=form: kquant.linear(x, w, segs, form=f, pdl=pdl)
                                                       for w in ws]), 2)
@@ -313,9 +316,15 @@ def bench_moe(tokens, rng):
             row[f"{form}_us"] = round(_graph_time_us([lambda a=a, b=b, f=form: kquant.moe(
                 x, a, b, wts, ids, q13, q2, act, silu=True, form=f) for a, b in zip(w13s, w2s)]), 2)
         for w in SHARED_WARPS:  # the shared form at other block sizes than its default (columns shared_wN)
+            fits = max(kquant.moe_shared_smem([q], w) for q in (q13, q2)) <= kquant.limits(0).smem_per_block
             row[f"shared_w{w}_us"] = round(_graph_time_us([lambda a=a, b=b: kquant.moe(
                 x, a, b, wts, ids, q13, q2, act, silu=True, form="shared", shared_warps=w)
-                for a, b in zip(w13s, w2s)]), 2)
+                for a, b in zip(w13s, w2s)]), 2) if fits else None  # None: its block does not fit the GPU
+        busy = min(experts, n * topk)
+        row["grouped_warps"] = [kquant.launch_warps(0, kquant.abi.KQ_MOE_MMA_UP, "bfloat16", [q13], hidden,
+                                                    kquant.tiles(2 * inter) * busy, moe=True),
+                                kquant.launch_warps(0, kquant.abi.KQ_MOE_MMA_DOWN, None, [q2], inter,
+                                                    kquant.tiles(hidden) * busy, moe=True)]
         row["rel_diff_vs_plugin"] = None
         if pmoe:
             mine = kquant.moe(x, w13s[0], w2s[0], wts, ids, q13, q2, act, silu=True)
@@ -492,15 +501,18 @@ def main(argv=None) -> int:
         rows += bench_linear(name, shards, cols, counts, rng)
         torch.cuda.empty_cache()
     rows += bench_moe(tokens, rng)
+    lim = kquant.limits(0)
     print(f"# {torch.cuda.get_device_name()}: GPU us per call (CUDA graphs of {CALLS_PER_GRAPH} calls, "
-          "weights out of L2)")
+          f"weights out of L2); launches planned for {lim.name}: {lim.sms} SMs, {lim.smem_per_block} bytes of "
+          "shared memory a block")
     text, steps = report(rows, tokens)
     print(text)
     thresholds = suggest(rows)
     print(f"# suggested on this GPU: {_settings(thresholds)}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows, "per_step_ms": steps,
+            json.dump({"device": torch.cuda.get_device_name(), "limits": dataclasses.asdict(kquant.limits(0)),
+                       "rows": rows, "per_step_ms": steps,
                        "suggested": thresholds}, f, indent=1)
     return 0
 

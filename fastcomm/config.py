@@ -249,6 +249,9 @@ VARIABLES: tuple[Var, ...] = (
     Var("FASTCOMM_TEST_STARTUP_DELAY", "test_startup_delay", "", "Tests only (needs FASTCOMM_TEST_MODE=1): e.g. "
         "'1:60' makes rank 1 of the one-GPU vLLM harness wait 60 s before its first forward (start-up skew).",
         _rank_seconds),
+    Var("FASTCOMM_TEST_DEVICE_LIMITS", "test_device_limits", "", "Tests only (needs FASTCOMM_TEST_MODE=1): "
+        "'sm_120' makes fastcomm's K-quant launches plan for an RTX PRO 6000 Blackwell's SMs and shared memory "
+        "(188 SMs, 99 KB a block, 100 KB an SM) on whatever GPU runs them.", _choice("sm_120")),
     Var("FASTCOMM_TEST_SWAP_SHARDS", "test_swap_shards", "0", "Tests only (needs FASTCOMM_TEST_MODE=1): 1 makes the "
         "one-GPU vLLM harness's workers load layer 0's gate and up GGUF shards under each other's names (the "
         "negative control of the TP logits check).", _bool),
@@ -311,6 +314,7 @@ class Config:
     test_shared_gpu: bool = False
     test_break_p2p: tuple[int, int] | None = None
     test_startup_delay: tuple[int, float] | None = None
+    test_device_limits: str | None = None
     test_swap_shards: bool = False
 
     def __post_init__(self):
@@ -359,7 +363,8 @@ class Config:
         if self.tune_file is not None:
             object.__setattr__(self, "tune_file", Path(self.tune_file).expanduser())
         if not self.test_mode:
-            for field in ("test_shared_gpu", "test_break_p2p", "test_startup_delay", "test_swap_shards"):
+            for field in ("test_shared_gpu", "test_break_p2p", "test_startup_delay", "test_swap_shards",
+                          "test_device_limits"):
                 if getattr(self, field):
                     raise ConfigError(f"{_BY_FIELD[field].name} ({field}) is a test switch: it needs "
                                       "FASTCOMM_TEST_MODE=1")

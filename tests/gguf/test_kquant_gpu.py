@@ -19,6 +19,7 @@ from kquant_data import exact_activations, weights
 
 torch = pytest.importorskip("torch")
 pytestmark = [
+    pytest.mark.gpu,
     pytest.mark.skipif(not installed("gguf"), reason="needs gguf"),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"),
     pytest.mark.skipif(not installed("cupy"), reason="needs CuPy (NVRTC)"),
@@ -56,6 +57,23 @@ def _captured(fn):
     with torch.cuda.graph(graph):
         out = fn()
     return graph, out
+
+
+@pytest.fixture(autouse=True, params=["device", "sm_120"])
+def limits(request, monkeypatch):
+    """Every test twice: with the GPU's own limits, and planning for an RTX PRO 6000's (188 SMs, 99 KB of shared
+    memory a block: FASTCOMM_TEST_DEVICE_LIMITS), the kernels' launches held to that cap."""
+    k = kq()
+    if request.param == "device":
+        monkeypatch.delenv("FASTCOMM_TEST_DEVICE_LIMITS", raising=False)
+    else:
+        monkeypatch.setenv("FASTCOMM_TEST_MODE", "1")
+        monkeypatch.setenv("FASTCOMM_TEST_DEVICE_LIMITS", request.param)
+    k.forget_limits()
+    lim = k.limits(0)
+    assert request.param == "device" or lim.smem_per_block == k.EMULATED[request.param].smem_per_block
+    yield lim
+    k.forget_limits()
 
 
 LINEAR_FORMS = ("mma", "staged", "unstaged")
@@ -96,7 +114,7 @@ def test_mma_warp_splits(cols):
 
 @pytest.mark.parametrize("warps", [1, 7])
 @pytest.mark.parametrize("qtype", TYPES)
-def test_mma_ring_wraps(qtype, warps):
+def test_mma_ring_wraps(qtype, warps, limits):
     """24 units a row through each warp's 3-stage ring: 24 units on one warp, or 4, 4, 4, 3, 3, 3, 3 on seven;
     Q6_K / Q8_0 units start 2-byte aligned, at every offset of their 16-byte spans in turn."""
     k = kq()
@@ -104,8 +122,13 @@ def test_mma_ring_wraps(qtype, warps):
     rows, cols = 40, 6144
     stored, truth = weights(qtype, (rows, cols), seed=29)
     x = exact_activations(rng, 5, cols)
-    got = k.linear(torch.from_numpy(x).cuda(), torch.from_numpy(stored).cuda(),
-                   (k.Segment(getattr(k, qtype), 0, rows),), form="mma", warps=warps)
+    args = (torch.from_numpy(x).cuda(), torch.from_numpy(stored).cuda(), (k.Segment(getattr(k, qtype), 0, rows),))
+    need = k.mma_smem(warps, k.mma_ring_bytes([getattr(k, qtype)]))
+    if need > limits.smem_per_block:  # seven warps' rings do not fit 99 KB: refused, not launched
+        with pytest.raises(ValueError, match=f"needs {need} bytes of shared memory"):
+            k.linear(*args, form="mma", warps=warps)
+        return
+    got = k.linear(*args, form="mma", warps=warps)
     check(got, x.astype(np.float64) @ truth.T, np.abs(x) @ np.abs(truth).T, torch.float32)
 
 
@@ -338,7 +361,7 @@ def test_back_to_back_products_wait_for_each_other(form):
     replayed with new inputs and routes) is bitwise equal to the same chain launched plainly (every form: the
     dp4a ones run beside it as a control)."""
     k = kq()
-    if not k.dependent_launch(k._device(0)[2], True, True):
+    if not k.dependent_launch(k._device(0).major, True, True):
         pytest.skip("no dependent launch on this GPU (sm_90+)")
     rng = np.random.default_rng(31)
     experts, hidden, inter, topk, tokens = 8, 512, 256, 2, 5
@@ -578,3 +601,22 @@ def test_linear_chunks_in_a_cuda_graph_replayed_with_new_inputs():
         graph.replay()
         if i % 200 == 0 or i == 999:
             check(out, xi.astype(np.float64) @ truth.T, np.abs(xi) @ np.abs(truth).T, torch.bfloat16)
+
+
+def test_residency_is_computed_as_the_driver_answers(limits):
+    """kquant.resident_blocks (the warp choice's input, computed so emulated limits can apply) against CUDA's
+    occupancy query, for every mma entry and weight type, 1-8 warps, on the GPU's own limits."""
+    if limits.name != torch.cuda.get_device_properties(0).name:
+        pytest.skip("emulated limits: the driver's occupancy query answers for the GPU in hand")
+    from cupy_backends.cuda.api import driver
+
+    k = kq()
+    for kernel, dtype, moe in ((k.abi.KQ_MMA, "bfloat16", False), (k.abi.KQ_MOE_MMA_UP, "bfloat16", True),
+                               (k.abi.KQ_MOE_MMA_DOWN, None, True)):
+        for t in (k.Q4_K, k.Q5_K, k.Q6_K, k.Q8_0):
+            ring = k.mma_ring_bytes([t])
+            symbol = kernel.symbol(dtype, k.mma_variant([t], moe))
+            fn = k._smem_function(0, symbol)
+            want = tuple(driver.occupancyMaxActiveBlocksPerMultiprocessor(fn, 32 * w, k.mma_smem(w, ring))
+                         for w in range(1, k.abi.KQ_MMA_WARPS + 1))
+            assert k._resident(0, symbol, ring) == want, (symbol, k.NAMES[t])

@@ -255,3 +255,39 @@ def test_a_decode_call_past_8_tokens_is_refused_before_any_launch():
     with pytest.raises(ValueError, match=r"routes at most .* \(moe_chunks takes any number of tokens\)"):
         kquant.moe(torch.zeros(big, 256), w13, w2, torch.ones(big, 2), torch.zeros(big, 2, dtype=torch.int32),
                    kquant.Q4_K, kquant.Q4_K, None, silu=True, form="grouped")
+
+
+H200 = kquant.Limits("H200", sms=132, smem_per_block=227 << 10, smem_per_sm=228 << 10, regs_per_sm=64 << 10,
+                     threads_per_sm=2048, blocks_per_sm=32, major=9)
+
+
+def test_resident_blocks_by_each_limit():
+    sm120 = kquant.SM120
+    q8 = kquant.mma_ring_bytes([kquant.Q8_0])
+    # shared memory: one 4-warp Q8_0 block (87.5 KB + 1 KB reserved) an SM of 100 KB; 5 warps exceed 99 KB a block
+    assert kquant.resident_blocks(sm120, 4, kquant.mma_smem(4, q8), 0, 64) == 1
+    assert kquant.resident_blocks(sm120, 5, kquant.mma_smem(5, q8), 0, 64) == 0
+    assert kquant.resident_blocks(H200, 8, kquant.mma_smem(8, q8), 0, 64) == 1
+    # the same block's static shared memory counts against the cap
+    assert kquant.resident_blocks(sm120, 4, kquant.mma_smem(4, q8), 14 << 10, 64) == 0
+    # registers a warp at a time in units of 256: 72 a thread take 2304 a warp, 28 warps of 64 K: 3 blocks of 8
+    assert kquant.resident_blocks(H200, 8, 0, 0, 72) == 3
+    # threads: sm_120 holds 48 warps an SM, H200 64; and the blocks-per-SM cap
+    assert kquant.resident_blocks(sm120, 8, 0, 0, 32) == 6 and kquant.resident_blocks(H200, 8, 0, 0, 32) == 8
+    assert kquant.resident_blocks(sm120, 1, 0, 0, 32) == 32
+
+
+def test_warps_sm120_gets_at_glm5_tp8_shapes():
+    """The warp choice from sm_120's limits (188 SMs, 99 KB a block): a tile's warps never exceed what fits."""
+    def resident(t, regs=96):
+        ring = kquant.mma_ring_bytes([t])
+        return tuple(kquant.resident_blocks(kquant.SM120, w, kquant.mma_smem(w, ring), 0, regs)
+                     for w in range(1, abi.KQ_MMA_WARPS + 1))
+    q8, q4 = resident(kquant.Q8_0), resident(kquant.Q4_K)
+    assert q8[3] == 1 and q8[4:] == (0, 0, 0, 0)       # Q8_0: at most 4 warps a block fit 99 KB
+    assert q4[5] == 1 and q4[6:] == (0, 0)             # Q4_K: at most 6
+    for cols, ntiles in ((6144, 164), (2048, 1024), (2048, 384), (6144, 1210)):
+        for res in (q8, q4):
+            w = kquant.mma_warps(cols, ntiles, kquant.SM120.sms, res)
+            assert res[w - 1] > 0 or w == 1, (cols, ntiles, w)
+    assert kquant.mma_warps(6144, 3, kquant.SM120.sms, q8) == 4   # 24 units: 8 warps on an H200, 4 here

@@ -163,6 +163,44 @@ def mma_warps(cols: int, ntiles: int, sms: int, resident: tuple[int, ...]) -> in
     return -(-units // per)
 
 
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What decides how many blocks of a kernel one SM holds, and how many SMs there are: a device's (read from
+    it) or a GPU's that the tests emulate on another (FASTCOMM_TEST_DEVICE_LIMITS)."""
+    name: str
+    sms: int
+    smem_per_block: int     # opt-in: static + dynamic shared memory one block may have
+    smem_per_sm: int
+    regs_per_sm: int
+    threads_per_sm: int
+    blocks_per_sm: int
+    major: int              # compute capability: programmatic dependent launch needs 9+
+    smem_reserved: int = 1024   # per block, taken by the CUDA runtime on sm_80+ (not the kernel's to use)
+
+
+# The user's GPU, from the CUDA C++ Programming Guide's table for compute capability 12.0 (99 KB a block,
+# 100 KB and 48 warps an SM, 64 K registers, 32 blocks) and the RTX PRO 6000 Blackwell's 188 SMs.
+SM120 = Limits("RTX PRO 6000 Blackwell (sm_120)", sms=188, smem_per_block=99 << 10, smem_per_sm=100 << 10,
+               regs_per_sm=64 << 10, threads_per_sm=1536, blocks_per_sm=32, major=12)
+EMULATED = {"sm_120": SM120}
+REG_UNIT = 256    # registers are allocated a warp at a time, in units of 256
+SMEM_UNIT = 128   # shared memory is allocated a block at a time, in units of 128 bytes
+
+
+def resident_blocks(limits: Limits, warps: int, smem: int, static_smem: int, regs_per_thread: int) -> int:
+    """Blocks of ``warps`` warps, each with ``smem`` bytes of dynamic shared memory, one SM holds (the CUDA
+    occupancy calculator's rules: threads, blocks, registers a warp at a time, shared memory with its per-block
+    reservation); 0 where one block does not fit at all."""
+    if smem + static_smem > limits.smem_per_block or warps * 32 > limits.threads_per_sm:
+        return 0
+    by_threads = limits.threads_per_sm // (32 * warps)
+    per_warp = -(-regs_per_thread * 32 // REG_UNIT) * REG_UNIT
+    by_regs = (limits.regs_per_sm // per_warp) // warps if per_warp else limits.blocks_per_sm
+    block_smem = -(-(smem + static_smem + limits.smem_reserved) // SMEM_UNIT) * SMEM_UNIT
+    by_smem = limits.smem_per_sm // block_smem
+    return max(0, min(limits.blocks_per_sm, by_threads, by_regs, by_smem))
+
+
 def mma_variant(types, moe: bool) -> str:
     """The mma kernels' entry for a launch over weights of ``types`` (a MoE's, or a linear's segments): the one
     built for their type (its suffix in abi.KQ_TYPE_VARIANTS) for the MoE and MMA_TYPED_LINEAR, else the one for
@@ -305,7 +343,7 @@ def _launch(device: int, kernel: abi.Kernel, dtype: str | None, grid: tuple[int,
     packed = kernel.pack(*args)
     symbol = kernel.symbol(dtype, variant)  # an untyped kernel's symbol ignores the dtype
     fn = _smem_function(device, symbol) if smem else _function(device, symbol)
-    if dependent_launch(_device(device)[2], pdl, prefetches):
+    if dependent_launch(_device(device).major, pdl, prefetches):
         from fastcomm import launch_ex
 
         launch_ex.launch_dependent(fn, grid, block, smem, stream, packed.address)
@@ -341,7 +379,7 @@ def _smem_function(device: int, symbol: str) -> int:
     from cupy_backends.cuda.api import driver
 
     fn = _function(device, symbol)
-    driver.funcSetAttribute(fn, _MAX_DYNAMIC_SMEM_ATTR, _device(device)[1] - _static_smem(fn))
+    driver.funcSetAttribute(fn, _MAX_DYNAMIC_SMEM_ATTR, _device(device).smem_per_block - _static_smem(fn))
     return fn
 
 
@@ -353,12 +391,32 @@ def _static_smem(fn: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _resident(device: int, symbol: str, ring: int) -> tuple[int, ...]:
-    """Blocks of 1 .. KQ_MMA_WARPS warps (a ring of ``ring`` bytes a warp: mma_smem) one SM of ``device`` holds."""
+    """Blocks of 1 .. KQ_MMA_WARPS warps (a ring of ``ring`` bytes a warp: mma_smem) one SM of ``device`` holds,
+    from its limits (``_device``) and the kernel's registers and static shared memory. Computed, not asked of the
+    driver's occupancy query: under emulated limits the query would answer for the GPU in hand."""
     from cupy_backends.cuda.api import driver
 
     fn = _smem_function(device, symbol)
-    return tuple(driver.occupancyMaxActiveBlocksPerMultiprocessor(fn, 32 * w, mma_smem(w, ring))
+    regs = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_NUM_REGS, fn)
+    return tuple(resident_blocks(_device(device), w, mma_smem(w, ring), _static_smem(fn), regs)
                  for w in range(1, abi.KQ_MMA_WARPS + 1))
+
+
+def _fits(device: int, what: str, smem: int) -> None:
+    """Refuse a launch whose block needs more shared memory than the device (or the emulated one) gives."""
+    limits = _device(device)
+    if smem > limits.smem_per_block:
+        raise ValueError(f"{what} needs {smem} bytes of shared memory a block; {limits.name} gives "
+                         f"{limits.smem_per_block}")
+
+
+def launch_warps(dev: int, kernel: abi.Kernel, dtype: str | None, types, cols: int, busy_tiles: int,
+                 moe: bool = False) -> int:
+    """Warps a tile an mma-form launch takes on ``dev`` (``mma_warps`` over the device's limits and the entry's
+    residency): what the benchmark reports per product."""
+    ring = mma_ring_bytes(types)
+    symbol = kernel.symbol(dtype, mma_variant(types, moe))
+    return mma_warps(cols, busy_tiles, _device(dev).sms, _resident(dev, symbol, ring))
 
 
 def _mma_launch(dev: int, kernel: abi.Kernel, dtype: str | None, tiles_x: int, grid_y: int, busy_tiles: int,
@@ -369,8 +427,8 @@ def _mma_launch(dev: int, kernel: abi.Kernel, dtype: str | None, tiles_x: int, g
     grouped MoE's blocks wait for the routes before they know whether their expert has work)."""
     ring = mma_ring_bytes(types)
     variant = mma_variant(types, moe)
-    symbol = kernel.symbol(dtype, variant)
-    warps = warps or mma_warps(cols, busy_tiles, _device(dev)[0], _resident(dev, symbol, ring))
+    warps = warps or launch_warps(dev, kernel, dtype, types, cols, busy_tiles, moe)
+    _fits(dev, f"the mma form at {warps} warps a tile", mma_smem(warps, ring))
     _launch(dev, kernel, dtype, (tiles_x, grid_y), 32 * warps, stream, args, variant=variant,
             smem=mma_smem(warps, ring), prefetches=not moe, pdl=pdl)
 
@@ -380,21 +438,41 @@ def _shared_launch(dev: int, kernel: abi.Kernel, dtype: str | None, rows: int, e
     """A shared-form launch: ``warps`` tiles a block, the entry built for weight type ``t``."""
     if warps not in (1, 2, 4, 8):  # kq_xshare splits a stage's 128 operand pieces evenly over the block
         raise ValueError(f"the shared form takes 1, 2, 4 or 8 warps a block (got {warps})")
+    _fits(dev, f"the shared form at {warps} warps a block", moe_shared_smem([t], warps))
     _launch(dev, kernel, dtype, ((tiles(rows) + warps - 1) // warps, experts), 32 * warps, stream, args,
             variant=abi.KQ_TYPE_VARIANTS[t], smem=moe_shared_smem([t], warps))
 
 
 @functools.lru_cache(maxsize=None)
-def _device(device: int) -> tuple[int, int, int]:
-    """(SMs, opt-in shared memory per block, compute capability major) of a device."""
+def _device(device: int) -> Limits:
+    """The limits the launches plan for: the device's own, or under FASTCOMM_TEST_DEVICE_LIMITS (test mode)
+    another GPU's (its SMs and shared memory; the device's own compute capability, which says what it can run)."""
     import torch
+    from cupy.cuda import runtime
 
     p = torch.cuda.get_device_properties(device)
-    return p.multi_processor_count, int(getattr(p, "shared_memory_per_block_optin", 48 << 10)), p.major
+    emulate = config.Config.from_env().test_device_limits
+    if emulate:
+        return dataclasses.replace(EMULATED[emulate], major=p.major)
+    blocks = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxBlocksPerMultiprocessor, device)
+    return Limits(p.name, p.multi_processor_count, int(p.shared_memory_per_block_optin),
+                  int(p.shared_memory_per_multiprocessor), int(p.regs_per_multiprocessor),
+                  int(p.max_threads_per_multi_processor), int(blocks), p.major)
+
+
+def limits(device: int) -> Limits:
+    """The limits this process's launches on ``device`` plan for (``_device``)."""
+    return _device(device)
+
+
+def forget_limits() -> None:
+    """Read the limits again at the next launch (a test that switches FASTCOMM_TEST_DEVICE_LIMITS)."""
+    for cached in (_device, _resident, _smem_function):
+        cached.cache_clear()
 
 
 def staged_fits(device: int, rows: int, cols: int) -> bool:
-    return stage_bytes(rows, cols) <= _device(device)[1]
+    return stage_bytes(rows, cols) <= _device(device).smem_per_block
 
 
 @functools.lru_cache(maxsize=4096)
@@ -492,7 +570,7 @@ def linear(x, qweight, segments: tuple[Segment, ...], form: str | None = None, t
         return out
     variant = str(gemv_variant(n))
     if form == "staged" and fits:
-        _launch(dev, abi.KQ_GEMVS, dt, (staged_grid(total, _device(dev)[0]), 1), abi.KQ_STAGED_THREADS, stream,
+        _launch(dev, abi.KQ_GEMVS, dt, (staged_grid(total, _device(dev).sms), 1), abi.KQ_STAGED_THREADS, stream,
                 (table, x.data_ptr(), n, cols, x.stride(0), out.data_ptr(), total), variant=variant,
                 smem=stage_bytes(n, cols))
         return out
