@@ -433,6 +433,14 @@ def run_check(out: Path, a: argparse.Namespace, t_start: float, results: dict) -
     serve, how = serve_command()
     results["fastcomm_serve"] = how
     extra = [*SETTINGS, *(["--tensor-parallel-size", str(a.tp)] if a.tp else []), *shlex.split(a.serve_args)]
+    if a.one_gpu:
+        from fastcomm_vllm import one_gpu
+
+        env.update(one_gpu.environment(), FASTCOMM_TEST_MODE="1")
+        os.environ.update(FASTCOMM_TEST_MODE="1")
+        # Every rank on the one GPU: --gpus so fastcomm-serve allows TP ranks on it, the harness's vLLM options.
+        extra += ["--gpus", str(a.tp), *one_gpu.serve_args(a.tp)]
+        results["one_gpu"] = {"tp": a.tp, "vllm_options": one_gpu.serve_args(a.tp)}
     checks = results["checks"]
 
     dry = dry_run(serve, first, extra, env)
@@ -500,13 +508,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=float, default=500.0, help="seconds for the whole check (default 500)")
     p.add_argument("--health-timeout", type=float, default=300.0, help="seconds one start may take (default 300)")
     p.add_argument("--tp", type=int, default=None, help="--tensor-parallel-size (default: fastcomm-serve's, the GPU count)")
+    p.add_argument("--one-gpu", action="store_true",
+                   help="every rank of --tp on this one GPU (fastcomm_vllm.one_gpu, FASTCOMM_TEST_MODE=1)")
     p.add_argument("--serve-args", default="", metavar="'ARGS'",
                    help="more fastcomm-serve / vllm serve options for every start, one shell-quoted string")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    a = parser().parse_args(argv)
+    p = parser()
+    a = p.parse_args(argv)
+    if a.one_gpu and not (a.tp and a.tp >= 2):
+        p.error("--one-gpu needs --tp N with N >= 2")
     t_start = time.monotonic()
     out = a.out.resolve()
     out.mkdir(parents=True, exist_ok=True)

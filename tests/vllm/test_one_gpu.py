@@ -88,3 +88,28 @@ def test_dsa_helper_reaches_the_communicator_without_the_fusion(monkeypatch):
     seen.clear()
     wrapped(h, r, lambda x, res: (x, res))
     assert seen == ["original"]  # no workspace: vLLM's helper unchanged
+
+
+def test_serve_args_are_the_engine_kwargs_through_vllm_serve_parser(monkeypatch):
+    """`vllm serve` reads the harness's options (tests/gguf/serve_gpu.py --one-gpu) into the same engine
+    arguments that ``LLM(**engine_kwargs)`` gets."""
+    from vllm.engine.arg_utils import EngineArgs
+    try:
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:  # vLLM 0.25
+        from vllm.utils import FlexibleArgumentParser
+
+    from vllm.platforms import current_platform
+
+    from fastcomm_vllm import one_gpu
+
+    if not current_platform.device_type:  # a CPU-only vLLM build reports none; its parser needs one
+        monkeypatch.setattr(type(current_platform), "device_type", "cpu")
+    for name, value in one_gpu.environment().items():
+        monkeypatch.setenv(name, value)
+    for tp in (2, 8):
+        kw = one_gpu.engine_kwargs(tp)
+        parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+        ns = parser.parse_args(["--model", "m", "-tp", str(tp), *one_gpu.serve_args(tp)])
+        for name, value in kw.items():  # what EngineArgs.from_cli_args reads (building one needs a device)
+            assert getattr(ns, name) == value, (name, getattr(ns, name), value)

@@ -58,6 +58,18 @@ def engine_kwargs(tp: int, kv_cache_bytes: int = 1 << 30, memory_fraction: float
     return kwargs
 
 
+def serve_args(tp: int, kv_cache_bytes: int = 1 << 30) -> list[str]:
+    """``engine_kwargs`` as ``vllm serve`` options (what ``fastcomm-serve`` passes on), in the same order."""
+    out = []
+    for name, value in engine_kwargs(tp, kv_cache_bytes).items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif name != "tensor_parallel_size":  # fastcomm-serve's own -tp, given beside these
+            out += [flag, str(value)]
+    return out
+
+
 def _worker_base():
     from vllm.v1.worker.gpu_worker import Worker
 
