@@ -3,7 +3,8 @@
     python gpu_worker.py MODE MODEL OUT_JSON [--tp N] [--swap] [--mtp K] [--one-gpu] [--graphs]
 
 MODE logits: the prompt log-probabilities (every vocabulary entry, every prompt position) of a fixed random
-128-token prompt. MODE greedy: 32 greedy tokens after the same prompt, and the MTP draft counters.
+128-token prompt. MODE greedy: 32 greedy tokens after the same prompt (each with its top-5
+log-probabilities), and the MTP draft counters.
 MODEL: a GGUF (fastcomm's engine_kwargs) or a checkpoint folder (vLLM's normal loader). --swap hands layer 0's
 fused gate / up shards (the dense MLP's gate_up_proj: the same shape and type, so a wrong order loads and
 runs, silently wrong) over under each other's names (the negative control). --one-gpu: every rank on one GPU
@@ -23,6 +24,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "integrations" / "vllm")]
 
 PROMPT_LEN = 128
 GREEDY_TOKENS = 32
+TOP_LOGPROBS = 5
 
 
 def prompt(vocab: int, seed: int = 1234) -> list[int]:
@@ -95,9 +97,14 @@ def main() -> None:
             rows.append(row)
         result["prompt_logprobs"] = rows
     if a.mode in ("greedy", "both"):
-        sp = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
+        sp = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False,
+                            logprobs=TOP_LOGPROBS)
         out = llm.generate([{"prompt_token_ids": ids}], sp)[0]
         result["tokens"] = list(out.outputs[0].token_ids)
+        # Each generated position's best few (token, log-probability), best first: where two runs part, how
+        # close the two tokens were there (tp_one_gpu.greedy_agreement).
+        result["top_logprobs"] = [sorted(([t, lp.logprob] for t, lp in pos.items()), key=lambda x: -x[1])
+                                  for pos in (out.outputs[0].logprobs or [])]
         counters = {}
         for m in llm.get_metrics():
             if m.name.startswith("vllm:spec_decode") and hasattr(m, "value"):
