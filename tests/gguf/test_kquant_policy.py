@@ -272,6 +272,9 @@ def test_resident_blocks_by_each_limit():
     assert kquant.resident_blocks(sm120, 4, kquant.mma_smem(4, q8), 14 << 10, 64) == 0
     # registers a warp at a time in units of 256: 72 a thread take 2304 a warp, 28 warps of 64 K: 3 blocks of 8
     assert kquant.resident_blocks(H200, 8, 0, 0, 72) == 3
+    # ... and those warps counted in fours: 200 a thread allow 10 warps, taken as 8 (as an H200's driver answers
+    # for fc_kq_moe_mma_up_q6k_bf16: 8, 4, 2, 2, 1 blocks of 1-5 warps)
+    assert [kquant.resident_blocks(H200, w, 0, 0, 200) for w in range(1, 6)] == [8, 4, 2, 2, 1]
     # threads: sm_120 holds 48 warps an SM, H200 64; and the blocks-per-SM cap
     assert kquant.resident_blocks(sm120, 8, 0, 0, 32) == 6 and kquant.resident_blocks(H200, 8, 0, 0, 32) == 8
     assert kquant.resident_blocks(sm120, 1, 0, 0, 32) == 32

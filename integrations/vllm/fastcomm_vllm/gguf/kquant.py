@@ -183,7 +183,8 @@ class Limits:
 SM120 = Limits("RTX PRO 6000 Blackwell (sm_120)", sms=188, smem_per_block=99 << 10, smem_per_sm=100 << 10,
                regs_per_sm=64 << 10, threads_per_sm=1536, blocks_per_sm=32, major=12)
 EMULATED = {"sm_120": SM120}
-REG_UNIT = 256    # registers are allocated a warp at a time, in units of 256
+REG_UNIT = 256    # registers are allocated a warp at a time, in units of 256,
+WARP_UNIT = 4     # and the warps they allow an SM counted in fours (the occupancy calculator's warp granularity)
 SMEM_UNIT = 128   # shared memory is allocated a block at a time, in units of 128 bytes
 
 
@@ -195,7 +196,7 @@ def resident_blocks(limits: Limits, warps: int, smem: int, static_smem: int, reg
         return 0
     by_threads = limits.threads_per_sm // (32 * warps)
     per_warp = -(-regs_per_thread * 32 // REG_UNIT) * REG_UNIT
-    by_regs = (limits.regs_per_sm // per_warp) // warps if per_warp else limits.blocks_per_sm
+    by_regs = (limits.regs_per_sm // per_warp) // WARP_UNIT * WARP_UNIT // warps if per_warp else limits.blocks_per_sm
     block_smem = -(-(smem + static_smem + limits.smem_reserved) // SMEM_UNIT) * SMEM_UNIT
     by_smem = limits.smem_per_sm // block_smem
     return max(0, min(limits.blocks_per_sm, by_threads, by_regs, by_smem))
