@@ -1,4 +1,6 @@
-"""`fastcomm compile`: compile (and cache) the kernels for GPU architectures; needs no GPU, only CuPy (NVRTC)."""
+"""`fastcomm compile`: compile (and cache) the kernels for GPU architectures; needs no GPU, only CuPy (NVRTC).
+Prints each kernel's registers, static shared memory, local memory and launch bound, with warnings for what
+exceeds the architecture's limits or spills to local memory."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,6 +17,8 @@ def add_parser(sub) -> None:
     c.add_argument("--arch", action="append", default=None, type=arch_arg,
                    help=f"e.g. sm_90 (repeatable; sm_{MIN_ARCH} or newer; default {' '.join(DEFAULT_ARCHS)})")
     c.add_argument("--cache-dir", default=None, help="default: FASTCOMM_CACHE_DIR")
+    c.add_argument("-q", "--quiet", action="store_true",
+                   help="print only each cubin's line and the warnings, not the per-kernel resource table")
     c.set_defaults(func=run)
 
 
@@ -44,4 +48,20 @@ def run(args) -> int:
                 if len(lines) > 1 else ""
             return fail(PROG, lines[0] + log, 1)
         print(f"{arch}: {path} ({path.stat().st_size} bytes, {seconds:.1f} s)")
+        for line in resource_lines(arch, path.read_bytes(), args.quiet):
+            print(f"  {line}")
     return 0
+
+
+def resource_lines(arch: str, data: bytes, quiet: bool = False) -> list[str]:
+    """What a cubin's kernels use (read from its ELF, no CUDA tools) against ``arch``'s limits: the limits line
+    and a row per kernel unless ``quiet``, then the warnings. A cubin the reader cannot parse says so in one
+    line: the compile itself succeeded."""
+    from .. import cubin
+
+    try:
+        kernels = sorted(cubin.resources(data), key=lambda k: k.name)  # a family's dtypes side by side
+    except ValueError as e:
+        return [f"kernel resources: {e}"]
+    rows = [] if quiet else [line for line in [cubin.limits_line(arch)] if line] + cubin.table(kernels)
+    return rows + cubin.warnings(kernels, arch)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from fastcomm import abi, config
+from fastcomm import abi, config, cubin
 
 # ggml type ids csrc/kquant.cuh reads, with (values, bytes) per block.
 Q8_0, Q4_K, Q5_K, Q6_K = abi.KQ_Q8_0, abi.KQ_Q4_K, abi.KQ_Q5_K, abi.KQ_Q6_K
@@ -178,10 +178,13 @@ class Limits:
     smem_reserved: int = 1024   # per block, taken by the CUDA runtime on sm_80+ (not the kernel's to use)
 
 
-# The user's GPU, from the CUDA C++ Programming Guide's table for compute capability 12.0 (99 KB a block,
-# 100 KB and 48 warps an SM, 64 K registers, 32 blocks) and the RTX PRO 6000 Blackwell's 188 SMs.
-SM120 = Limits("RTX PRO 6000 Blackwell (sm_120)", sms=188, smem_per_block=99 << 10, smem_per_sm=100 << 10,
-               regs_per_sm=64 << 10, threads_per_sm=1536, blocks_per_sm=32, major=12)
+# The user's GPU: compute capability 12.0's limits (fastcomm.cubin.LIMITS, from the CUDA C++ Programming Guide:
+# 99 KB a block, 100 KB and 48 warps an SM, 64 K registers; 32 blocks an SM) and the RTX PRO 6000 Blackwell's
+# 188 SMs.
+_CC12 = cubin.LIMITS["sm_120"]
+SM120 = Limits("RTX PRO 6000 Blackwell (sm_120)", sms=188, smem_per_block=_CC12.shared_per_block,
+               smem_per_sm=_CC12.shared_per_sm, regs_per_sm=_CC12.registers_per_sm,
+               threads_per_sm=_CC12.threads_per_sm, blocks_per_sm=32, major=12)
 EMULATED = {"sm_120": SM120}
 REG_UNIT = 256    # registers are allocated a warp at a time, in units of 256,
 WARP_UNIT = 4     # and the warps they allow an SM counted in fours (the occupancy calculator's warp granularity)
