@@ -1,15 +1,20 @@
 """Compile the kernels in csrc/ at first use through NVRTC and cache the cubins on disk.
 
 The cache key is the hash of every source file, the NVRTC version, the target architecture and the
-options, so a changed kernel or a new toolkit never loads a stale binary. Writes are atomic (rename),
-so concurrent ranks compiling the same kernel at once do not corrupt each other's cache.
+options, so a changed kernel or a new toolkit never loads a stale binary. Ranks that start together build
+each cubin once: the first takes a lock on the cache entry and compiles, the others wait for it and load its
+file (a wait bounded by LOCK_WAIT_S, after which a rank compiles on its own). Writes are atomic (rename), so
+a rank that compiles beside another never reads half a file.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
+import contextlib
+import logging
 import os
 import tempfile
+import time
 from pathlib import Path
 
 SOURCES = ("dtypes.cuh", "common.cuh", "one_shot.cuh", "two_shot.cuh", "two_shot_ll.cuh", "fused_rmsnorm.cuh", "pull.cuh",
@@ -21,6 +26,11 @@ ENTRY = "kernels.cu"
 UNITS = {"comm": (SOURCES, ENTRY),
          "kquant": (("dtypes.cuh", "kquant.cuh", "kquant_mma.cuh", "kquant.cu"), "kquant.cu")}
 OPTIONS = ("-std=c++17", "-default-device")
+# How long a rank waits for another's build of the same cubin before compiling it itself: several times the
+# slowest measured (a K-quant unit: 138 s on 2 cores), so a build that is only slow is never duplicated.
+LOCK_WAIT_S = 900.0
+
+logger = logging.getLogger("fastcomm")
 
 
 class CompileError(RuntimeError):
@@ -84,13 +94,49 @@ def cached_cubin(arch: str, cache_dir: Path, options: tuple[str, ...] = OPTIONS,
     path = Path(cache_dir) / (f"fastcomm-{arch}-{key}.cubin" if unit == "comm" else f"fastcomm-{unit}-{arch}-{key}.cubin")
     if path.is_file():
         return path
-    cubin = compile_cubin(arch, options, unit)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".cubin")
-    with os.fdopen(fd, "wb") as f:
-        f.write(cubin)
-    os.replace(tmp, path)
+    with _build_lock(path.with_name(path.name + ".lock"), LOCK_WAIT_S):
+        if path.is_file():  # built by the rank that held the lock
+            return path
+        cubin = compile_cubin(arch, options, unit)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".cubin")
+        with os.fdopen(fd, "wb") as f:
+            f.write(cubin)
+        os.replace(tmp, path)
     return path
+
+
+@contextlib.contextmanager
+def _build_lock(lock: Path, wait_s: float):
+    """Hold an exclusive lock on ``lock`` (flock: released by the kernel if its holder dies), waiting at most
+    ``wait_s``; past that, or where the file system takes no locks, go on without it (the build is then only
+    duplicated, never wrong: writes are atomic)."""
+    try:
+        import fcntl
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except (ImportError, OSError):
+        yield False
+        return
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = True
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    logger.warning("fastcomm: another process has been building %s for %.0f s; building it here "
+                                   "too", lock.name[:-len(".lock")], wait_s)
+                    held = False
+                    break
+                time.sleep(0.05)
+            except OSError:  # no locks on this file system
+                held = False
+                break
+        yield held
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 def arch_of(device_index: int) -> str:

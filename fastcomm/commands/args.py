@@ -168,14 +168,14 @@ def cupy_missing() -> str | None:
 
 def compile_with_notice(arch: str, cache_dir: Path, stream=None) -> tuple[Path, float]:
     """The cached cubin for ``arch``, compiling it on a cache miss. A cache hit takes milliseconds; when the call
-    is still busy after half a second it is compiling, and a line says so (NVRTC needs ~15 s, which must not
-    look like a hang). Raises jit.CompileError; the commands print it."""
+    is still busy after half a second it is compiling, and a line says so (NVRTC needs about a minute per arch,
+    which must not look like a hang). Raises jit.CompileError; the commands print it."""
     import threading
 
     from .. import jit
 
     stream = stream or sys.stderr
-    notice = threading.Timer(0.5, lambda: print(f"compiling kernels for {arch} (first use, ~15 s)...",
+    notice = threading.Timer(0.5, lambda: print(f"compiling kernels for {arch} (first use, about a minute)...",
                                                 file=stream, flush=True))
     t0 = time.monotonic()
     notice.start()
