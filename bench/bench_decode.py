@@ -93,6 +93,45 @@ def parse_fastcomm_env(items: list[str]) -> dict:
     return env
 
 
+def check_numbers(args) -> None:
+    """The counts and fractions every backend would be started with, checked once before any starts (a bad one
+    would otherwise fail each backend after its start-up, its reason only in that backend's log)."""
+    for flag, value in (("--tp", args.tp), ("--prompt-len", args.prompt_len), ("--repeats", args.repeats),
+                        ("--profile-tokens", args.profile_tokens)):
+        if value < 1:
+            raise UsageError(f"{flag} {value}: must be at least 1")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise UsageError(f"--gpu-memory-utilization {args.gpu_memory_utilization}: a fraction in (0, 1]")
+    if not args.timeout > 0:
+        raise UsageError(f"--timeout {args.timeout}: seconds, more than 0")
+    if args.max_model_len < args.prompt_len + args.max_tokens:
+        raise UsageError(f"--max-model-len {args.max_model_len} cannot hold a prompt of {args.prompt_len} and "
+                         f"{args.max_tokens} output tokens")
+    gpus = visible_gpus()
+    if gpus is not None and args.tp > gpus:
+        raise UsageError(f"--tp {args.tp}: only {gpus} GPU(s) visible")
+
+
+def visible_gpus() -> int | None:
+    """GPUs torch sees, or None where it cannot say (no CUDA build, no driver): vLLM then reports it."""
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else None
+    except Exception:
+        return None
+
+
+def check_settings(fastcomm_env: dict) -> None:
+    """fastcomm's settings as the fastcomm rows will see them (this environment plus --fastcomm-env)."""
+    from fastcomm.config import Config, ConfigError
+
+    try:
+        Config.from_env({**os.environ, **fastcomm_env})
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+
+
 def parse_args(argv):
     p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                 epilog=EPILOG.format(shipped=", ".join(decode_models.shipped())))
@@ -233,7 +272,9 @@ def _main(argv) -> int:
     if not 1 <= args.profile_concurrency <= max(conc):
         raise UsageError(f"--profile-concurrency {args.profile_concurrency} must be between 1 and the largest "
                          f"concurrency {max(conc)} (the prompts and max_num_seqs are sized by it)")
+    check_numbers(args)
     fastcomm_env = parse_fastcomm_env(args.fastcomm_env)
+    check_settings(fastcomm_env)
     try:
         model = decode_models.resolve(args.model, dummy=args.dummy, mtp=args.mtp)
     except decode_models.ModelError as e:

@@ -79,6 +79,8 @@ def resolve(name: str, *, dummy: bool = False, mtp: int | None = None) -> Model:
     """The model ``name`` means; raises ModelError with a one-line reason."""
     if mtp is not None and mtp < 0:
         raise ModelError(f"--mtp {mtp}: the number of draft tokens must be 1 or more (--no-mtp turns MTP off)")
+    if _looks_gguf(name) and not Path(name).expanduser().is_file():  # before the GGUF reader is asked for
+        raise ModelError(f"--model {name}: no such file")
     gguf, missing = _gguf()
     if (gguf.is_gguf(name) if gguf is not None else _looks_gguf(name)):
         return _resolve_gguf(gguf, missing, name, dummy=dummy, mtp=mtp)

@@ -104,23 +104,29 @@ def fake_gguf(monkeypatch, calls):
     monkeypatch.setitem(sys.modules, "fastcomm_vllm.gguf", mod)
 
 
-def test_gguf_models_go_through_the_gguf_contract(monkeypatch, capsys):
+def test_gguf_models_go_through_the_gguf_contract(monkeypatch, capsys, tmp_path):
     calls = []
+    for name in ("GLM-5-UD-Q4_K_XL-00001-of-00003.gguf", "x.gguf", "broken.gguf"):
+        (tmp_path / name).write_bytes(b"GGUF")  # the fake reader below answers for them
+    m_ = str(tmp_path)
     fake_gguf(monkeypatch, calls)
-    m = decode_models.resolve("/m/GLM-5-UD-Q4_K_XL-00001-of-00003.gguf", mtp=3)
-    assert calls[-1] == ("/m/GLM-5-UD-Q4_K_XL-00001-of-00003.gguf", True, 3)
+    m = decode_models.resolve(f"{m_}/GLM-5-UD-Q4_K_XL-00001-of-00003.gguf", mtp=3)
+    assert calls[-1] == (f"{m_}/GLM-5-UD-Q4_K_XL-00001-of-00003.gguf", True, 3)
     assert (m.source, m.weights, m.mtp, m.label) == ("gguf", "real", 3, "GLM-5-UD-Q4_K_XL-00001-of-00003")
     assert m.engine["load_format"] == "gguf" and m.engine["speculative_config"]["num_speculative_tokens"] == 3
-    assert m.gguf == {"model": "/m/GLM-5-UD-Q4_K_XL-00001-of-00003.gguf", "mtp": True, "num_speculative_tokens": 3}
-    assert decode_models.resolve("/m/x.gguf", mtp=0).mtp == 0 and calls[-1][1] is False
-    assert decode_models.resolve("/m/x.gguf").mtp == 0 and calls[-1][1] is None  # the file's default
-    one_line_error(capsys, ["--model", "/m/x.gguf", "--dummy"], "--dummy does not apply to a GGUF file")
-    one_line_error(capsys, ["--model", "/m/broken.gguf"], "--model /m/broken.gguf: tensor blk.3.ffn_down")
+    assert m.gguf == {"model": f"{m_}/GLM-5-UD-Q4_K_XL-00001-of-00003.gguf", "mtp": True, "num_speculative_tokens": 3}
+    assert decode_models.resolve(f"{m_}/x.gguf", mtp=0).mtp == 0 and calls[-1][1] is False
+    assert decode_models.resolve(f"{m_}/x.gguf").mtp == 0 and calls[-1][1] is None  # the file's default
+    one_line_error(capsys, ["--model", f"{m_}/x.gguf", "--dummy"], "--dummy does not apply to a GGUF file")
+    one_line_error(capsys, ["--model", f"{m_}/broken.gguf"], f"--model {m_}/broken.gguf: tensor blk.3.ffn_down")
 
 
-def test_gguf_without_the_gguf_module_is_one_line(monkeypatch, capsys):
+def test_gguf_without_the_gguf_module_is_one_line(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "fastcomm_vllm.gguf", None)  # as in an install without it
-    one_line_error(capsys, ["--model", "/m/x.gguf"], "needs fastcomm_vllm.gguf", 'pip install -e ".[vllm]"')
+    (tmp_path / "x.gguf").write_bytes(b"GGUF")
+    one_line_error(capsys, ["--model", str(tmp_path / "x.gguf")], "needs fastcomm_vllm.gguf",
+                   'pip install -e ".[vllm]"')
+    one_line_error(capsys, ["--model", "/nonexistent/model.gguf"], "/nonexistent/model.gguf: no such file")
 
 
 def test_arguments():
@@ -143,6 +149,15 @@ def test_mistakes_are_one_line_errors(tmp_path, monkeypatch, capsys):
     one_line_error(capsys, ["--max-tokens", "many"], "--max-tokens")
     one_line_error(capsys, ["--mtp", "1", "--no-mtp"], "not allowed with")
     one_line_error(capsys, ["--mtp", "-1"], "--mtp -1")
+    # counts and fractions every backend would start with, before any starts
+    one_line_error(capsys, ["--tp", "0"], "--tp 0")
+    one_line_error(capsys, ["--repeats", "0"], "--repeats 0")
+    one_line_error(capsys, ["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization 1.5")
+    one_line_error(capsys, ["--max-model-len", "100", "--max-tokens", "128"], "--max-model-len 100")
+    one_line_error(capsys, ["--fastcomm-env", "FASTCOMM_TIMEOUT_S=-1"], "FASTCOMM_TIMEOUT_S")
+    monkeypatch.setenv("FASTCOMM_MAX_BYTES", "8Q")  # a bad setting of the environment the rows inherit
+    one_line_error(capsys, [], "FASTCOMM_MAX_BYTES")
+    monkeypatch.delenv("FASTCOMM_MAX_BYTES")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json", "other.json"]  # nothing written
 
 
