@@ -1,9 +1,11 @@
 """Every kernel compiles for sm_80, sm_90 and sm_120 through the same NVRTC path used at run time."""
 import pytest
 
-pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="CuPy (NVRTC) not installed")
+from nvrtc_probe import why_no_nvrtc
 
-from fastcomm import abi, jit  # noqa: E402
+from fastcomm import abi, jit
+
+pytestmark = pytest.mark.skipif(why_no_nvrtc() is not None, reason=why_no_nvrtc() or "")
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_120"])

@@ -33,7 +33,11 @@ _built: dict[str, bytes] = {}
 
 
 def tiny_cubin(arch: str) -> bytes:
-    nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="CuPy (NVRTC) not installed")
+    from nvrtc_probe import why_no_nvrtc
+
+    if why_no_nvrtc():
+        pytest.skip(why_no_nvrtc())
+    from cupy_backends.cuda.libs import nvrtc
     if arch not in _built:
         prog = nvrtc.createProgram(TINY, "tiny.cu", [], [])
         try:
