@@ -329,7 +329,7 @@ def _probe_nvml(loader, sysfs_pci) -> tuple[Topology | None, tuple[str, ...]]:
     except Exception as e:  # a broken install must not stop the fallback
         return None, (f"NVML: importing pynvml failed: {e}",)
     if nvml is None:
-        return None, ("NVML: pynvml (nvidia-ml-py) is not installed",)
+        return None, ('NVML: pynvml is not installed (pip install nvidia-ml-py, or the nvml extra: pip install -e ".[nvml]")',)
     try:
         nvml.nvmlInit()
     except Exception as e:  # NVMLError_LibraryNotFound / DriverNotLoaded: no driver here
