@@ -6,7 +6,7 @@ import json
 import statistics
 from pathlib import Path
 
-# Runs made before 2026-11-30 session 5 drew each prompt as one token id repeated (a new generator per
+# Runs made before 2026-11-30 run 5 drew each prompt as one token id repeated (a new generator per
 # token); their files carry no "prompts" key. A new run's prompts are distinct random ids.
 PROMPTS = "random ids"
 LEGACY_PROMPTS = "one id repeated"

@@ -305,7 +305,7 @@ ab() {   # on the device: GPU tests on the first tree, the kernel table on each;
       cd "$d" || exit 1
       # the kernel cache keys on the source, so trees can share it
       PYTHONPATH=$(run_path "$d" "$d/.pp" "$wheel") && export PYTHONPATH FASTCOMM_CACHE_DIR=/tmp/fc-ab-cache
-      # A failed test does not stop the table (the call is the session's device time); the call's status does.
+      # A failed test does not stop the table (device time is scarce); the call's status does.
       t=0
       if [ "$first" = 1 ] && [ -n "${AB_TESTS:-}" ]; then kernel_tests "$out/tests-$rev.log" || t=1; fi
       kernel_table "${AB_TOKENS:-1,4,8}" "$out/kernels-$rev${AB_TAG:-}" > /dev/null || exit 1

@@ -32,7 +32,7 @@ fastcomm compile --arch sm_90 >>"$OUT/env.txt" 2>&1 || { cat "$OUT/env.txt"; exi
 echo "compile: $(( $(date +%s) - t0 )) s; $ngpu GPU(s)"
 rc=0
 if [[ " ${stages[*]} " == *" tests "* ]]; then
-  gpu_dirs=(tests/gpu)
+  gpu_dirs=(tests/gpu tests/gguf)  # the GGUF ones skip, each with its reason, without vLLM, the plugin or gguf
   [ "$ngpu" -ge 2 ] && python3 -c "import vllm" 2>/dev/null && gpu_dirs+=(tests/vllm)
   [ ${#sel[@]} -gt 0 ] && gpu_dirs=("${sel[@]}")
   { echo "# commit $commit; $ngpu GPU(s)"

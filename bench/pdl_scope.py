@@ -6,7 +6,7 @@ overrides kquant.dependent_launch, so it measures every kernel, not the policy.
 
     python -m fastcomm_bench.pdl_scope OUT.json     # needs an sm_90+ GPU, torch, CuPy, gguf
 
-Run 2026-12-02 (tenth session) at 5b9998d as a probe making the same measurements (shapes written out, not taken
+Run 2026-12-02 (run s10) at 5b9998d as a probe making the same measurements (shapes written out, not taken
 from gguf_kernels); results in bench/results/2026-12-02-h200x1-s10-pdl-scope.json.
 """
 from __future__ import annotations

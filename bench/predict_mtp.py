@@ -41,10 +41,10 @@ from . import pcie_model
 from .pcie_model import ALLREDUCES_PER_STEP, DECODE_BYTES, LAYERS, WORLD
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# The sweep of fastcomm's current K-quant kernels (96eb59d; 1, 2, 4 and 8 requests, two runs of one session).
+# The sweep of fastcomm's current K-quant kernels (96eb59d; 1, 2, 4 and 8 requests, two runs on one machine).
 RECORD = RESULTS / "2026-12-02-h200x1-s12-gguf-78L-tp1-sweep.json"
 # No MTP run has used RECORD's kernels, so by default the draft's cost is the estimate. An earlier pair that
-# matches: the sixth session's sweep (b3b4269) with the eighth session's MTP run (91efbed: the kernels of 4b38652).
+# matches: the 2026-12-02 run s6's sweep (b3b4269) with the 2026-12-02 run s8's MTP run (91efbed: the kernels of 4b38652).
 EARLIER_RECORD = RESULTS / "2026-12-02-h200x1-s6-gguf-78L-tp1-mma-decode.json"
 EARLIER_MTP_RECORD = RESULTS / "2026-12-02-h200x1-s8-gguf-78L-mtp3-tp1-decode.json"
 # The plugin's kernels: a sweep and an MTP run that pair with each other only.

@@ -441,14 +441,15 @@ FC_KQ_HD void kq_mma_x_put(int c, const kq_u32 q[8], float d, float s, kq_u32* x
 // each of the pass's 8 vector slots j, its 64 operand words (16 pieces of 16 bytes) and its 16 floats (4
 // pieces: scales, then sums). Why in the ring: loaded at the top of each unit, they were a latency the warp
 // waited out every unit (ncu, H200: 0.49 instructions issued per cycle and scheduler, DRAM 46 %); copied S - 1
-// units ahead, the grouped MoE at 8 tokens went 174 -> 162 us and o_proj 32.5 -> 26.6 (bench/RESULTS.md).
+// units ahead, the grouped MoE at 8 tokens went 174 -> 162 us and o_proj 32.5 -> 26.6 (file
+// bench/results/2026-12-02-h200x1-s11-kquant-ab-x-ring.json).
 // Pieces are placed so that no read or write meets a bank conflict. A 16-byte shared access is served 8 lanes
 // at a time (lanes 0-7, 8-15, ...), one wavefront for each 8 that hit 8 distinct 16-byte bank groups. Lanes 8h ..
 // 8h + 7 of a kq_xstage_ops read are (g, t) = (2h, 0-3) and (2h + 1, 0-3), reading pieces 4t + i of slots g: the
 // operand piece p of slot j sits at 16 ((p & 8) | (p ^ 2 (p / 8) ^ (j % 2)) % 8) in the slot's 256 bytes, so those
 // 8 land in 8 groups. The float piece q at 16 (q ^ (j / 2 % 4)) in the slot's 64: the 4 slots a read's 8 lanes
 // take sit in distinct groups. With the operand pieces at 16 (p ^ (j % 4)) instead, each 8 lanes met 2-way
-// conflicts: ncu counted 37 % of the grouped MoE up kernel's shared wavefronts as excess (twelfth session), which
+// conflicts: ncu counted 37 % of the grouped MoE up kernel's shared wavefronts as excess (2026-12-02 run s12), which
 // this count of wavefronts per unit reproduces (and 43 % for the Q5_K down kernel).
 #define FC_KQ_MMA_XOPS 2048    // bytes of operand words in a stage: 8 slots x 256
 #define FC_KQ_MMA_XSTAGE 2560  // and the slots' floats, 8 x 64

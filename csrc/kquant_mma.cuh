@@ -57,7 +57,7 @@ __device__ constexpr int kq_mma_span(int T) { return kq_mma_span_raw(T) + (kq_mm
 // L1 = false: through L2 only (.cg), for the weights, which one warp streams once. L1 = true: through L1 (.ca),
 // for the activations: the warps of an SM read the same ones (an expert's tokens, a linear's vectors), which L1
 // then serves. With .cg for them too, L1's hit rate fell from 47 % to 0.3 % and the grouped MoE at 8 tokens took
-// 256 us instead of 162 (H200, eleventh session).
+// 256 us instead of 162 (H200, 2026-12-02 run s11).
 template <bool L1>
 __device__ __forceinline__ void kq_cp_async16(unsigned smem, const void* gmem) {
   if constexpr (L1) {
@@ -243,7 +243,7 @@ __device__ __forceinline__ void kq_mma_tile(const kq_u8* tile, kq_u64 row_stride
 // The grouped MoE's "shared" form: the block's W warps each take their own tile and walk the same units in step,
 // a unit's activations copied once into one ring for the block. Why: in kq_mma_tile each warp copies a unit's
 // activations itself, as many bytes as its weights (2560 against 2304 for Q4_K), through L1 and L2 (ncu, H200,
-// thirteenth session: L2 75 % busy at DRAM 59 %). One barrier a unit replaces the warp's syncs.
+// 2026-12-02 run s13: L2 75 % busy at DRAM 59 %). One barrier a unit replaces the warp's syncs.
 //   thread i of the block copies operand pieces i + 32 W k (piece i % 16 of slot i / 16), and warp 0's lane l the
 //   float piece l % 4 of slot l / 4 (Q6_K / Q8_0: pieces 0-1 only), each at `xd` / `fd` of a stage.
 struct KqXShare {

@@ -140,7 +140,7 @@ def test_pdl_scope_names_kernels_that_exist():
 
 def test_device_ab_times_a_tree_whose_tests_fail(tmp_path):
     """`ab` runs the first tree's GPU tests, then every tree's kernel table: a failed test marks the call failed
-    but still leaves the table (one call is a session's scarce device time). A stand-in `python` fails pytest
+    but still leaves the table (device time is scarce). A stand-in `python` fails pytest
     and writes a table line."""
     import os
     import shutil

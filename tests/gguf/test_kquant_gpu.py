@@ -404,7 +404,7 @@ def test_back_to_back_products_wait_for_each_other(form):
 @pytest.mark.parametrize("form", LINEAR_FORMS)
 def test_a_weight_off_16_byte_alignment_is_refused(form):
     """Every form reads Q4_K rows by 16 bytes: a weight viewed 8 bytes into its storage faulted the kernels
-    (tenth session); it is refused with its address named, and the vLLM wiring sends it to the plugin."""
+    (2026-12-02 run s10); it is refused with its address named, and the vLLM wiring sends it to the plugin."""
     k = kq()
     rows, cols = 32, 512
     stored, _ = weights("Q4_K", (rows, cols), seed=41)

@@ -279,7 +279,7 @@ def test_cli_help_is_bench_decodes_own(capsys):
 
 
 def test_compare_never_merges_different_setups(tmp_path, capsys):
-    # Session 3 merged a default-capture-sizes run under a "[1, 2, 4, 8]" header; such rows must say so.
+    # A 2026-11-30 merge (run 3) put a default-capture-sizes run under a "[1, 2, 4, 8]" header; such rows must say so.
     meta = {"model": "glm5-78L-16E", "tp": 2, "max_tokens": 128, "capture_sizes": [1, 2, 4, 8]}
     files = []
     for k, (sizes, tok_s) in enumerate((([1, 2, 4, 8], 40.0), (None, 50.0), ([1, 2, 4, 8], 44.0))):
@@ -345,7 +345,7 @@ def test_compare_keeps_fastcomm_env_runs_apart(tmp_path):
 def test_prompts_are_random_ids_and_the_same_every_run():
     a = decode_worker.prompts(4, 32, 154880, seed=0)
     assert a == decode_worker.prompts(4, 32, 154880, seed=0) and len(a) == 4 and all(len(p) == 32 for p in a)
-    assert all(len(set(p)) > 16 for p in a)  # not one id repeated (what runs before session 5 sent)
+    assert all(len(set(p)) > 16 for p in a)  # not one id repeated (what runs before 2026-11-30 run 5 sent)
     assert len({tuple(p) for p in a}) == 4 and all(100 <= t < 154780 for p in a for t in p)
 
 

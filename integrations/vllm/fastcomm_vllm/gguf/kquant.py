@@ -1,7 +1,8 @@
 """fastcomm's K-quant decode kernels (csrc/kquant.cu) for vllm-gguf-plugin's layers: host side.
 
 vllm-gguf-plugin's CUDA GEMV and MoE-GEMV kernels serve a decode step's 1-8 tokens at about a quarter of an
-H200's memory bandwidth (19.6 ms for the 24.7 GB of one GLM-5-shaped step's products; bench/RESULTS.md), and
+H200's memory bandwidth (19.7 ms for the 24.7 GB of one GLM-5-shaped step's products at 1 token: file
+bench/results/2026-12-04-h200x1-kquant-kernels-3338f3d.json), and
 above 2 tokens its large linears switch to a GEMM kernel that costs 3x more. For those token counts and for
 the types a UD-Q4_K_XL file mixes (Q4_K, Q5_K, Q6_K, Q8_0), a linear layer's product and a MoE layer's two
 expert products go through csrc/kquant.cu instead; everything else (prefill, other types) stays with the
@@ -46,8 +47,8 @@ FORMS_MOE = ("grouped", "pairs", "shared")
 # warps a block, a tile each. Not the policy's form until a run shows it faster (bench/gguf_kernels.py times it).
 MOE_SHARED_WARPS = 4
 # Which form serves, from bench/gguf_kernels.py on an H200 (bench/RESULTS.md): the tensor-core linears win the
-# per-step sum from 2 tokens since the dense mma form launches as a dependent of its quantize launch (tenth
-# session, run d845068, its --suggest: at 2 tokens o_proj 27.2 against 34.5 us staged, dense down 34.7 / 40.5,
+# per-step sum from 2 tokens since the dense mma form launches as a dependent of its quantize launch (2026-12-02
+# run s10, commit d845068, its --suggest: at 2 tokens o_proj 27.2 against 34.5 us staged, dense down 34.7 / 40.5,
 # though fused_qkv_a 12.8 / 10.1 and q_b 12.6 / 12.1 lose; the sum, -0.15 ms a step); at 1 token the staged dp4a
 # form (no quantize launch) wins. The MoE grouped by expert wins from 4 tokens and loses at 1-2 (137 / 131 us
 # at 2). 3 tokens (an MTP verify of 2 drafts) has no per-product run; end to end, grouped from 3 gave a
@@ -57,9 +58,9 @@ MMA_MIN_TOKENS = 2          # linears: the tensor-core form from this many token
 MOE_GROUPED_MIN_TOKENS = 3  # MoE: grouped by expert from this many tokens, below it per pair
 # The mma kernels come built for one weight type each, beside one for any type (a switch on the type, its
 # registers the widest type's). Which serves, from bench/gguf_kernels.py on an H200 (bench/RESULTS.md, 2026-12-02,
-# ninth session): built for their type, the grouped MoE took 179 against 200 us at 8 tokens (161 / 176 at 4) and
+# 2026-12-02 run s9): built for their type, the grouped MoE took 179 against 200 us at 8 tokens (161 / 176 at 4) and
 # the Q6_K LM head 365 against 461 (346 / 381), but the Q4_K linears lost (o_proj 38.5 against 35.1 us at 8,
-# dense gate_up 56.6 / 48.4), and still lost given the switch entry's warps a tile (tenth session: o_proj 38.2
+# dense gate_up 56.6 / 48.4), and still lost given the switch entry's warps a tile (2026-12-02 run s10: o_proj 38.2
 # against 35.0), so not for their warp count; why is not known. So the MoE and Q6_K linears take their type's entry.
 MMA_TYPED_LINEAR = frozenset({Q6_K})
 # 16-byte loads read Q4_K/Q5_K rows; Q6_K/Q8_0 blocks are only 2-byte aligned and are read by words.
@@ -262,7 +263,7 @@ def staged_grid(items: int, sms: int) -> int:
 def weights_aligned(*addresses: int) -> bool:
     """Can the kernels read weights stored from these addresses? Every form reads Q4_K / Q5_K rows by 16-byte
     loads (ROW_ALIGN), so a weight's base must be 16-byte aligned as its row stride is: torch's allocations
-    are, a view into one may not be (an 8-byte offset faults the kernels: tenth session)."""
+    are, a view into one may not be (an 8-byte offset faults the kernels: 2026-12-02 run s10)."""
     return all(a % 16 == 0 for a in addresses)
 
 
@@ -272,10 +273,10 @@ def decode_tokens_ok(tokens: int) -> bool:
 
 # A prefill (past MAX_TOKENS) went to the plugin's kernels, whose K-quant GEMMs (MMQ, ggml_moe_a8) multiply on
 # dp4a and cost 4-40x the weight-read time (8 prompts of 32 tokens: 1.31 s to their first tokens against FP8's
-# 0.97 s on the same shapes; H200, fourteenth session). Two ways past them, each with its own threshold:
+# 0.97 s on the same shapes; H200, 2026-12-02 run s14). Two ways past them, each with its own threshold:
 # - dequant: the weight to bf16, then a GEMM on the tensor cores. Writing the weight out costs the same for 9
 #   tokens as for 9000, so it pays from many tokens: with fastcomm's dequantize every linear beats the plugin's
-#   from 16 tokens (fifteenth session). The MoE's form writes every expert out; it slowed 8 requests' decode in
+#   from 16 tokens (2026-12-03 run s15). The MoE's form writes every expert out; it slowed 8 requests' decode in
 #   the one run it had (with the plugin's dequantize), so it is off.
 # - chunks: fastcomm's decode kernels on MAX_TOKENS rows at a time (the grouped MoE on up to 32 tokens of top 8
 #   a call, its route table's limit), each call a read of the weights. On the GPU a linear's calls beat both
@@ -283,11 +284,11 @@ def decode_tokens_ok(tokens: int) -> bool:
 #   prefill is, each call costs ~80 us of host time on the H200 machine against 6-24 us of GPU time (o_proj at
 #   16: 235 us), so a linear takes chunks only where a CUDA graph records them (``host_bound`` False). A MoE
 #   call's GPU time (140-350 us) hides its host time: chunks up to 256 tokens (2.8 ms a layer against the
-#   plugin's 8.7), first token of 8 prompts 1052 -> 648 ms end to end (fifteenth session).
+#   plugin's 8.7), first token of 8 prompts 1052 -> 648 ms end to end (2026-12-03 run s15).
 PREFILL_FORMS = ("dequant", "chunks", "plugin")
 # Which kernel writes the dequantized form's bf16 weights (FASTCOMM_GGUF_DEQUANT_KERNEL): fastcomm's
 # fc_kq_dequant (one launch for every segment, 16-byte stores; bit-exact with gguf-py) took half the plugin's
-# ggml_dequantize time for every product on an H200 (o_proj 180 against 357 us; fifteenth session).
+# ggml_dequantize time for every product on an H200 (o_proj 180 against 357 us; 2026-12-03 run s15).
 DEQUANT_KERNELS = config.GGUF_DEQUANT_KERNELS
 DEQUANT_KERNEL = config.Config.gguf_dequant_kernel  # the setting's default: the config owns it
 
@@ -360,7 +361,7 @@ def _launch(device: int, kernel: abi.Kernel, dtype: str | None, grid: tuple[int,
 def dependent_launch(capability_major: int, allowed: bool, prefetches: bool) -> bool:
     """Launch a kernel with programmatic dependent launch (it may start while the kernel before it runs)? It
     needs sm_90+ (griddepcontrol) and FASTCOMM_GGUF_PDL (``allowed``), and only a kernel with work to do before
-    it waits gains (``prefetches``). Measured on an H200 (bench/RESULTS.md, tenth session): the dense mma
+    it waits gains (``prefetches``). Measured on an H200 (bench/RESULTS.md, 2026-12-02 run s10): the dense mma
     form, which fetches its first weight stages before it waits, gained 2-3 us a product at 8 tokens (o_proj
     35.3 -> 32.6 us, q_b 18.2 -> 15.9, shared down 13.2 -> 10.8; dense gate_up, 1536 tiles, lost 48.6 -> 52.1);
     dependent launches of the quantize kernels cost the grouped MoE 11-13 us (173.4 -> 184-186 at 8 tokens) and
