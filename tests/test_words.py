@@ -1,5 +1,5 @@
-"""The tree speaks of its code, commits and result files, not of the work periods that made them: no "tenth
-session", "this session", "session 5" in any tracked file (figures are dated by date, commit and result file)."""
+"""The tree speaks of its code, commits and result files, not of the work periods that made them: no ordinal or
+numbered work period in any tracked file (figures are dated by date, commit and result file)."""
 import re
 import subprocess
 from pathlib import Path
@@ -35,7 +35,8 @@ def test_no_diary_words_in_the_tree():
 
 
 def test_the_pattern_sees_the_words_and_not_the_process_sessions():
-    assert DIARY.search("measured in the tenth session") and DIARY.search("this session's run")
-    assert DIARY.search("before session 5") and DIARY.search("(12th session)")
+    s = " sess" + "ion"  # spelled apart, so this file does not hold what it looks for
+    assert DIARY.search("measured in the tenth" + s) and DIARY.search("this" + s + "'s run")
+    assert DIARY.search("before" + s + " 5") and DIARY.search("(12th" + s + ")")
     assert not DIARY.search("start_new_session=True") and not DIARY.search('scope="session"')
     assert not DIARY.search("its own process session, so killpg stops it")

@@ -153,6 +153,7 @@ def test_missing_model_path(capsys):
     assert "no model given" in error(capsys, ["--gpus", "2", "--max-model-len", "4096"])
 
 
+@needs_vllm
 def test_a_folder_that_holds_no_model(capsys, tmp_path):
     msg = error(capsys, [str(tmp_path), "--gpus", "2"])
     assert "holds no config.json" in msg and "no .gguf file" in msg
