@@ -107,19 +107,11 @@ def check_numbers(args) -> None:
     if args.max_model_len < args.prompt_len + args.max_tokens:
         raise UsageError(f"--max-model-len {args.max_model_len} cannot hold a prompt of {args.prompt_len} and "
                          f"{args.max_tokens} output tokens")
-    gpus = visible_gpus()
-    if gpus is not None and args.tp > gpus:
+    from fastcomm.commands.args import visible_gpus
+
+    gpus, _ = visible_gpus()
+    if gpus and args.tp > gpus:  # none at all: vLLM's own start-up says why
         raise UsageError(f"--tp {args.tp}: only {gpus} GPU(s) visible")
-
-
-def visible_gpus() -> int | None:
-    """GPUs torch sees, or None where it cannot say (no CUDA build, no driver): vLLM then reports it."""
-    try:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else None
-    except Exception:
-        return None
 
 
 def check_settings(fastcomm_env: dict) -> None:

@@ -8,9 +8,9 @@ a rank that compiles beside another never reads half a file.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
-import contextlib
 import logging
 import os
 import tempfile
@@ -55,6 +55,30 @@ def _nvrtc():
     from cupy_backends.cuda.libs import nvrtc  # CuPy's NVRTC binding; no GPU needed to compile
 
     return nvrtc
+
+
+# CuPy's wheel brings the binding, not the library: a CPU-only torch beside it leaves no libnvrtc.
+NVRTC_HINT = "install a CUDA torch, the CUDA toolkit, or pip install 'nvidia-cuda-nvrtc>=13,<14' (the cuda13 extra)"
+
+
+def nvrtc_library_missing(error: BaseException) -> str | None:
+    """The one-line reason when ``error`` (raised by a compile) says the NVRTC library did not load, else None."""
+    if not isinstance(error, (OSError, RuntimeError)) or "nvrtc" not in str(error).lower():
+        return None
+    return f"the NVRTC library is missing (it does not load: {str(error).splitlines()[0][:160]}): {NVRTC_HINT}"
+
+
+def nvrtc_problem() -> str | None:
+    """Why nothing can be compiled here (no CuPy, or CuPy without the NVRTC library), or None."""
+    try:
+        nvrtc = _nvrtc()
+    except ImportError:
+        return "CuPy (NVRTC) is not installed: pip install -e \".[cuda13]\" (or cuda12)"
+    try:
+        nvrtc.getVersion()
+    except (OSError, RuntimeError) as e:  # CuPy raises RuntimeError where libnvrtc.so is not found
+        return nvrtc_library_missing(e) or f"NVRTC does not load: {str(e).splitlines()[0][:160]}"
+    return None
 
 
 def cache_key(arch: str, sources: dict[str, str], options: tuple[str, ...], nvrtc_version: tuple[int, int]) -> str:
@@ -115,26 +139,23 @@ def _build_lock(lock: Path, wait_s: float):
         import fcntl
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     except (ImportError, OSError):
-        yield False
+        yield
         return
     try:
         deadline = time.monotonic() + wait_s
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                held = True
                 break
             except BlockingIOError:
                 if time.monotonic() >= deadline:
                     logger.warning("fastcomm: another process has been building %s for %.0f s; building it here "
                                    "too", lock.name[:-len(".lock")], wait_s)
-                    held = False
                     break
                 time.sleep(0.05)
             except OSError:  # no locks on this file system
-                held = False
                 break
-        yield held
+        yield
     finally:
         os.close(fd)  # closing the descriptor releases the lock
 

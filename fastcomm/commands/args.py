@@ -184,11 +184,10 @@ def compile_with_notice(arch: str, cache_dir: Path, stream=None) -> tuple[Path, 
     except jit.CompileError:
         raise
     except (OSError, RuntimeError) as e:
-        if "nvrtc" not in str(e).lower():
+        why = jit.nvrtc_library_missing(e)
+        if why is None:
             raise
-        # CuPy is there but not the NVRTC library (a CPU-only torch brings none; a CUDA torch does).
-        raise jit.CompileError(f"the NVRTC library is missing ({str(e).splitlines()[0][:160]}): install "
-                               f"a CUDA torch, the CUDA toolkit, or pip install 'nvidia-cuda-nvrtc>=13,<14'") from None
+        raise jit.CompileError(why) from None
     finally:
         notice.cancel()
     return path, time.monotonic() - t0

@@ -436,11 +436,12 @@ def run_check(out: Path, a: argparse.Namespace, t_start: float, results: dict) -
     if a.one_gpu:
         from fastcomm_vllm import one_gpu
 
-        env.update(one_gpu.environment(), FASTCOMM_TEST_MODE="1")
-        os.environ.update(FASTCOMM_TEST_MODE="1")
+        os.environ.update(one_gpu.environment())  # serve_args asks for test mode
+        env.update(one_gpu.environment())
+        options = one_gpu.serve_args(a.tp)
         # Every rank on the one GPU: --gpus so fastcomm-serve allows TP ranks on it, the harness's vLLM options.
-        extra += ["--gpus", str(a.tp), *one_gpu.serve_args(a.tp)]
-        results["one_gpu"] = {"tp": a.tp, "vllm_options": one_gpu.serve_args(a.tp)}
+        extra += ["--gpus", str(a.tp), *options]
+        results["one_gpu"] = {"tp": a.tp, "vllm_options": options}
     checks = results["checks"]
 
     dry = dry_run(serve, first, extra, env)

@@ -419,8 +419,10 @@ def launch_warps(dev: int, kernel: abi.Kernel, dtype: str | None, types, cols: i
                  moe: bool = False) -> int:
     """Warps a tile an mma-form launch takes on ``dev`` (``mma_warps`` over the device's limits and the entry's
     residency): what the benchmark reports per product."""
-    ring = mma_ring_bytes(types)
-    symbol = kernel.symbol(dtype, mma_variant(types, moe))
+    return _warps(dev, kernel.symbol(dtype, mma_variant(types, moe)), mma_ring_bytes(types), cols, busy_tiles)
+
+
+def _warps(dev: int, symbol: str, ring: int, cols: int, busy_tiles: int) -> int:
     return mma_warps(cols, busy_tiles, _device(dev).sms, _resident(dev, symbol, ring))
 
 
@@ -432,10 +434,11 @@ def _mma_launch(dev: int, kernel: abi.Kernel, dtype: str | None, tiles_x: int, g
     grouped MoE's blocks wait for the routes before they know whether their expert has work)."""
     ring = mma_ring_bytes(types)
     variant = mma_variant(types, moe)
-    warps = warps or launch_warps(dev, kernel, dtype, types, cols, busy_tiles, moe)
-    _fits(dev, f"the mma form at {warps} warps a tile", mma_smem(warps, ring))
-    _launch(dev, kernel, dtype, (tiles_x, grid_y), 32 * warps, stream, args, variant=variant,
-            smem=mma_smem(warps, ring), prefetches=not moe, pdl=pdl)
+    warps = warps or _warps(dev, kernel.symbol(dtype, variant), ring, cols, busy_tiles)
+    smem = mma_smem(warps, ring)
+    _fits(dev, f"the mma form at {warps} warps a tile", smem)
+    _launch(dev, kernel, dtype, (tiles_x, grid_y), 32 * warps, stream, args, variant=variant, smem=smem,
+            prefetches=not moe, pdl=pdl)
 
 
 def _shared_launch(dev: int, kernel: abi.Kernel, dtype: str | None, rows: int, experts: int, t: int, stream: int,
