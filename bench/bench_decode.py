@@ -68,7 +68,8 @@ def _int_list(flag: str, text: str, *, minimum: int = 1) -> list[int]:
 def settings_set(env=None) -> dict | None:
     """The FASTCOMM_* settings set where bench-decode runs (every row's engine inherits them, e.g.
     FASTCOMM_GGUF_DEQUANT_MIN_TOKENS), so a record says what it measured; None when none is set."""
-    from fastcomm.config import check_environment, is_path
+    from fastcomm.config import is_path
+    from fastcomm.variables import check_environment
 
     found = {}
     for s in check_environment(env):

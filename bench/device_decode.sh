@@ -19,7 +19,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/install-$tag
 # Kernels into the disk cache, so start-up times exclude NVRTC: the communication kernels where a fastcomm
 # backend runs (~60 s on a fresh machine), the K-quant decode kernels for a GGUF model (~15 s).
 case ",$configs," in *,fastcomm*) fastcomm compile --arch sm_90 >/dev/null 2>&1 ;; esac
-case "$model" in *.gguf) python3 -c 'import sys; from pathlib import Path; from fastcomm import jit
+case "$model" in *.gguf) python3 -c 'import sys; from pathlib import Path; from fastcomm.runtime import jit
 jit.cached_cubin("sm_90", Path(sys.argv[1]), unit="kquant")' "$FASTCOMM_CACHE_DIR" >/dev/null 2>&1 ;; esac
 query=$(python3 -c 'from fastcomm_bench.clocks import QUERY; print(QUERY)')  # the format clocks.py parses
 prof=$(python3 -c 'import sys; a=sys.argv[1:]; print(a[a.index("--profile-dir")+1] if "--profile-dir" in a else "")' "$@")

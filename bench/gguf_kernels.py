@@ -5,7 +5,7 @@
     python -m fastcomm_bench.gguf_kernels --suggest OUT    # the token thresholds a saved run suggests
 
 Every product of one GLM-5 decoder layer at full width (the 78-layer benchmark model's shapes and UD-Q4_K_XL
-types, bench/glm5_gguf.py), the LM head, and the routed experts (16 experts, top 8): GPU time per call for the
+types, fastcomm_vllm/gguf/synth.py), the LM head, and the routed experts (16 experts, top 8): GPU time per call for the
 plugin's path (as its ``apply`` runs it: per-shard copies for a mixed-type fused weight, GEMV up to its
 ``mmvq_safe`` batch, else its MMQ GEMM; MoE through ``ggml_moe_a8_vec``), fastcomm's in every form (linears:
 ``mma`` on the tensor cores, ``staged`` and ``unstaged`` dp4a; MoE: ``grouped`` by expert on the tensor cores,
@@ -34,8 +34,8 @@ import sys
 
 import numpy as np
 
-from fastcomm_vllm.gguf import kquant
-from fastcomm_vllm.gguf.kquant import MAX_TOKENS as MAX_DECODE  # rows past it are a prefill's
+from fastcomm import kquant
+from fastcomm.kquant import MAX_TOKENS as MAX_DECODE  # rows past it are a prefill's
 
 CALLS_PER_GRAPH = 16
 # The dequantizer the policy does not take (kquant.DEQUANT_KERNEL's other), timed beside it: dequant_<it>_us.
@@ -47,7 +47,7 @@ L2_CLEAR_BYTES = 256 << 20
 def _blocks(rng, qtype, rows_shape, cols):
     import gguf
 
-    from .glm5_gguf import make_tensor
+    from fastcomm_vllm.gguf.synth import make_tensor
 
     stored, _ = make_tensor(rng, gguf.GGMLQuantizationType[qtype], (*rows_shape, cols))
     return np.ascontiguousarray(stored, np.uint8)
@@ -142,18 +142,18 @@ def linear_weight(rng, shards, cols):
 def pdl_setting() -> bool:
     """FASTCOMM_GGUF_PDL, which the vLLM plugin hands the kernels (kquant_vllm.install) and the benchmarks take
     here (e.g. FASTCOMM_GGUF_PDL=0 for a table without dependent launches)."""
-    from fastcomm.config import read
+    from fastcomm.kquant.settings import Settings
 
-    return read("FASTCOMM_GGUF_PDL")
+    return Settings.from_env().pdl
 
 
 def prefill_settings() -> tuple[int, int, int]:
     """FASTCOMM_GGUF_DEQUANT_MIN_TOKENS / _DEQUANT_MOE_MIN / _CHUNK_MAX_TOKENS, which mark the policy's form of a
     prefill's rows."""
-    from fastcomm.config import read
+    from fastcomm.kquant.settings import Settings
 
-    return (read("FASTCOMM_GGUF_DEQUANT_MIN_TOKENS"), read("FASTCOMM_GGUF_DEQUANT_MOE_MIN"),
-            read("FASTCOMM_GGUF_CHUNK_MAX_TOKENS"))
+    s = Settings.from_env()
+    return s.dequant_min_tokens, s.dequant_moe_min, s.chunk_max_tokens
 
 
 def _eager_us(fn) -> float:

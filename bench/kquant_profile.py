@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     import numpy as np
     import torch
 
-    from fastcomm_vllm.gguf import kquant
+    from fastcomm import kquant
 
     from .gguf_kernels import linear_weight, moe_inputs, moe_weights, pdl_setting
 

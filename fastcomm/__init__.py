@@ -14,7 +14,7 @@ from .policy import Algo, Transport
 
 __all__ = ["Config", "ConfigError", "FastcommError", "FastcommTimeoutError", "Workspace", "all_reduce",
            "try_all_reduce", "fused_all_reduce_rmsnorm", "register_torch_ops", "translate_error", "Algo", "Transport"]
-__version__ = "0.1.0"
+from .version import __version__
 
 _LAZY = {"Workspace": "workspace", "translate_error": "workspace", "all_reduce": "ops", "try_all_reduce": "ops",
          "fused_all_reduce_rmsnorm": "ops", "register_torch_ops": "ops"}

@@ -2,15 +2,16 @@
 
 Everything the host shares with the device is declared here and nowhere else: ``struct FcTable`` and
 ``struct FcError`` (csrc/common.cuh) as ctypes structures, the FC_* constants, and every ``extern "C"``
-kernel of csrc/kernels.cu with its parameter types, from which launches are packed; likewise the GGUF
-K-quant decode kernels' unit (csrc/kquant.cuh, kquant_mma.cuh, kquant.cu: FC_KQ_*, ``struct KqSegs``, the
-KQ_* kernels). tests/test_abi.py reads the CUDA sources and checks this module against them, so a change on
-one side that is not made on the other fails on the CPU, before any GPU sees it.
+kernel of csrc/comm/kernels.cu with its parameter types, from which launches are packed (the K-quant unit's
+mirror is fastcomm.kquant.abi). tests/test_abi.py reads the CUDA sources and checks this module against them,
+so a change on one side that is not made on the other fails on the CPU, before any GPU sees it.
 """
 from __future__ import annotations
 
 import ctypes
-import dataclasses
+
+# The entry points' dtype suffixes are the runtime's, shared by both units; named here too as part of the ABI.
+from .runtime.kernel import DTYPE_SUFFIX, Kernel
 
 # ---- constants (FC_* in csrc/common.cuh) -----------------------------------------------------------------
 MAX_WORLD = 8          # FC_MAX_WORLD
@@ -40,7 +41,6 @@ STEPS.update({STEP_ISL_RS: "island two-shot reduce-scatter (inside the island)",
               STEP_ISL_X: "island two-shot exchange across islands",
               STEP_ISL_AG: "island two-shot all-gather (inside the island)"})
 
-DTYPE_SUFFIX = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 
 # The fused kernel keeps its share of a row in registers: up to FUSED_THREADS threads x K packets, K one of
 # the compiled variants (FC_DEFINE_FUSED in kernels.cu).
@@ -93,52 +93,7 @@ PULL_FLAG_BYTES = 2 * FLAG_ARRAY_BYTES    # pull: one u32 flag per (phase, block
 SCRATCH_BYTES = MAX_BLOCKS * 2 * PACKET_BYTES  # per group: two packets per block (fused partial sums)
 
 
-# ---- kernels ---------------------------------------------------------------------------------------------
-
-_CTYPES = {"ptr": ctypes.c_uint64, "u64": ctypes.c_uint64, "u32": ctypes.c_uint32, "f32": ctypes.c_float,
-           "i32": ctypes.c_int32}
-
-
-@dataclasses.dataclass(frozen=True)
-class Kernel:
-    """One kernel family of kernels.cu: ``fc_<family><variant>_<dtype suffix>`` for each dtype and variant."""
-
-    family: str
-    params: tuple[tuple[str, str], ...]   # (name, type): ptr / u64 / u32 / i32 / f32, or a struct below by value
-    variants: tuple[str, ...] = ("",)
-    typed: bool = True                    # one entry point per dtype (fc_<family>_<suffix>), or just fc_<family>
-
-    def symbol(self, dtype: str | None = None, variant: str = "") -> str:
-        if variant not in self.variants:
-            raise ValueError(f"kernel {self.family} has no variant {variant!r} (has {self.variants})")
-        return f"fc_{self.family}{variant}_{DTYPE_SUFFIX[dtype]}" if self.typed else f"fc_{self.family}{variant}"
-
-    def symbols(self) -> list[str]:
-        if not self.typed:
-            return [self.symbol(None, v) for v in self.variants]
-        return [self.symbol(d, v) for v in self.variants for d in DTYPE_SUFFIX]
-
-    def pack(self, *args) -> "PackedArgs":
-        """The launch's kernelParams array (and the ctypes values it points to, kept alive with it)."""
-        if len(args) != len(self.params):
-            names = ", ".join(n for n, _ in self.params)
-            raise TypeError(f"{self.family} takes {len(self.params)} arguments ({names}), got {len(args)}")
-        values = [a if t in _STRUCTS else _CTYPES[t](a) for (_, t), a in zip(self.params, args)]
-        for (name, t), v in zip(self.params, values):
-            if t in _STRUCTS and not isinstance(v, _STRUCTS[t]):
-                raise TypeError(f"{self.family}: {name} must be a {_STRUCTS[t].__name__}, got {type(v).__name__}")
-        return PackedArgs(values)
-
-
-class PackedArgs:
-    def __init__(self, values):
-        self.values = values
-        self.array = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-
-    @property
-    def address(self) -> int:
-        return ctypes.addressof(self.array)
-
+# ---- kernels (packed by fastcomm.runtime.kernel) ----------------------------------------------------
 
 ONE_SHOT = Kernel("one_shot", (("t", "ptr"), ("in", "ptr"), ("out", "ptr"), ("nbytes", "u64")))
 # Islands in one launch: the island's table, then the partners' table (one_shot.cuh).
@@ -178,72 +133,3 @@ FUSED_MAX_CLUSTER = 8
 P2P_CHECK = Kernel("p2p_check", (("dst", "ptr"), ("pattern", "u64"), ("count", "u32")), typed=False)
 KERNELS = (ONE_SHOT, ONE_SHOT_ISLANDS, TWO_SHOT, TWO_SHOT_LL, PULL, PULL2, FUSED_RMSNORM, FUSED_RMSNORM_ISLANDS,
            FUSED_TWO_SHOT, FUSED_CLUSTER, P2P_CHECK, TWO_SHOT_ISLANDS)
-
-
-# ---- GGUF K-quant decode kernels (the "kquant" unit: csrc/kquant.cuh, kquant_mma.cuh, kquant.cu) ------------
-# ggml type ids the kernels read (FC_KQ_<type>, gguf.GGMLQuantizationType).
-KQ_Q8_0, KQ_Q4_K, KQ_Q5_K, KQ_Q6_K = 8, 12, 13, 14
-KQ_CHUNK = 32            # FC_KQ_CHUNK: values per activation scale
-KQ_UNIT = 256            # FC_KQ_UNIT: a super-block, the mma forms' step along a row
-KQ_MAX_VECS = 8          # FC_KQ_MAX_VECS: vectors of one dense launch
-KQ_MAX_SEGS = 4          # FC_KQ_MAX_SEGS: row segments of one weight
-KQ_ROWS_PER_BLOCK = 4    # FC_KQ_ROWS_PER_BLOCK: dp4a forms, a warp per row
-KQ_THREADS = 128         # FC_KQ_THREADS
-KQ_STAGED_THREADS = 512  # FC_KQ_STAGED_THREADS (kquant.cu)
-KQ_MMA_ROWS = 16         # FC_KQ_MMA_ROWS (kquant_mma.cuh): rows of a tile
-KQ_MMA_COLS = 8          # FC_KQ_MMA_COLS: vectors per pass
-KQ_MMA_WARPS = 8         # FC_KQ_MMA_WARPS: the most warps a tile
-KQ_MMA_STAGES = 3        # FC_KQ_MMA_STAGES: units of a warp's rows in flight (its shared-memory ring)
-KQ_MMA_XSTAGE = 2560     # FC_KQ_MMA_XSTAGE (kquant.cuh): a stage's activations, after its 16 rows of weights
-KQ_MMA_PART = 512        # FC_KQ_MMA_PART: one warp's partial sums, ahead of the rings in dynamic shared memory
-KQ_MAX_PAIRS = 256       # FC_KQ_MAX_PAIRS: (token, expert) pairs of one grouped MoE launch
-
-
-class KqSeg(ctypes.Structure):
-    """``struct KqSeg``: rows [row0, row0 + rows) of a launch read at w + i * row_stride as ``type``."""
-
-    _fields_ = [("w", ctypes.c_uint64), ("row_stride", ctypes.c_uint64), ("type", ctypes.c_int32),
-                ("rows", ctypes.c_int32), ("row0", ctypes.c_int32), ("out_col", ctypes.c_int32)]
-
-
-class KqSegs(ctypes.Structure):
-    """``struct KqSegs``, passed by value."""
-
-    _fields_ = [("s", KqSeg * KQ_MAX_SEGS), ("nseg", ctypes.c_int32), ("total_rows", ctypes.c_int32)]
-
-
-_STRUCTS = {"segs": KqSegs}
-
-_KQ_VARIANTS = ("1", "2", "4", "8")  # FC_KQ_DEFINE_GEMV / GEMVS: vectors per launch, at most
-# FC_KQ_DEFINE_MMA / FC_KQ_DEFINE_DOWN: the mma forms for any weight type ("") or built for one.
-KQ_TYPE_VARIANTS = {KQ_Q4_K: "_q4k", KQ_Q5_K: "_q5k", KQ_Q6_K: "_q6k", KQ_Q8_0: "_q80"}
-_KQ_MMA_VARIANTS = ("",) + tuple(KQ_TYPE_VARIANTS.values())
-# mma = 1: the tensor-core forms' order (kq_mma_x_put), which only they read; 0: the dp4a forms'.
-_QUANTIZE = (("x", "ptr"), ("n", "i32"), ("cols", "i32"), ("x_stride", "u64"), ("xq", "ptr"), ("xds", "ptr"),
-             ("mma", "i32"))
-KQ_QUANTIZE = Kernel("kq_quantize", _QUANTIZE)
-KQ_QUANTIZE_SILU = Kernel("kq_quantize_silu", _QUANTIZE)  # cols: of the activation, half the [gate | up] row
-KQ_GEMV = Kernel("kq_gemv", (("segs", "segs"), ("xq", "ptr"), ("xds", "ptr"), ("n", "i32"), ("cols", "i32"),
-                             ("out", "ptr"), ("out_stride", "u64")), variants=_KQ_VARIANTS)
-KQ_GEMVS = Kernel("kq_gemvs", (("segs", "segs"), ("x", "ptr"), ("n", "i32"), ("cols", "i32"), ("x_stride", "u64"),
-                               ("out", "ptr"), ("out_stride", "u64")), variants=_KQ_VARIANTS)
-KQ_MMA = Kernel("kq_mma", (("segs", "segs"), ("xq", "ptr"), ("xs", "ptr"), ("n", "i32"), ("cols", "i32"),
-                           ("out", "ptr"), ("out_stride", "u64")), variants=_KQ_MMA_VARIANTS)
-_EXPERTS = (("w", "ptr"), ("expert_stride", "u64"), ("row_stride", "u64"), ("type", "i32"), ("rows", "i32"),
-            ("cols", "i32"), ("topk_ids", "ptr"))
-KQ_MOE_UP = Kernel("kq_moe_up", _EXPERTS + (("topk", "i32"), ("xq", "ptr"), ("xds", "ptr"), ("out", "ptr")))
-KQ_MOE_DOWN = Kernel("kq_moe_down", _EXPERTS + (("topk_weights", "ptr"), ("topk", "i32"), ("xq", "ptr"),
-                                                ("xds", "ptr"), ("out", "ptr")))
-_GROUPED = _EXPERTS + (("topk", "i32"), ("pairs", "i32"), ("xq", "ptr"), ("xs", "ptr"), ("out", "ptr"))
-KQ_MOE_MMA_UP = Kernel("kq_moe_mma_up", _GROUPED, variants=_KQ_MMA_VARIANTS)
-# fp32 rows whatever the dtype
-KQ_MOE_MMA_DOWN = Kernel("kq_moe_mma_down", _GROUPED, variants=_KQ_MMA_VARIANTS, typed=False)
-# The grouped MoE's shared form (a block's warps share each unit's activations), built for each weight type only
-KQ_MOE_MMA_UP_SHARED = Kernel("kq_moe_mma_up_shared", _GROUPED, variants=tuple(KQ_TYPE_VARIANTS.values()))
-KQ_MOE_MMA_DOWN_SHARED = Kernel("kq_moe_mma_down_shared", _GROUPED, variants=tuple(KQ_TYPE_VARIANTS.values()),
-                                typed=False)
-KQ_MOE_SUM = Kernel("kq_moe_sum", (("y", "ptr"), ("topk_ids", "ptr"), ("topk_weights", "ptr"), ("topk", "i32"),
-                                   ("experts", "i32"), ("tokens", "i32"), ("rows", "i32"), ("out", "ptr")))
-KQ_DEQUANT = Kernel("kq_dequant", (("segs", "segs"), ("cols", "i32"), ("out", "ptr")))
-KQ_KERNELS = (KQ_QUANTIZE, KQ_QUANTIZE_SILU, KQ_GEMV, KQ_GEMVS, KQ_MMA, KQ_MOE_UP, KQ_MOE_DOWN, KQ_MOE_MMA_UP,
-              KQ_MOE_MMA_DOWN, KQ_MOE_MMA_UP_SHARED, KQ_MOE_MMA_DOWN_SHARED, KQ_MOE_SUM, KQ_DEQUANT)

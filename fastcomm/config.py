@@ -48,7 +48,7 @@ def _bytes(text: str) -> int:
     return v
 
 
-def _count(text: str) -> int:
+def count(text: str) -> int:
     try:
         v = int(text)
     except ValueError:
@@ -61,14 +61,7 @@ def _count(text: str) -> int:
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def _decode_tokens(text: str) -> int:
-    v = _count(text)
-    if not 1 <= v <= 9:
-        raise ValueError("must be 1-9 (tokens of a decode product; 9: never)")
-    return v
-
-
-def _bool(text: str) -> bool:
+def boolean(text: str) -> bool:
     t = text.strip().lower()
     if t in _TRUE:
         return True
@@ -77,7 +70,7 @@ def _bool(text: str) -> bool:
     raise ValueError("not a boolean (use 0/1, true/false, yes/no, on/off)")
 
 
-def _choice(*choices: str) -> Callable[[str], str]:
+def choice(*choices: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         t = text.strip().lower()
         if t not in choices:
@@ -151,7 +144,7 @@ def _check_pair(pair) -> tuple[int, int]:
 @dataclasses.dataclass(frozen=True)
 class Var:
     name: str
-    field: str                      # Config attribute it sets
+    field: str                      # the settings object's attribute it sets (Config, kquant.settings.Settings)
     default: str                    # as text, the way a user would write it
     meaning: str
     parse: Callable[[str], Any] = dataclasses.field(repr=False, compare=False)
@@ -166,8 +159,6 @@ def is_path(var: Var) -> bool:
 TRANSPORTS = ("auto", "p2p", "host")
 ALGOS = ("auto", "one_shot", "two_shot", "two_shot_ll", "pull", "two_shot_islands")
 FUSED_CLUSTER_SETTINGS = ("auto", "on", "off")
-GGUF_KERNEL_SETTINGS = ("auto", "dp4a", "plugin")
-GGUF_DEQUANT_KERNELS = ("fastcomm", "plugin")  # fastcomm_vllm.gguf.kquant.DEQUANT_KERNELS
 LOG_LEVELS = ("debug", "info", "warning", "error", "off")
 
 VARIABLES: tuple[Var, ...] = (
@@ -179,82 +170,46 @@ VARIABLES: tuple[Var, ...] = (
         "buffers hold; also caps the fused all-reduce + RMSNorm. Unset: 1M or FASTCOMM_MAX_BYTES if smaller; "
         "set above FASTCOMM_MAX_BYTES: an error.", _bytes),
     Var("FASTCOMM_TRANSPORT", "transport", "auto", "auto | p2p | host: peer GPU memory or shared pinned host memory.",
-        _choice(*TRANSPORTS)),
+        choice(*TRANSPORTS)),
     Var("FASTCOMM_ALGO", "algo", "auto", "auto | one_shot | two_shot | two_shot_ll | pull | two_shot_islands: force "
         "an algorithm for every call (two_shot_ll: the two-shot with readiness in the data, in the one-shot's "
         "buffers; pull reads peers' GPU memory: P2P only, an error at workspace build on the host transport; "
         "two_shot_islands: the hierarchical two-shot, an error at build without islands of 2+ ranks).",
-        _choice(*ALGOS)),
+        choice(*ALGOS)),
     Var("FASTCOMM_FUSED_CLUSTER", "fused_cluster", "auto", "auto | on | off: the flat one-shot fused all-reduce + "
         "RMSNorm as one thread-block cluster per row (auto: sm_90+, where every rank's device launches clusters); "
         "on: an error where it cannot; off: one block per split, every block reading the whole row.",
-        _choice(*FUSED_CLUSTER_SETTINGS)),
+        choice(*FUSED_CLUSTER_SETTINGS)),
     Var("FASTCOMM_ISLANDS", "islands", "", "Force a hierarchical island layout, e.g. '0,1;2,3' (equal-sized groups "
         "of ranks 0..N-1).", _islands),
-    Var("FASTCOMM_MAX_BLOCKS", "max_blocks", "0", "Cap on thread blocks per kernel; 0 picks from the device.", _count),
+    Var("FASTCOMM_MAX_BLOCKS", "max_blocks", "0", "Cap on thread blocks per kernel; 0 picks from the device.", count),
     Var("FASTCOMM_CACHE_DIR", "cache_dir", "~/.cache/fastcomm", "Where compiled kernels (cubins) are cached.", _path),
     Var("FASTCOMM_TUNE_FILE", "tune_file", "", "Tuning cache written by `fastcomm tune`; read at workspace start if "
         "set (it must then be valid) or present at the default path under FASTCOMM_CACHE_DIR.", _path),
     Var("FASTCOMM_P2P_CHECK", "p2p_check", "1", "1 checks at workspace build that every pair's P2P writes arrive "
-        "(0 skips the check).", _bool),
-    Var("FASTCOMM_VLLM", "vllm_enabled", "1", "0 turns the vLLM plugin off (vLLM then runs unchanged).", _bool),
+        "(0 skips the check).", boolean),
+    Var("FASTCOMM_VLLM", "vllm_enabled", "1", "0 turns the vLLM plugin off (vLLM then runs unchanged).", boolean),
     Var("FASTCOMM_VLLM_FUSION", "vllm_fusion", "0", "1 also fuses all-reduce + RMSNorm in vLLM (compile pass and "
         "GLM-5 helper routing). Opt-in until an end-to-end run shows it faster than the all-reduce alone "
-        "(bench/RESULTS.md).", _bool),
+        "(bench/RESULTS.md).", boolean),
     Var("FASTCOMM_VLLM_STALL_S", "vllm_stall_s", "300", "A vLLM worker whose model step (execute_model / "
         "sample_tokens) has not returned for this many seconds after warm-up logs one line naming rank, step and "
         "the last kernel family launched, and exits (status 3) so that the server stops instead of spinning; 0 "
         "turns the guard off.", _seconds_or_off),
-    Var("FASTCOMM_GGUF_KERNELS", "gguf_kernels", "auto", "auto | dp4a | plugin: GGUF products of 1-8 tokens "
-        "(decode, MTP verify) through fastcomm's K-quant kernels (csrc/kquant.cu; Q4_K, Q5_K, Q6_K, Q8_0 weights), "
-        "the rest through vllm-gguf-plugin's (or dequantized, FASTCOMM_GGUF_DEQUANT_*, or in calls of 8, "
-        "FASTCOMM_GGUF_CHUNK_MAX_TOKENS); dp4a: fastcomm's without "
-        "the tensor-core forms; plugin: all through the plugin's.", _choice(*GGUF_KERNEL_SETTINGS)),
-    Var("FASTCOMM_GGUF_MMA_MIN_TOKENS", "gguf_mma_min_tokens", "", "Tokens from which a GGUF linear layer's product "
-        "takes fastcomm's tensor-core form (unset: kquant.MMA_MIN_TOKENS, set from an H200; 9: never). "
-        "`python -m fastcomm_bench.gguf_kernels` suggests it for the GPU at hand.", _decode_tokens),
-    Var("FASTCOMM_GGUF_GROUPED_MIN_TOKENS", "gguf_grouped_min_tokens", "", "Tokens from which a GGUF MoE layer's "
-        "experts take the tensor-core form grouped by expert (unset: kquant.MOE_GROUPED_MIN_TOKENS; 9: never).",
-        _decode_tokens),
-    Var("FASTCOMM_GGUF_DEQUANT_MIN_TOKENS", "gguf_dequant_min_tokens", "16", "Tokens from which a GGUF linear "
-        "layer's product past fastcomm's 1-8 (a prefill) dequantizes its weight to bf16 and multiplies on the tensor "
-        "cores (cuBLAS) instead of the plugin's dp4a MMQ kernel; 0: never. 16 from an H200 (bench/RESULTS.md); "
-        "`python -m fastcomm_bench.gguf_kernels --tokens 16,64,256` times both and suggests it.", _count),
-    Var("FASTCOMM_GGUF_DEQUANT_MOE_MIN", "gguf_dequant_moe_min", "0", "Routed tokens per expert, on average "
-        "(tokens x top-k / experts), from which a GGUF MoE layer's prefill dequantizes all its experts to bf16 and "
-        "runs vLLM's fused_experts instead of fastcomm's calls (FASTCOMM_GGUF_CHUNK_MAX_TOKENS) or the plugin's dp4a MoE "
-        "kernel; 0: never (the default: at 32 it slowed "
-        "8 requests' decode on an H200).", _count),
-    Var("FASTCOMM_GGUF_DEQUANT_KERNEL", "gguf_dequant_kernel", "fastcomm", "fastcomm | plugin: which kernel writes "
-        "the dequantized prefill form's bf16 weights: fastcomm's (csrc/kquant.cu fc_kq_dequant: one launch for a "
-        "fused weight's segments, 16-byte stores; half the plugin's time on an H200) or vllm-gguf-plugin's "
-        "ggml_dequantize (a launch a segment).",
-        _choice(*GGUF_DEQUANT_KERNELS)),
-    Var("FASTCOMM_GGUF_CHUNK_MAX_TOKENS", "gguf_chunk_max_tokens", "256", "Tokens up to which a GGUF product "
-        "past 1-8 (a prefill, or a decode batch of 9+) that is not dequantized runs through fastcomm's K-quant "
-        "kernels 8 tokens a call (the MoE up to 32 of top 8), each call a read of the weights, instead of the "
-        "plugin's dp4a kernels: the MoE always, a linear only inside a CUDA graph capture (launched eagerly its "
-        "calls' host time exceeds their GPU time); 0: never. 256 from an H200 (bench/RESULTS.md).", _count),
-    Var("FASTCOMM_GGUF_PDL", "gguf_pdl", "1", "1 lets fastcomm's dense tensor-core K-quant product start while the "
-        "quantize launch before it runs (programmatic dependent launch, sm_90+: it fetches its first weights, then "
-        "waits on the GPU for the activations); 0: plain launches.", _bool),
     Var("FASTCOMM_LOG", "log_level", "warning", "debug | info | warning | error | off: level of the 'fastcomm' "
         "logger; info prints the transport and policy each workspace chose (like NCCL_DEBUG=INFO).",
-        _choice(*LOG_LEVELS)),
-    Var("FASTCOMM_TEST_MODE", "test_mode", "0", "1 marks a test run; required by the FASTCOMM_TEST_* switches.", _bool),
+        choice(*LOG_LEVELS)),
+    Var("FASTCOMM_TEST_MODE", "test_mode", "0", "1 marks a test run; required by the FASTCOMM_TEST_* switches.", boolean),
     Var("FASTCOMM_TEST_SHARED_GPU", "test_shared_gpu", "0", "Tests only (needs FASTCOMM_TEST_MODE=1): 1 lets ranks "
-        "share a GPU.", _bool),
+        "share a GPU.", boolean),
     Var("FASTCOMM_TEST_BREAK_P2P", "test_break_p2p", "", "Tests only (needs FASTCOMM_TEST_MODE=1): e.g. '0-1' makes "
         "the build-time P2P check treat writes from rank 0 to rank 1 as lost.", _rank_pair),
     Var("FASTCOMM_TEST_STARTUP_DELAY", "test_startup_delay", "", "Tests only (needs FASTCOMM_TEST_MODE=1): e.g. "
         "'1:60' makes rank 1 of the one-GPU vLLM harness wait 60 s before its first forward (start-up skew).",
         _rank_seconds),
-    Var("FASTCOMM_TEST_DEVICE_LIMITS", "test_device_limits", "", "Tests only (needs FASTCOMM_TEST_MODE=1): "
-        "'sm_120' makes fastcomm's K-quant launches plan for an RTX PRO 6000 Blackwell's SMs and shared memory "
-        "(188 SMs, 99 KB a block, 100 KB an SM) on whatever GPU runs them.", _choice("sm_120")),
     Var("FASTCOMM_TEST_SWAP_SHARDS", "test_swap_shards", "0", "Tests only (needs FASTCOMM_TEST_MODE=1): 1 makes the "
         "one-GPU vLLM harness's workers load layer 0's gate and up GGUF shards under each other's names (the "
-        "negative control of the TP logits check).", _bool),
+        "negative control of the TP logits check).", boolean),
 )
 _BY_NAME = {v.name: v for v in VARIABLES}
 _BY_FIELD = {v.field: v for v in VARIABLES}
@@ -270,10 +225,12 @@ def _raw(env: Mapping[str, str], name: str) -> str | None:
     return None if raw is None or raw.strip() == "" else raw
 
 
-def read(name: str, env: Mapping[str, str] | None = None):
+def read(name: str | Var, env: Mapping[str, str] | None = None):
     """One variable's value (its default when unset), validated alone: for commands that need one setting
-    (``fastcomm compile`` needs only the cache directory) and must not fail on an unrelated bad one."""
-    var = _BY_NAME[name]
+    (``fastcomm compile`` needs only the cache directory) and must not fail on an unrelated bad one. ``name``:
+    one of VARIABLES' names, or another product's ``Var``."""
+    var = name if isinstance(name, Var) else _BY_NAME[name]
+    name = var.name
     env = os.environ if env is None else env
     raw = _raw(env, name)
     text = var.default if raw is None else raw
@@ -283,6 +240,25 @@ def read(name: str, env: Mapping[str, str] | None = None):
         return var.parse(text)
     except ValueError as e:
         raise ConfigError(f"{name}={text!r}: {e}") from None
+
+
+def read_fields(variables: tuple[Var, ...], env: Mapping[str, str], overrides: Mapping[str, Any]) -> dict:
+    """The fields that ``variables`` set in ``env`` (unset ones are left out, so a settings class's default,
+    which may depend on other fields, applies), then ``overrides`` (constructor arguments; None: not given).
+    Raises ConfigError naming the first bad variable."""
+    values = {}
+    for var in variables:
+        if overrides.get(var.field) is not None:
+            continue
+        raw = _raw(env, var.name)
+        if raw is None:
+            continue
+        try:
+            values[var.field] = var.parse(raw)
+        except ValueError as e:
+            raise ConfigError(f"{var.name}={raw!r}: {e}") from None
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,20 +277,11 @@ class Config:
     vllm_enabled: bool = True
     vllm_fusion: bool = False  # opt-in, see FASTCOMM_VLLM_FUSION
     vllm_stall_s: float = 300.0  # FASTCOMM_VLLM_STALL_S (fastcomm_vllm.watchdog); 0: off
-    gguf_kernels: str = "auto"  # FASTCOMM_GGUF_KERNELS (fastcomm_vllm.gguf.kquant)
-    gguf_mma_min_tokens: int | None = None      # FASTCOMM_GGUF_MMA_MIN_TOKENS (None: the kquant policy's)
-    gguf_grouped_min_tokens: int | None = None  # FASTCOMM_GGUF_GROUPED_MIN_TOKENS
-    gguf_dequant_min_tokens: int = 16  # FASTCOMM_GGUF_DEQUANT_MIN_TOKENS (fastcomm_vllm.gguf.kquant.prefill_form)
-    gguf_dequant_moe_min: int = 0      # FASTCOMM_GGUF_DEQUANT_MOE_MIN (kquant.moe_prefill_form)
-    gguf_chunk_max_tokens: int = 256   # FASTCOMM_GGUF_CHUNK_MAX_TOKENS (kquant.prefill_form)
-    gguf_dequant_kernel: str = "fastcomm"  # FASTCOMM_GGUF_DEQUANT_KERNEL (kquant_vllm.dequant_linear / _moe)
-    gguf_pdl: bool = True  # FASTCOMM_GGUF_PDL (fastcomm_vllm.gguf.kquant.dependent_launch)
     log_level: str = "warning"
     test_mode: bool = False
     test_shared_gpu: bool = False
     test_break_p2p: tuple[int, int] | None = None
     test_startup_delay: tuple[int, float] | None = None
-    test_device_limits: str | None = None
     test_swap_shards: bool = False
 
     def __post_init__(self):
@@ -328,10 +295,6 @@ class Config:
             bad("algo", f"must be one of {', '.join(ALGOS)}")
         if self.fused_cluster not in FUSED_CLUSTER_SETTINGS:
             bad("fused_cluster", f"must be one of {', '.join(FUSED_CLUSTER_SETTINGS)}")
-        if self.gguf_kernels not in GGUF_KERNEL_SETTINGS:
-            bad("gguf_kernels", f"must be one of {', '.join(GGUF_KERNEL_SETTINGS)}")
-        if self.gguf_dequant_kernel not in GGUF_DEQUANT_KERNELS:
-            bad("gguf_dequant_kernel", f"must be one of {', '.join(GGUF_DEQUANT_KERNELS)}")
         if self.log_level not in LOG_LEVELS:
             bad("log_level", f"must be one of {', '.join(LOG_LEVELS)}")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
@@ -363,8 +326,7 @@ class Config:
         if self.tune_file is not None:
             object.__setattr__(self, "tune_file", Path(self.tune_file).expanduser())
         if not self.test_mode:
-            for field in ("test_shared_gpu", "test_break_p2p", "test_startup_delay", "test_swap_shards",
-                          "test_device_limits"):
+            for field in ("test_shared_gpu", "test_break_p2p", "test_startup_delay", "test_swap_shards"):
                 if getattr(self, field):
                     raise ConfigError(f"{_BY_FIELD[field].name} ({field}) is a test switch: it needs "
                                       "FASTCOMM_TEST_MODE=1")
@@ -383,19 +345,7 @@ class Config:
         unknown = set(overrides) - set(_BY_FIELD)
         if unknown:
             raise TypeError(f"unknown fastcomm setting(s): {', '.join(sorted(unknown))}")
-        values = {}
-        for var in VARIABLES:
-            if overrides.get(var.field) is not None:
-                continue
-            raw = _raw(env, var.name)
-            if raw is None:
-                continue  # the dataclass default (which may depend on other fields) applies
-            try:
-                values[var.field] = var.parse(raw)
-            except ValueError as e:
-                raise ConfigError(f"{var.name}={raw!r}: {e}") from None
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+        return cls(**read_fields(VARIABLES, env, overrides))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -407,36 +357,47 @@ class Status:
     error: str | None    # None: valid
 
 
-def check_environment(env: Mapping[str, str] | None = None) -> list[Status]:
+def check_environment(env: Mapping[str, str] | None = None, groups: tuple | None = None) -> list[Status]:
     """Every variable's current text and verdict, each checked alone and then together (a rule between
-    variables, such as the one-shot limit above the workspace limit, is reported on the variables it names)."""
+    variables, such as the one-shot limit above the workspace limit, is reported on the variables it names).
+    ``groups``: (variables, resolve) per product, ``resolve(env)`` building its settings object; None: GROUP."""
     env = os.environ if env is None else env
     out = []
-    for var in VARIABLES:
-        raw = _raw(env, var.name)
-        try:
-            read(var.name, env)
-            error = None
-        except ConfigError as e:
-            error = str(e)
-        out.append(Status(var, raw, error))
-    if not any(s.error for s in out):
-        try:
-            Config.from_env(env)
-        except ConfigError as e:
-            # On the variables it names that are set: an unset one's default is not the mistake.
-            named = [s for s in out if s.var.name in str(e) and s.raw is not None] or \
-                [s for s in out if s.var.name in str(e)] or out[:1]
-            out = [dataclasses.replace(s, error=str(e)) if s in named else s for s in out]
+    for variables, resolve in groups or (GROUP,):
+        mine = []
+        for var in variables:
+            raw = _raw(env, var.name)
+            try:
+                read(var, env)
+                error = None
+            except ConfigError as e:
+                error = str(e)
+            mine.append(Status(var, raw, error))
+        if not any(s.error for s in mine):
+            try:
+                resolve(env)
+            except ConfigError as e:
+                # On the variables it names that are set: an unset one's default is not the mistake.
+                named = [s for s in mine if s.var.name in str(e) and s.raw is not None] or \
+                    [s for s in mine if s.var.name in str(e)] or mine[:1]
+                mine = [dataclasses.replace(s, error=str(e)) if s in named else s for s in mine]
+        out += mine
     return out
 
 
-def unknown_variables(env: Mapping[str, str] | None = None) -> list[str]:
-    """FASTCOMM_* names set in ``env`` that are no setting: a typo, or a setting a release removed (such as
-    FASTCOMM_GGUF_GROUPED_FORM). fastcomm ignores them, so `fastcomm env` and the vLLM plugin name them."""
+def unknown_variables(env: Mapping[str, str] | None = None, groups: tuple | None = None) -> list[str]:
+    """FASTCOMM_* names set in ``env`` that are no setting of ``groups`` (as check_environment's): a typo, or a
+    setting a release removed (such as FASTCOMM_GGUF_GROUPED_FORM). fastcomm ignores them, so `fastcomm env` and
+    the vLLM plugin name them."""
     env = os.environ if env is None else env
-    return sorted(n for n in env if n.startswith("FASTCOMM_") and n not in _BY_NAME and n not in TOOLING_NAMES)
+    known = {v.name for variables, _ in groups or (GROUP,) for v in variables}
+    return sorted(n for n in env if n.startswith("FASTCOMM_") and n not in known and n not in TOOLING_NAMES)
 
 
-def describe_variables() -> str:
-    return "\n".join(f"{v.name} (default {v.default!r}): {v.meaning}" for v in VARIABLES)
+def describe_variables(variables: tuple[Var, ...] = None) -> str:
+    return "\n".join(f"{v.name} (default {v.default!r}): {v.meaning}" for v in variables or VARIABLES)
+
+
+# This product's variables and how they resolve together (check_environment, unknown_variables); the K-quant
+# serving settings have their own (fastcomm.kquant.settings.GROUP).
+GROUP = (VARIABLES, Config.from_env)

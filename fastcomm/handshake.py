@@ -18,7 +18,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import abi, jit, launch_ex
+from . import abi
+from .runtime import jit, launch_ex
 from .config import Config
 from .errors import FastcommError
 from .policy import Facts, LinkType, islands, worst_link

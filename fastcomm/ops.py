@@ -1,8 +1,9 @@
 """The collective ops: free functions over a Workspace, plus their torch custom-op registrations.
 
 Hot path rules: no host sync, no allocation except the output (through torch's caching allocator, which
-is graph-safe), no environment reads. The algorithm comes from the workspace's plan, launch shapes from the
-pure functions in ``policy``, kernel parameters are packed from ``abi``'s kernel table.
+is graph-safe), no environment reads. An all-reduce's route (algorithm, kernel, tables, launch shape) is one
+call, ``policy.allreduce_route`` (through ``Workspace.route``); this module only packs the kernel's parameters
+from ``abi``'s kernel table and launches.
 """
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import contextlib
 
 import torch
 
-from . import abi, launch_ex, policy
+from . import abi, policy
+from .runtime import launch_ex
 from .abi import FLAT, ISLAND, PARTNER
 from .errors import FastcommError
-from .policy import Algo, Transport
+from .policy import Transport
 from .policy.launch import fused_cluster_launch
 from .workspace import Workspace, dtype_name, get
 
@@ -31,50 +33,17 @@ def _launch(ws: Workspace, kernel: abi.Kernel, dtype: torch.dtype, grid: int, bl
     _driver().launchKernel(fn, grid, 1, 1, block, 1, 1, 0, ws.stream(), packed.address, 0)
 
 
-def _one_shot(ws: Workspace, table: int, src: torch.Tensor, dst: torch.Tensor) -> None:
-    nbytes = src.numel() * src.element_size()
-    lc = policy.one_shot_launch(nbytes, ws.plan.max_blocks)
-    _launch(ws, abi.ONE_SHOT, src.dtype, lc.grid, lc.block, table, src.data_ptr(), dst.data_ptr(), nbytes)
+# The kernels' peer-table parameters (abi's kernel table): each takes the table of the route's next group.
+_TABLE_PARAMS = ("t", "ti", "tp")
 
 
-def _one_shot_islands(ws: Workspace, src: torch.Tensor, dst: torch.Tensor) -> None:
-    nbytes = src.numel() * src.element_size()
-    lc = policy.one_shot_launch(nbytes, ws.plan.max_blocks)
-    _launch(ws, abi.ONE_SHOT_ISLANDS, src.dtype, lc.grid, lc.block, ws.tables[ISLAND], ws.tables[PARTNER],
-            src.data_ptr(), dst.data_ptr(), nbytes)
-
-
-def _two_shot(ws: Workspace, src: torch.Tensor, dst: torch.Tensor) -> None:
-    lc = policy.two_shot_launch(src.numel(), src.element_size(), ws.world_size, ws.plan.max_blocks)
-    _launch(ws, abi.TWO_SHOT, src.dtype, lc.grid, lc.block, ws.tables[FLAT], src.data_ptr(), dst.data_ptr(),
-            src.numel(), lc.seg, lc.chunk)
-
-
-def _two_shot_islands(ws: Workspace, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Hierarchical, one launch: the message cut for a world of the island's size (two_shot_islands.cuh)."""
-    lc = policy.two_shot_launch(src.numel(), src.element_size(), ws.plan.island_size, ws.plan.max_blocks)
-    _launch(ws, abi.TWO_SHOT_ISLANDS, src.dtype, lc.grid, lc.block, ws.tables[ISLAND], ws.tables[PARTNER],
-            src.data_ptr(), dst.data_ptr(), src.numel(), lc.seg, lc.chunk)
-
-
-def _two_shot_ll(ws: Workspace, src: torch.Tensor, dst: torch.Tensor) -> None:
-    nbytes = src.numel() * src.element_size()
-    lc = policy.two_shot_ll_launch(nbytes, ws.world_size, ws.plan.max_blocks)
-    _launch(ws, abi.TWO_SHOT_LL, src.dtype, lc.grid, lc.block, ws.tables[FLAT], src.data_ptr(), dst.data_ptr(),
-            nbytes)
-
-
-def _pull(ws: Workspace, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """One or two stages, by world size and message size (policy.pull_stages); P2P only (the plan never
-    routes the pull elsewhere)."""
-    nbytes = src.numel() * src.element_size()
-    lc = policy.pull_launch(nbytes, ws.world_size, ws.plan.max_blocks)
-    if lc.stages == 1:
-        _launch(ws, abi.PULL, src.dtype, lc.grid, lc.block, ws.tables[FLAT], src.data_ptr(), dst.data_ptr(), nbytes,
-                lc.chunk)
-    else:
-        _launch(ws, abi.PULL2, src.dtype, lc.grid, lc.block, ws.tables[FLAT], src.data_ptr(), dst.data_ptr(),
-                nbytes, lc.seg, lc.chunk)
+def _all_reduce_args(ws: Workspace, route: policy.Route, src: torch.Tensor, dst: torch.Tensor) -> list:
+    """The route's kernel parameters, by name: its tables, then what each all-reduce kernel takes."""
+    lc = route.launch
+    tables = iter(ws.tables[g] for g in route.groups)
+    values = {"in": src.data_ptr(), "out": dst.data_ptr(), "nbytes": src.numel() * src.element_size(),
+              "n": src.numel(), "seg": lc.seg, "chunk": lc.chunk}
+    return [next(tables) if name in _TABLE_PARAMS else values[name] for name, _ in route.kernel.params]
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -158,11 +127,11 @@ def all_reduce(x: torch.Tensor, ws: Workspace, *, algo: str = "auto", out: torch
         _check_out("out", out, x)
     if x.numel() == 0:
         return out
-    chosen = ws.algo_for(x.numel() * x.element_size(), None if algo == "auto" else algo)
-    if chosen is Algo.NCCL:
+    route = policy.allreduce_route(ws.plan, x.numel() * x.element_size(), x.element_size(), algo)
+    if route.kernel is None:
         raise FastcommError(f"fastcomm.all_reduce: {x.numel() * x.element_size()} bytes with algo={algo!r} is not "
                             "served by fastcomm (check ws.can_all_reduce first and use NCCL)")
-    _run(ws, chosen, x, out)
+    _run(ws, route, x, out)
     return out
 
 
@@ -174,35 +143,19 @@ def try_all_reduce(x: torch.Tensor, ws: Workspace) -> torch.Tensor | None:
     every rank. A device-side timeout recorded earlier still raises.
     """
     ws.raise_if_failed()
-    chosen, _ = ws.route(x)
-    if chosen is None:
+    route, _ = ws.route(x)
+    if route is None:
         return None
     out = torch.empty_like(x)
     if x.numel():
-        _run(ws, chosen, x, out)
+        _run(ws, route, x, out)
     return out
 
 
-def _run(ws: Workspace, chosen: Algo, x: torch.Tensor, out: torch.Tensor) -> None:
+def _run(ws: Workspace, route: policy.Route, x: torch.Tensor, out: torch.Tensor) -> None:
+    """Launch the route's kernel: nothing here decides (policy.allreduce_route did)."""
     with _on_device(ws):
-        if chosen is Algo.ONE_SHOT:
-            if ws.plan.islands is not None:
-                # Hierarchical, one launch: sum inside the island, round to the dtype, sum across partners.
-                # Both rounds sum in a fixed order (island members, then islands), so every rank gets the
-                # same bits (the rule: one_shot.cuh, fc_one_shot_islands).
-                _one_shot_islands(ws, x, out)
-            else:
-                _one_shot(ws, ws.tables[FLAT], x, out)
-        elif chosen is Algo.TWO_SHOT_LL:
-            _two_shot_ll(ws, x, out)  # flat in every layout, as the two-shot
-        elif chosen is Algo.PULL:
-            _pull(ws, x, out)
-        elif chosen is Algo.TWO_SHOT_ISLANDS:
-            # Reduce-scatter in the island, cross once with 1/island size, all-gather in the island: the one-shot
-            # island form's rounding and order, so the same bits (two_shot_islands.cuh).
-            _two_shot_islands(ws, x, out)
-        else:
-            _two_shot(ws, x, out)
+        _launch(ws, route.kernel, x.dtype, route.launch.grid, route.launch.block, *_all_reduce_args(ws, route, x, out))
 
 
 def _on_device(ws: Workspace):

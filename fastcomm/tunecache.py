@@ -89,7 +89,7 @@ def cuda_version() -> str | None:
 def fingerprint_for(gpu_name: str, world_size: int, transport: Transport, link: LinkType) -> Fingerprint | None:
     """The fingerprint a run on these GPUs would have (``fastcomm topo`` builds it from the probe), or None
     when torch, whose CUDA version is part of it, is not installed."""
-    from . import __version__
+    from .version import __version__
 
     cuda = cuda_version()
     if cuda is None:

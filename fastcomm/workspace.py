@@ -25,12 +25,13 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from . import abi, jit, launch_ex
+from . import abi
+from .runtime import jit, launch_ex
 from . import layout as L
 from . import policy
-from .abi import ErrorRecord
+from .abi import GROUPS, STEPS, ErrorRecord
 from .config import Config
-from .errors import FastcommError, FastcommTimeoutError, describe
+from .errors import FastcommError, FastcommTimeoutError
 from .handshake import Handshake, gather_facts
 from .policy import Algo, Plan, Transport
 
@@ -87,6 +88,18 @@ def remove_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
             f.unlink(missing_ok=True)
             removed.append(f.name)
     return removed
+
+
+
+def describe(rec: ErrorRecord, timeout_s: float) -> str | None:
+    if rec.code == 0:
+        return None
+    step = STEPS.get(rec.step, f"step {rec.step}")
+    group = GROUPS.get(rec.group, f"group {rec.group}")
+    return (f"fastcomm: rank {rec.rank} timed out after {timeout_s:g} s waiting for peer rank {rec.peer} "
+            f"in the {step} ({group}, call epoch {rec.epoch}, block {rec.block}). The peer is dead, stalled, "
+            f"or called a different collective sequence (every rank must make the same calls in the same "
+            f"order). The CUDA context is unusable after this error; restart the process.")
 
 
 class _Resources:
@@ -354,16 +367,17 @@ class Workspace:
                                    dtype=dtype_name(x.dtype), contiguous=x.is_contiguous(), data_ptr=x.data_ptr(),
                                    nbytes=x.numel() * x.element_size(), max_bytes=self.plan.max_bytes)
 
-    def route(self, x: torch.Tensor) -> tuple[Algo | None, str | None]:
-        """(algorithm, None) when fastcomm all-reduces ``x``, else (None, why not). The one routing decision,
-        identical on every rank for the same shapes, dtypes and layouts."""
+    def route(self, x: torch.Tensor) -> tuple[policy.Route | None, str | None]:
+        """(route, None) when fastcomm all-reduces ``x``, else (None, why not): policy.allreduce_route's answer
+        (algorithm, kernel, tables, launch shape) for a valid input, identical on every rank for the same
+        shapes, dtypes and layouts."""
         if self.closed:
             return None, "workspace is closed"
         reason = self.tensor_reason(x)
         if reason is not None:
             return None, reason
-        algo = self.algo_for(x.numel() * x.element_size())
-        return (None, "policy sends this size to NCCL") if algo is Algo.NCCL else (algo, None)
+        route = policy.allreduce_route(self.plan, x.numel() * x.element_size(), x.element_size())
+        return (None, "policy sends this size to NCCL") if route.kernel is None else (route, None)
 
     def why_not(self, x: torch.Tensor) -> str | None:
         """Why fastcomm cannot all-reduce ``x`` (None: it can)."""

@@ -8,14 +8,16 @@ import re
 import pytest
 
 from fastcomm import abi
-from fastcomm.jit import source_dir
+from fastcomm.kquant import abi as kabi
+from fastcomm.runtime.jit import source_dir
 
-COMMON = (source_dir() / "common.cuh").read_text()
+COMMON = (source_dir() / "comm" / "common.cuh").read_text()
 # Step ids a kernel family adds for itself live in its own file (two_shot_islands.cuh).
-ALL_SOURCES = "\n".join(p.read_text() for p in sorted(source_dir().glob("*.cu*")))
-KERNELS = (source_dir() / "kernels.cu").read_text()
-KQUANT = (source_dir() / "kquant.cu").read_text()
-KQUANT_HEADERS = (source_dir() / "kquant.cuh").read_text() + (source_dir() / "kquant_mma.cuh").read_text()
+ALL_SOURCES = "\n".join(p.read_text() for p in sorted(source_dir().glob("**/*.cu*")))
+KERNELS = (source_dir() / "comm" / "kernels.cu").read_text()
+KQUANT = (source_dir() / "kquant" / "kquant.cu").read_text()
+KQUANT_HEADERS = (source_dir() / "kquant" / "kquant.cuh").read_text() + \
+    (source_dir() / "kquant" / "kquant_mma.cuh").read_text()
 _C_TYPES = {"u32": "u32", "u64": "u64", "float": "f32", "unsigned": "u32", "kq_u64": "u64", "int": "i32",
             "KqSegs": "segs"}
 
@@ -107,7 +109,7 @@ def test_pack_checks_the_argument_count():
 
 
 def test_island_two_shot_timeouts_name_the_step_and_group():
-    from fastcomm.errors import describe
+    from fastcomm.workspace import describe
 
     rec = abi.ErrorRecord()
     rec.code, rec.rank, rec.peer, rec.step, rec.group, rec.epoch = 1, 1, 5, abi.STEP_ISL_X, abi.PARTNER, 7
@@ -121,13 +123,13 @@ def test_island_two_shot_timeouts_name_the_step_and_group():
 # ---- the K-quant decode kernels (kquant.cuh, kquant_mma.cuh, kquant.cu) -----------------------------------
 
 @pytest.mark.parametrize("name,value", [
-    ("FC_KQ_Q8_0", abi.KQ_Q8_0), ("FC_KQ_Q4_K", abi.KQ_Q4_K), ("FC_KQ_Q5_K", abi.KQ_Q5_K), ("FC_KQ_Q6_K", abi.KQ_Q6_K),
-    ("FC_KQ_CHUNK", abi.KQ_CHUNK), ("FC_KQ_UNIT", abi.KQ_UNIT), ("FC_KQ_MAX_VECS", abi.KQ_MAX_VECS),
-    ("FC_KQ_MAX_SEGS", abi.KQ_MAX_SEGS), ("FC_KQ_ROWS_PER_BLOCK", abi.KQ_ROWS_PER_BLOCK),
-    ("FC_KQ_STAGED_THREADS", abi.KQ_STAGED_THREADS), ("FC_KQ_MMA_ROWS", abi.KQ_MMA_ROWS),
-    ("FC_KQ_MMA_COLS", abi.KQ_MMA_COLS), ("FC_KQ_MMA_WARPS", abi.KQ_MMA_WARPS), ("FC_KQ_MAX_PAIRS", abi.KQ_MAX_PAIRS),
-    ("FC_KQ_MMA_STAGES", abi.KQ_MMA_STAGES), ("FC_KQ_MMA_XSTAGE", abi.KQ_MMA_XSTAGE),
-    ("FC_KQ_MMA_PART", abi.KQ_MMA_PART)])
+    ("FC_KQ_Q8_0", kabi.KQ_Q8_0), ("FC_KQ_Q4_K", kabi.KQ_Q4_K), ("FC_KQ_Q5_K", kabi.KQ_Q5_K), ("FC_KQ_Q6_K", kabi.KQ_Q6_K),
+    ("FC_KQ_CHUNK", kabi.KQ_CHUNK), ("FC_KQ_UNIT", kabi.KQ_UNIT), ("FC_KQ_MAX_VECS", kabi.KQ_MAX_VECS),
+    ("FC_KQ_MAX_SEGS", kabi.KQ_MAX_SEGS), ("FC_KQ_ROWS_PER_BLOCK", kabi.KQ_ROWS_PER_BLOCK),
+    ("FC_KQ_STAGED_THREADS", kabi.KQ_STAGED_THREADS), ("FC_KQ_MMA_ROWS", kabi.KQ_MMA_ROWS),
+    ("FC_KQ_MMA_COLS", kabi.KQ_MMA_COLS), ("FC_KQ_MMA_WARPS", kabi.KQ_MMA_WARPS), ("FC_KQ_MAX_PAIRS", kabi.KQ_MAX_PAIRS),
+    ("FC_KQ_MMA_STAGES", kabi.KQ_MMA_STAGES), ("FC_KQ_MMA_XSTAGE", kabi.KQ_MMA_XSTAGE),
+    ("FC_KQ_MMA_PART", kabi.KQ_MMA_PART)])
 def test_kquant_constants_match(name, value):
     found = re.findall(rf"#define {name} (\d+)", KQUANT_HEADERS + KQUANT)
     assert found == [str(value)], (name, found)  # defined once, with the mirrored value
@@ -135,32 +137,32 @@ def test_kquant_constants_match(name, value):
 
 def test_kquant_threads_match():
     assert re.search(r"#define FC_KQ_THREADS \(32 \* FC_KQ_ROWS_PER_BLOCK\)", KQUANT_HEADERS)
-    assert abi.KQ_THREADS == 32 * abi.KQ_ROWS_PER_BLOCK
+    assert kabi.KQ_THREADS == 32 * kabi.KQ_ROWS_PER_BLOCK
 
 
-@pytest.mark.parametrize("struct,mirror", [("KqSeg", abi.KqSeg), ("KqSegs", abi.KqSegs)])
+@pytest.mark.parametrize("struct,mirror", [("KqSeg", kabi.KqSeg), ("KqSegs", kabi.KqSegs)])
 def test_kquant_structs_match_field_for_field(struct, mirror):
     assert _struct_fields(struct, KQUANT_HEADERS) == [f[0] for f in mirror._fields_]
     # by value in the launch: a pointer, a u64 and four ints per segment, then two ints
-    assert ctypes.sizeof(abi.KqSeg) == 32 and ctypes.sizeof(abi.KqSegs) == abi.KQ_MAX_SEGS * 32 + 8
+    assert ctypes.sizeof(kabi.KqSeg) == 32 and ctypes.sizeof(kabi.KqSegs) == kabi.KQ_MAX_SEGS * 32 + 8
 
 
 # variant suffix -> the type constant its entry is built for
-_TYPE_NAMES = {abi.KQ_Q4_K: "FC_KQ_Q4_K", abi.KQ_Q5_K: "FC_KQ_Q5_K", abi.KQ_Q6_K: "FC_KQ_Q6_K",
-               abi.KQ_Q8_0: "FC_KQ_Q8_0"}
-_TYPE_BUILDS = {v: _TYPE_NAMES[t] for t, v in abi.KQ_TYPE_VARIANTS.items()}
+_TYPE_NAMES = {kabi.KQ_Q4_K: "FC_KQ_Q4_K", kabi.KQ_Q5_K: "FC_KQ_Q5_K", kabi.KQ_Q6_K: "FC_KQ_Q6_K",
+               kabi.KQ_Q8_0: "FC_KQ_Q8_0"}
+_TYPE_BUILDS = {v: _TYPE_NAMES[t] for t, v in kabi.KQ_TYPE_VARIANTS.items()}
 
 
-@pytest.mark.parametrize("kernel", abi.KQ_KERNELS, ids=lambda k: k.family)
+@pytest.mark.parametrize("kernel", kabi.KQ_KERNELS, ids=lambda k: k.family)
 def test_kquant_kernel_table_matches_kquant_cu(kernel):
-    by_type = kernel.variants == ("",) + tuple(abi.KQ_TYPE_VARIANTS.values())  # FC_KQ_DEFINE_MMA / _DOWN
-    type_only = kernel.variants == tuple(abi.KQ_TYPE_VARIANTS.values())  # FC_KQ_DEFINE_SHARED_UP / _DOWN
+    by_type = kernel.variants == ("",) + tuple(kabi.KQ_TYPE_VARIANTS.values())  # FC_KQ_DEFINE_MMA / _DOWN
+    type_only = kernel.variants == tuple(kabi.KQ_TYPE_VARIANTS.values())  # FC_KQ_DEFINE_SHARED_UP / _DOWN
     variant = r"##V##" if by_type or type_only else r"##N##" if kernel.variants != ("",) else ""
     if kernel.typed:
         name = rf"fc_{kernel.family}{variant}_##NAME"
     else:
         name = rf"fc_{kernel.family}##V" if by_type or type_only else rf"fc_{kernel.family}"
-    assert _signature(name, KQUANT) == [t for _, t in kernel.params]
+    assert _signature(name, KQUANT) == [t if isinstance(t, str) else "segs" for _, t in kernel.params]
     assert set(abi.DTYPE_SUFFIX.values()) == set(re.findall(r"FC_KQ_DEFINE\((\w+), Fc", KQUANT))
     if by_type:  # one entry per weight type, built for it, beside the one for any type
         macro = (r"(?<!#define )FC_KQ_DEFINE_MMA\(NAME, D, (\w*), (\w+)\)" if kernel.typed
@@ -177,9 +179,9 @@ def test_kquant_kernel_table_matches_kquant_cu(kernel):
 
 
 def test_pack_takes_a_struct_by_value():
-    segs = abi.KqSegs()
+    segs = kabi.KqSegs()
     segs.nseg, segs.total_rows = 1, 16
-    packed = abi.KQ_MMA.pack(segs, 1, 2, 3, 256, 4, 5)
+    packed = kabi.KQ_MMA.pack(segs, 1, 2, 3, 256, 4, 5)
     assert packed.values[0] is segs and [v.value for v in packed.values[1:]] == [1, 2, 3, 256, 4, 5]
     with pytest.raises(TypeError, match="segs must be a KqSegs"):
-        abi.KQ_MMA.pack(7, 1, 2, 3, 256, 4, 5)
+        kabi.KQ_MMA.pack(7, 1, 2, 3, 256, 4, 5)

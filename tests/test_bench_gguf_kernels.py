@@ -118,25 +118,9 @@ def test_device_ab_takes_committed_trees_and_names_what_is_missing(tmp_path):
     done = subprocess.run(["bash", str(script), "ab-prepare", str(tmp_path), "HEAD"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     with tarfile.open(tmp_path / "HEAD.tar") as tar:
-        assert {"csrc/kquant_mma.cuh", "bench/gguf_kernels.py", "tests/gguf/test_kquant_gpu.py"} <= set(tar.getnames())
+        assert {"csrc/kquant/kquant_mma.cuh", "bench/gguf_kernels.py", "tests/gguf/test_kquant_gpu.py"} <= set(tar.getnames())
     done = subprocess.run(["bash", str(script), "ab", str(tmp_path), "HEAD"], capture_output=True, text=True)
     assert done.returncode == 1 and "no gguf wheel in" in done.stderr
-
-
-def test_pdl_scope_names_kernels_that_exist():
-    """bench/pdl_scope.py turns a variant's kernels off by parts of their symbols: each part must still name one
-    (a rename would silently turn nothing off)."""
-    from fastcomm import abi
-    from fastcomm_bench import pdl_scope
-
-    from fastcomm_bench import gguf_kernels as gk
-
-    assert set(pdl_scope.DENSE_OPS) <= {name.split(" (")[0] for name, *_ in gk.LINEARS}
-    symbols = [k.symbol("bfloat16", v) for k in abi.KQ_KERNELS for v in k.variants or ("",)]
-    for names in (*pdl_scope.MOE_VARIANTS.values(), *pdl_scope.DENSE_VARIANTS.values()):
-        for part in names:
-            assert any(part in s for s in symbols), part
-
 
 def test_device_ab_times_a_tree_whose_tests_fail(tmp_path):
     """`ab` runs the first tree's GPU tests, then every tree's kernel table: a failed test marks the call failed

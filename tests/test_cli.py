@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from fastcomm import commands as cli
-from fastcomm import jit
+from fastcomm.runtime import jit
 from fastcomm.commands import args as A
-from fastcomm.config import VARIABLES
+from fastcomm.variables import VARIABLES
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 
 from fastcomm import tunecache as T
 from fastcomm.commands import topo as topo_cli
-from fastcomm.config import VARIABLES
+from fastcomm.variables import VARIABLES
 from fastcomm.policy import Algo, LinkType, PolicyKey, Rule, Transport
 from fastcomm.topology import GpuInfo, Topology
 

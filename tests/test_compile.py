@@ -3,7 +3,9 @@ import pytest
 
 from nvrtc_probe import why_no_nvrtc
 
-from fastcomm import abi, jit
+from fastcomm import abi
+from fastcomm.kquant import abi as kabi
+from fastcomm.runtime import jit
 
 pytestmark = pytest.mark.skipif(why_no_nvrtc() is not None, reason=why_no_nvrtc() or "")
 
@@ -20,12 +22,12 @@ def test_kernels_compile(arch, tmp_path):
     assert jit.cached_cubin(arch, tmp_path) == path
 
 
-KQUANT_SYMBOLS = [sym for kernel in abi.KQ_KERNELS for sym in kernel.symbols()]
+KQUANT_SYMBOLS = [sym for kernel in kabi.KQ_KERNELS for sym in kernel.symbols()]
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_120"])
 def test_kquant_kernels_compile(arch, tmp_path):
-    """The GGUF decode kernels (csrc/kquant.cu), a unit of their own: every entry fastcomm_vllm.gguf.kquant
+    """The GGUF decode kernels (csrc/kquant.cu), a unit of their own: every entry fastcomm.kquant
     launches is in the cubin, cached apart from the communication kernels."""
     path = jit.cached_cubin(arch, tmp_path, unit="kquant")
     data = path.read_bytes()
@@ -44,6 +46,7 @@ def test_cache_key_changes_with_source_and_arch():
 
 
 def test_compile_errors_carry_the_log(monkeypatch, tmp_path):
-    monkeypatch.setattr(jit, "_read_sources", lambda unit="comm": {n: ("this is not C++;" if n == jit.ENTRY else "") for n in jit.SOURCES})
+    monkeypatch.setattr(jit, "_read_sources", lambda unit="comm": {jit._base(n): ("this is not C++;" if n == jit.ENTRY else "")
+                                                              for n in jit.SOURCES})
     with pytest.raises(jit.CompileError, match="sm_90"):
         jit.compile_cubin("sm_90")

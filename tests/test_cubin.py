@@ -10,11 +10,11 @@ import subprocess
 
 import pytest
 
-from fastcomm import cubin
+from fastcomm.runtime import cubin
 from fastcomm import commands as cli
-from fastcomm import jit
+from fastcomm.runtime import jit
 from fastcomm.commands.compile import resource_lines
-from fastcomm.cubin import KernelResources
+from fastcomm.runtime.cubin import KernelResources
 
 TINY = r"""
 extern "C" __global__ void __launch_bounds__(128) tiny_bounded(float* out) {

@@ -5,13 +5,14 @@ import re
 
 import pytest
 
-from fastcomm import abi, launch_ex
+from fastcomm import abi
+from fastcomm.runtime import launch_ex
 from fastcomm.config import Config, ConfigError
-from fastcomm.jit import source_dir
+from fastcomm.runtime.jit import source_dir
 from fastcomm.policy.fused import fused_cluster_form
 from fastcomm.policy.launch import fused_cluster_launch, fused_row_vectors
 
-SOURCE = (source_dir() / "fused_cluster.cuh").read_text()
+SOURCE = (source_dir() / "comm" / "fused_cluster.cuh").read_text()
 
 
 def _form(setting="auto", cc=9, can=True, islands=False):

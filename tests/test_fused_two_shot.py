@@ -7,14 +7,14 @@ import pytest
 from fastcomm import abi
 from fastcomm import layout as L
 from fastcomm import policy as P
-from fastcomm.jit import source_dir
+from fastcomm.runtime.jit import source_dir
 from fastcomm.policy import LinkType, wire_bytes
 from fastcomm.policy.fused import FUSED_TWO_SHOT_MAX_TOKENS, FusedAlgo, choose_fused
 from fastcomm.policy.checks import FusedRefusal, FusedWhy
 from fastcomm.policy.launch import fused_two_shot_slot_bytes, two_shot_cut
 
 KB, MB = 1024, 1 << 20
-SOURCE = (source_dir() / "fused_two_shot.cuh").read_text()
+SOURCE = (source_dir() / "comm" / "fused_two_shot.cuh").read_text()
 
 
 def test_kernel_constants_mirror_the_cuda_source():

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHILD = textwrap.dedent("""
     import os, sys, time, types
     sys.path.insert(0, {root!r})
-    from fastcomm import jit
+    from fastcomm.runtime import jit
     jit._nvrtc = lambda: types.SimpleNamespace(getVersion=lambda: (13, 0))
     def slow(arch, options, unit):
         with open({log!r}, "a") as f:

@@ -31,9 +31,9 @@ def test_regions_are_disjoint_aligned_and_inside(transport, world):
 
 def test_table_struct_matches_the_kernel_header():
     assert ctypes.sizeof(abi.FcTable) == abi.TABLE_BYTES
-    from fastcomm.jit import source_dir
+    from fastcomm.runtime.jit import source_dir
 
-    assert f"sizeof(FcTable) == {abi.TABLE_BYTES}" in (source_dir() / "common.cuh").read_text()
+    assert f"sizeof(FcTable) == {abi.TABLE_BYTES}" in (source_dir() / "comm" / "common.cuh").read_text()
 
 
 def _bases(world):
@@ -109,9 +109,9 @@ def test_flag_arrays_hold_every_block():
 def test_p2p_check_pattern_mirrors_the_kernel():
     # The host recomputes what csrc/p2p_check.cuh writes; both use the same constant and word order.
     from fastcomm import handshake
-    from fastcomm.jit import source_dir
+    from fastcomm.runtime.jit import source_dir
 
-    src = " ".join((source_dir() / "p2p_check.cuh").read_text().split())
+    src = " ".join((source_dir() / "comm" / "p2p_check.cuh").read_text().split())
     assert f"0x{handshake._GOLDEN:X}ull" in src and '"r"((u32)v), "r"((u32)(v >> 32)), "r"(~(u32)v)' in src
     a, b = handshake._check_pattern(7, 0, 1), handshake._check_pattern(7, 1, 0)
     assert a != b  # a write that lands in the wrong slot cannot pass as the right one

@@ -18,13 +18,13 @@ def test_packet_arithmetic():
 
 
 def test_constants_mirror_the_kernel_header():
-    from fastcomm.jit import source_dir
+    from fastcomm.runtime.jit import source_dir
 
-    text = (source_dir() / "common.cuh").read_text()
+    text = (source_dir() / "comm" / "common.cuh").read_text()
     for name, value in (("FC_MAX_WORLD", abi.MAX_WORLD), ("FC_MAX_BLOCKS", abi.MAX_BLOCKS),
                         ("FC_PACKET_BYTES", abi.PACKET_BYTES), ("FC_PACKET_PAYLOAD", abi.PACKET_PAYLOAD)):
         assert f"#define {name} {value}\n" in text, name
-    kernels = (source_dir() / "kernels.cu").read_text()
+    kernels = (source_dir() / "comm" / "kernels.cu").read_text()
     compiled = sorted(int(k) for k in re.findall(r"FC_DEFINE_FUSED\(NAME, D, (\d+)\)", kernels))
     assert tuple(compiled) == abi.FUSED_VARIANTS
 
@@ -185,18 +185,18 @@ def test_lookup_by_dtype():
 
 
 def test_one_shot_block_fits_the_kernels_launch_bounds():
-    from fastcomm.jit import source_dir
+    from fastcomm.runtime.jit import source_dir
 
-    text = (source_dir() / "kernels.cu").read_text()
+    text = (source_dir() / "comm" / "kernels.cu").read_text()
     bound = int(text.split(") fc_one_shot_")[0].rsplit("__launch_bounds__(", 1)[1])
     assert abi.ONE_SHOT_THREADS <= bound
     assert P.one_shot_launch(64 << 20, 128).block <= abi.ONE_SHOT_THREADS
 
 
 def test_two_shot_blocks_fit_the_kernels_launch_bounds():
-    from fastcomm.jit import source_dir
+    from fastcomm.runtime.jit import source_dir
 
-    text = (source_dir() / "kernels.cu").read_text()
+    text = (source_dir() / "comm" / "kernels.cu").read_text()
     bound = lambda name: int(text.split(f") {name}_##NAME")[0].rsplit("__launch_bounds__(", 1)[1])  # noqa: E731
     assert P.two_shot_launch(8 << 20, 2, 2, 128).block <= bound("fc_two_shot")
     for n in (1, 12 * KB, 4 << 20):
@@ -340,9 +340,9 @@ def test_pull_launch_covers_every_vector_once(world, nbytes, max_blocks):
 
 
 def test_pull_blocks_fit_the_kernels_launch_bounds():
-    from fastcomm.jit import source_dir
+    from fastcomm.runtime.jit import source_dir
 
-    text = (source_dir() / "kernels.cu").read_text()
+    text = (source_dir() / "comm" / "kernels.cu").read_text()
     for sym in (") fc_pull_##NAME", "fc_pull2_##NAME"):
         bound = int(text.split(sym)[0].rsplit("__launch_bounds__(", 1)[1].split(")")[0])
         assert abi.PULL_THREADS == bound, sym
@@ -429,9 +429,9 @@ def test_choose_algo_maps_only_with_islands_of_two(monkeypatch):
 
 
 def test_island_two_shot_block_fits_the_kernels_launch_bounds():
-    from fastcomm.jit import source_dir
+    from fastcomm.runtime.jit import source_dir
 
-    text = (source_dir() / "kernels.cu").read_text()
+    text = (source_dir() / "comm" / "kernels.cu").read_text()
     bound = int(re.search(r"__launch_bounds__\((\d+)\)[\s\\]*fc_two_shot_islands_##NAME", text).group(1))
     for world in (2, 3, 4):
         assert P.two_shot_launch(8 << 20, 2, world, 128).block <= bound

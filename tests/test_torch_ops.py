@@ -38,6 +38,7 @@ class _Declining:
 
     def __init__(self, closed=False, reason=None, algo=fastcomm.Algo.NCCL):
         self.closed, self.reason, self.algo = closed, reason, algo
+        self.plan = self  # policy.allreduce_route asks the plan for the size's algorithm
 
     def raise_if_failed(self):
         pass
@@ -45,7 +46,7 @@ class _Declining:
     def tensor_reason(self, x):
         return self.reason
 
-    def algo_for(self, nbytes):
+    def algo_for(self, nbytes, forced=None):
         return self.algo
 
 

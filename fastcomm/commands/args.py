@@ -11,14 +11,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..runtime.jit import CUPY_HINT
 from ..units import parse_size
 
 TRANSPORTS = ("p2p", "host")
 # The kernels use sm_80 features (bf16 arithmetic, cp.async-era memory model); older GPUs fail in ptxas.
 MIN_ARCH = 80
 _ARCH = re.compile(r"sm_(\d+)([a-z]?)")
-# From a checkout (fastcomm is not on PyPI): the extra that brings CuPy, whose NVRTC compiles the kernels.
-CUPY_HINT = 'pip install -e ".[cuda13]" from the fastcomm checkout (".[cuda12]" for a CUDA 12 driver)'
 
 
 def parse_size_arg(text: str) -> int:
@@ -104,7 +103,7 @@ def prepare_gpus(requested: int, cache_dir: Path) -> tuple[int, str | None]:
         return 0, why
     import torch
 
-    from .. import jit
+    from ..runtime import jit
 
     major, minor = torch.cuda.get_device_capability(0)
     arch = f"sm_{major}{minor}"
@@ -172,7 +171,7 @@ def compile_with_notice(arch: str, cache_dir: Path, stream=None) -> tuple[Path, 
     which must not look like a hang). Raises jit.CompileError; the commands print it."""
     import threading
 
-    from .. import jit
+    from ..runtime import jit
 
     stream = stream or sys.stderr
     notice = threading.Timer(0.5, lambda: print(f"compiling kernels for {arch} (first use, about a minute)...",

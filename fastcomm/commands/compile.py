@@ -23,7 +23,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from .. import jit
+    from ..runtime import jit
     from ..config import ConfigError, read
 
     if args.cache_dir:
@@ -57,7 +57,7 @@ def resource_lines(arch: str, data: bytes, quiet: bool = False) -> list[str]:
     """What a cubin's kernels use (read from its ELF, no CUDA tools) against ``arch``'s limits: the limits line
     and a row per kernel unless ``quiet``, then the warnings. A cubin the reader cannot parse says so in one
     line: the compile itself succeeded."""
-    from .. import cubin
+    from ..runtime import cubin
 
     try:
         kernels = sorted(cubin.resources(data), key=lambda k: k.name)  # a family's dtypes side by side

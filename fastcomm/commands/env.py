@@ -22,7 +22,7 @@ def render(statuses) -> list[str]:
 
 
 def run(args) -> int:
-    from ..config import check_environment, unknown_variables
+    from ..variables import check_environment, unknown_variables
 
     statuses = check_environment()
     print("\n".join(render(statuses)))

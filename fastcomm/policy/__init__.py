@@ -19,6 +19,7 @@ from .links import LinkType, islands, summarize, validate_islands, worst_link
 from .nccl import nccl_env
 from .wire import nccl_ring_bytes, wire_bytes, wire_cross, wire_split
 from .plan import Facts, Plan, make_plan
+from .route import Route, allreduce_route
 from .rules import DEFAULT_TABLE, Algo, PolicyKey, Rule, SizeRange, Transport, choose_algo, lookup_rules, \
     render_ranges, size_ranges
 
@@ -29,4 +30,5 @@ __all__ = ["DTYPE_SIZE", "FUSED_MAX_ROW_BYTES", "SUPPORTED_DTYPES", "check_fused
            "vectors_for",
            "LinkType", "islands", "summarize", "validate_islands", "worst_link", "nccl_env", "Facts", "Plan",
            "make_plan", "DEFAULT_TABLE", "Algo", "PolicyKey", "Rule", "SizeRange", "Transport", "choose_algo",
-           "lookup_rules", "render_ranges", "size_ranges", "nccl_ring_bytes", "wire_bytes", "wire_cross", "wire_split"]
+           "lookup_rules", "render_ranges", "size_ranges", "nccl_ring_bytes", "wire_bytes", "wire_cross", "wire_split",
+           "Route", "allreduce_route"]

@@ -18,7 +18,7 @@ def tiny(tmp_path_factory):
     """(first shard, truth, Shape) of the tiny GLM-5 GGUF with its MTP block, in 3 shards."""
     if not installed("gguf"):
         pytest.skip("needs the gguf package")
-    from fastcomm_bench import glm5_gguf as tinyglm
+    from fastcomm_vllm.gguf import synth as tinyglm
 
     shape = tinyglm.Shape()
     first, truth = tinyglm.write_gguf(tmp_path_factory.mktemp("glm5"), shape)
@@ -29,7 +29,7 @@ def tiny(tmp_path_factory):
 def tiny_no_mtp(tmp_path_factory):
     if not installed("gguf"):
         pytest.skip("needs the gguf package")
-    from fastcomm_bench import glm5_gguf as tinyglm
+    from fastcomm_vllm.gguf import synth as tinyglm
 
     shape = tinyglm.Shape(mtp=False)
     first, truth = tinyglm.write_gguf(tmp_path_factory.mktemp("glm5-nomtp"), shape, shards=2)

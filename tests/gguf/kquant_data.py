@@ -7,7 +7,7 @@ def weights(qtype: str, shape: tuple, seed: int):
     """(stored bytes [..., row_bytes], float64 truth of ``shape``)."""
     import gguf
 
-    from fastcomm_bench.glm5_gguf import make_tensor
+    from fastcomm_vllm.gguf.synth import make_tensor
 
     q = gguf.GGMLQuantizationType[qtype]
     stored, _ = make_tensor(np.random.default_rng(seed), q, shape)

@@ -420,7 +420,7 @@ def dry_run(serve: list[str], first: Path, extra: list[str], env: dict) -> dict:
 
 
 def run_check(out: Path, a: argparse.Namespace, t_start: float, results: dict) -> None:
-    from fastcomm_bench import glm5_gguf as tinyglm
+    from fastcomm_vllm.gguf import synth as tinyglm
 
     budget_end = t_start + a.budget
     env = {**os.environ, "FASTCOMM_CACHE_DIR": str(out / "cache"), "PYTHONUNBUFFERED": "1"}

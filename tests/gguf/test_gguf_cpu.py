@@ -105,7 +105,7 @@ VLLM_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermedia
 
 
 def test_metadata_to_config(tiny):
-    from fastcomm_bench import glm5_gguf as tinyglm
+    from fastcomm_vllm.gguf import synth as tinyglm
 
     first, _, shape = tiny
     cfg = metadata.hf_config(metadata.read(files.discover(str(first))))
@@ -117,7 +117,7 @@ def test_metadata_to_config(tiny):
 
 def test_derived_config_loads_in_transformers(tiny):
     transformers = pytest.importorskip("transformers")
-    from fastcomm_bench import glm5_gguf as tinyglm
+    from fastcomm_vllm.gguf import synth as tinyglm
 
     first, _, shape = tiny
     plan = fg.plan(str(first))
@@ -131,7 +131,7 @@ def test_derived_config_loads_in_transformers(tiny):
 
 
 def test_mtp_detection(tiny, tiny_no_mtp, tmp_path):
-    from fastcomm_bench import glm5_gguf as tinyglm
+    from fastcomm_vllm.gguf import synth as tinyglm
 
     assert metadata.mtp_layers(metadata.read(files.discover(str(tiny[0])))) == 1
     assert metadata.mtp_layers(metadata.read(files.discover(str(tiny_no_mtp[0])))) == 0
@@ -205,7 +205,7 @@ def test_stream_parts(tiny):
 
 
 def test_unknown_tensor_is_named(tmp_path):
-    from fastcomm_bench import glm5_gguf as tinyglm
+    from fastcomm_vllm.gguf import synth as tinyglm
 
     first, _ = tinyglm.write_gguf(tmp_path, tinyglm.Shape(), shards=1,
                                   extra=(("blk.0.attn_sinks.weight", np.zeros(16, np.float32)),))
@@ -264,7 +264,7 @@ def test_plan_mtp_choices(tiny, tiny_no_mtp, plugin_present):
 
 
 def test_plan_other_architecture_passes_unchanged(tmp_path, plugin_present):
-    from fastcomm_bench import glm5_gguf as tinyglm
+    from fastcomm_vllm.gguf import synth as tinyglm
 
     p = fg.plan(str(tinyglm.write_other_arch(tmp_path / "tiny-llama.gguf")))
     assert not p.glm and not p.mtp and p.kwargs == {"model": str(tmp_path / "tiny-llama.gguf"),
@@ -289,7 +289,7 @@ def test_benchmark_model_is_the_shipped_config_as_gguf(tmp_path):
     import dataclasses
     import json
 
-    from fastcomm_bench import glm5_gguf as g
+    from fastcomm_vllm.gguf import synth as g
     from fastcomm_bench.decode_models import SHIPPED_DIR
 
     shipped = json.loads((SHIPPED_DIR / "glm5-78L-16E" / "config.json").read_text())

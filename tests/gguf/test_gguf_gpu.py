@@ -68,7 +68,7 @@ def write_models(root: Path):
     """(GGUF first shard, bf16 reference folder): the same weights, the reference with the derived config."""
     import shutil
 
-    from fastcomm_bench import glm5_gguf as tinyglm
+    from fastcomm_vllm.gguf import synth as tinyglm
 
     from fastcomm_vllm import gguf as fg
 

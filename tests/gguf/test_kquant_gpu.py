@@ -30,7 +30,7 @@ OUT_TOL = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10, torch.float32: 1e-5
 
 
 def kq():
-    from fastcomm_vllm.gguf import kquant
+    from fastcomm import kquant
 
     return kquant
 

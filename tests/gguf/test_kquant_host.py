@@ -1,4 +1,4 @@
-"""The K-quant decode kernels' chunk math (csrc/kquant.cuh) on the CPU, against gguf-py's dequantization.
+"""The K-quant decode kernels' chunk math (csrc/kquant/kquant.cuh) on the CPU, against gguf-py's dequantization.
 
 kquant.cuh's decode, dot, activation quantization and tensor-core operands are plain C++ with host twins of
 the few intrinsics; kquant_host.cpp builds them with g++ and sums each row as the warp does (the mma forms:
@@ -17,14 +17,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fastcomm_vllm.gguf import kquant
+from fastcomm import kquant
 
 from conftest import needs_gguf
 from kquant_data import exact_activations, weights
 
 pytestmark = needs_gguf
 HERE = Path(__file__).resolve().parent
-CSRC = HERE.parents[1] / "csrc"
+CSRC = HERE.parents[1] / "csrc" / "kquant"
 TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
 
 

@@ -1,9 +1,9 @@
-"""Which GGUF products fastcomm's K-quant decode kernels take, and in which form (fastcomm_vllm.gguf.kquant's
+"""Which GGUF products fastcomm's K-quant decode kernels take, and in which form (fastcomm.kquant's
 pure policy). The kernels' names, structs and constants are fastcomm.abi's, checked in tests/test_abi.py."""
 import pytest
 
-from fastcomm import abi
-from fastcomm_vllm.gguf import kquant
+from fastcomm.kquant import abi
+from fastcomm import kquant
 
 
 def test_glm5_fused_qkv_a_as_the_plugin_stores_it():
@@ -67,7 +67,7 @@ def test_the_mma_form_reads_whole_units_and_tiles_of_one_type():
     assert kquant.moe_shared_smem([kquant.Q5_K]) == 3 * (4 * 16 * 224 + 2560) < 227 * 1024 // 4
     assert kquant.moe_shared_smem([kquant.Q8_0], 8) == 3 * (8 * 16 * 288 + 2560)
     with pytest.raises(ValueError, match="1, 2, 4 or 8 warps"):  # refused before anything reaches a GPU
-        kquant._shared_launch(0, abi.KQ_MOE_MMA_UP_SHARED, "bfloat16", 4096, 16, kquant.Q4_K, 0, (), 3)
+        kquant.ops._shared_launch(0, abi.KQ_MOE_MMA_UP_SHARED, "bfloat16", 4096, 16, kquant.Q4_K, 0, (), 3)
     # a block's dynamic shared memory: the other warps' partial sums, then a ring a warp (a one-warp block: its ring)
     ring = kquant.mma_ring_bytes([kquant.Q4_K])
     assert kquant.mma_smem(1, ring) == ring
@@ -123,15 +123,16 @@ def test_a_prefill_dequantizes_from_its_threshold_else_chunks_up_to_its_limit_el
     assert moe(1024, 8, 256, 0, 32) == "dequant" and moe(1023, 8, 256, 0, 32) == "plugin"
     assert moe(1023, 8, 256, 1023, 32) == "chunks" and moe(4096, 8, 16, 4096, 0) == "chunks"
     assert moe(kquant.MAX_TOKENS, 8, 1, 4096, 1) == "plugin"
-    # the defaults (config's) on GLM-5's MoE and the benchmark's: chunks from 9 tokens to 256, the MoE never
-    # dequantized; a linear from 16 tokens dequantized, in a graph capture the chunks below that
-    from fastcomm.config import read
+    # the settings' defaults, resolved from an empty environment, on GLM-5's MoE and the benchmark's: chunks
+    # from 9 tokens to 256, the MoE never dequantized; a linear from 16 tokens dequantized, in a graph capture
+    # the chunks below that
+    from fastcomm.kquant.settings import Settings
 
-    d = {v: read(f"FASTCOMM_GGUF_{v}", {}) for v in ("CHUNK_MAX_TOKENS", "DEQUANT_MIN_TOKENS", "DEQUANT_MOE_MIN")}
-    assert [moe(n, 8, e, d["CHUNK_MAX_TOKENS"], d["DEQUANT_MOE_MIN"]) for n, e in ((9, 256), (256, 16), (257, 16))] \
+    d = Settings.from_env({})
+    assert [moe(n, 8, e, d.chunk_max_tokens, d.dequant_moe_min) for n, e in ((9, 256), (256, 16), (257, 16))] \
         == ["chunks", "chunks", "plugin"]
-    assert [form(n, d["CHUNK_MAX_TOKENS"], d["DEQUANT_MIN_TOKENS"]) for n in (9, 16)] == ["chunks", "dequant"]
-    assert read("FASTCOMM_GGUF_DEQUANT_KERNEL", {}) == kquant.DEQUANT_KERNEL == "fastcomm"
+    assert [form(n, d.chunk_max_tokens, d.dequant_min_tokens) for n in (9, 16)] == ["chunks", "dequant"]
+    assert d.dequant_kernel == kquant.DEQUANT_KERNEL == "fastcomm"
 
 
 def test_chunks_cover_every_row_once_in_decode_sized_calls():
@@ -163,8 +164,8 @@ def test_a_moe_form_asked_for_says_why_it_cannot_serve():
 
 def test_segment_tables_are_built_once_per_weight():
     segs = (kquant.Segment(kquant.Q5_K, 0, 2048), kquant.Segment(kquant.Q8_0, 2048, 576))
-    table = kquant._segs_table(1 << 20, 6528, segs)
-    assert kquant._segs_table(1 << 20, 6528, segs) is table
+    table = kquant.ops._segs_table(1 << 20, 6528, segs)
+    assert kquant.ops._segs_table(1 << 20, 6528, segs) is table
     assert (table.nseg, table.total_rows) == (2, 2624)
     assert (table.s[1].w, table.s[1].row0, table.s[1].out_col, table.s[1].type) == ((1 << 20) + 2048 * 6528, 2048,
                                                                                     2048, kquant.Q8_0)
@@ -198,7 +199,7 @@ def test_every_kernel_lets_the_next_launch_and_waits_before_it_reads():
     import pathlib
     import re
 
-    csrc = pathlib.Path(__file__).resolve().parents[2] / "csrc"
+    csrc = pathlib.Path(__file__).resolve().parents[2] / "csrc" / "kquant"
     launch = (csrc / "kquant.cu").read_text()
     bodies = _bodies(launch + (csrc / "kquant_mma.cuh").read_text())
     entries = re.findall(r'extern "C" __global__ void[^{]*\{[\s\\]*(kq_\w+)<', launch)

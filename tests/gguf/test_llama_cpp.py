@@ -49,7 +49,7 @@ def test_llama_cpp_loads_and_decodes_the_tiny_split_gguf(tiny):
 
 
 def test_llama_cpp_loads_a_single_file_without_mtp(tmp_path):
-    from fastcomm_bench import glm5_gguf as tinyglm
+    from fastcomm_vllm.gguf import synth as tinyglm
 
     first, _ = tinyglm.write_gguf(tmp_path, tinyglm.Shape(mtp=False), shards=1)
     assert "decoded 4 tokens" in _decode(first)

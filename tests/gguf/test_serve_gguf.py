@@ -93,7 +93,7 @@ def test_glm5_without_mtp_block(capsys, tiny_no_mtp):
 
 
 def test_other_architecture_passes_unchanged(capsys, tmp_path):
-    from fastcomm_bench import glm5_gguf as tinyglm
+    from fastcomm_vllm.gguf import synth as tinyglm
 
     path = tinyglm.write_other_arch(tmp_path / "tiny-llama.gguf")
     _, args, err = dry(capsys, [str(path), "--gpus", "2"])

@@ -222,30 +222,31 @@ def test_hooks_for_vllm_025_mtp_over_a_gguf(tiny):
 def test_the_dp4a_setting_keeps_the_products_off_the_tensor_cores(monkeypatch):
     """FASTCOMM_GGUF_KERNELS=dp4a: the plugin hook installs fastcomm's kernels with the tensor-core forms off
     (the form each product then takes is kquant's pure policy, tested in test_kquant_policy.py)."""
+    from fastcomm.kquant.settings import Settings
     from fastcomm_vllm.gguf import kquant_vllm, plugin
 
     try:
         for setting, want in (("dp4a", False), ("auto", True)):
             monkeypatch.setenv("FASTCOMM_GGUF_KERNELS", setting)
             plugin._decode_kernels()
-            assert kquant_vllm._FORMS["tensor_cores"] is want, setting
+            assert kquant_vllm.installed_settings().tensor_cores is want, setting
     finally:
-        kquant_vllm._FORMS["tensor_cores"] = True
+        kquant_vllm.install(Settings())
 
 
 def test_the_token_thresholds_reach_the_kernels(monkeypatch):
     """FASTCOMM_GGUF_MMA_MIN_TOKENS / _GROUPED_MIN_TOKENS move the tensor-core forms' thresholds and
-    FASTCOMM_GGUF_PDL the dense one's dependent launch, FASTCOMM_GGUF_DEQUANT_* the prefill's dequantized forms;
-    unset, the policy's constants serve (the dequantized forms off); a bad value is named
-    when the plugin loads (not at the first product, inside vLLM's model) and the kernels keep their last
-    setting."""
-    from fastcomm.config import read
-    from fastcomm_vllm.gguf import kquant, kquant_vllm, plugin
+    FASTCOMM_GGUF_PDL the dense one's dependent launch, FASTCOMM_GGUF_DEQUANT_* the prefill's dequantized forms,
+    as far as the arguments the layers' custom ops are called with; unset, the policy's constants serve; a bad
+    value is named when the plugin loads (not at the first product, inside vLLM's model) and the kernels keep
+    their last setting."""
+    from fastcomm import kquant
+    from fastcomm.kquant.settings import Settings
+    from fastcomm_vllm.gguf import kquant_vllm, plugin
 
     def forms():
-        f = kquant_vllm._FORMS
-        return (f["mma_min"], f["grouped_min"], f["pdl"], f["dequant_min"], f["dequant_moe_min"], f["chunk_max"],
-                f["dequant_kernel"])
+        s = kquant_vllm.installed_settings()
+        return kquant_vllm.linear_args(s), kquant_vllm.moe_args(s)
 
     try:
         monkeypatch.setenv("FASTCOMM_GGUF_MMA_MIN_TOKENS", "5")
@@ -253,18 +254,19 @@ def test_the_token_thresholds_reach_the_kernels(monkeypatch):
         monkeypatch.setenv("FASTCOMM_GGUF_PDL", "0")
         monkeypatch.setenv("FASTCOMM_GGUF_DEQUANT_MOE_MIN", "32")
         monkeypatch.setenv("FASTCOMM_GGUF_DEQUANT_MIN_TOKENS", "128")
-        monkeypatch.setenv("FASTCOMM_GGUF_CHUNK_MAX_TOKENS", "256")
-        monkeypatch.setenv("FASTCOMM_GGUF_DEQUANT_KERNEL", "fastcomm")
+        monkeypatch.setenv("FASTCOMM_GGUF_CHUNK_MAX_TOKENS", "200")
+        monkeypatch.setenv("FASTCOMM_GGUF_DEQUANT_KERNEL", "plugin")
         plugin._decode_kernels()
-        assert forms() == (5, 9, False, 128, 32, 256, "fastcomm")
+        # linear: tensor cores, mma_min, pdl, chunk_max, dequant_min, dequant kernel; MoE: tensor cores,
+        # grouped_min, chunk_max, dequant_moe_min, dequant kernel
+        assert forms() == ((True, 5, False, 200, 128, "plugin"), (True, 9, 200, 32, "plugin"))
         for name in ("MMA_MIN_TOKENS", "GROUPED_MIN_TOKENS", "PDL", "DEQUANT_MIN_TOKENS", "DEQUANT_MOE_MIN",
                      "CHUNK_MAX_TOKENS", "DEQUANT_KERNEL"):
             monkeypatch.delenv(f"FASTCOMM_GGUF_{name}")
         plugin._decode_kernels()
-        unset = {name: read(f"FASTCOMM_GGUF_{name}", {}) for name in ("DEQUANT_MIN_TOKENS", "DEQUANT_MOE_MIN",
-                                                                      "CHUNK_MAX_TOKENS", "DEQUANT_KERNEL")}
-        defaults = (kquant.MMA_MIN_TOKENS, kquant.MOE_GROUPED_MIN_TOKENS, True, *unset.values())
-        assert forms() == defaults and forms()[-1] == kquant.DEQUANT_KERNEL  # config's default is the policy's
+        defaults = forms()
+        assert defaults == ((True, kquant.MMA_MIN_TOKENS, True, 256, 16, kquant.DEQUANT_KERNEL),
+                            (True, kquant.MOE_GROUPED_MIN_TOKENS, 256, 0, kquant.DEQUANT_KERNEL))
         monkeypatch.setenv("FASTCOMM_GGUF_MMA_MIN_TOKENS", "2")
         monkeypatch.setenv("FASTCOMM_GGUF_GROUPED_MIN_TOKENS", "0")  # named, and the last setting stays
         plugin._decode_kernels()
@@ -274,9 +276,7 @@ def test_the_token_thresholds_reach_the_kernels(monkeypatch):
         plugin._decode_kernels()
         assert forms() == defaults
     finally:
-        kquant_vllm._FORMS.update(tensor_cores=True, mma_min=kquant.MMA_MIN_TOKENS,
-                                  grouped_min=kquant.MOE_GROUPED_MIN_TOKENS, pdl=True, dequant_min=0, dequant_moe_min=0,
-                                  chunk_max=0, dequant_kernel=kquant.DEQUANT_KERNEL)
+        kquant_vllm.install(Settings())
 
 
 def test_the_prefill_dequantized_forms_find_what_they_call():
@@ -303,7 +303,8 @@ def test_each_token_count_reaches_the_form_the_policy_names(monkeypatch):
     import torch
     from vllm_gguf_plugin.quantization import fused_moe as pmoe, linear as plin
 
-    from fastcomm_vllm.gguf import kquant, kquant_vllm
+    from fastcomm import kquant
+    from fastcomm_vllm.gguf import kquant_vllm
 
     seen = []
     for mod, name in ((kquant, "linear"), (kquant, "linear_chunks"), (kquant, "moe"), (kquant, "moe_chunks"),
@@ -314,41 +315,44 @@ def test_each_token_count_reaches_the_form_the_policy_names(monkeypatch):
             return None
         monkeypatch.setattr(mod, name, record)
     monkeypatch.setattr(kquant_vllm, "_activation", lambda name: None)
-    saved = dict(kquant_vllm._FORMS)
-    try:
-        kquant_vllm._FORMS.update(dequant_min=64, dequant_moe_min=64, chunk_max=256)  # MoE: from 128 tokens
-        w = torch.zeros(16, 144, dtype=torch.uint8)
-        w13, w2 = torch.zeros(16, 32, 144, dtype=torch.uint8), torch.zeros(16, 256, 144, dtype=torch.uint8)
-        # eager (a prefill): a linear's chunks are host-bound, so the plugin's short of dequant's threshold
-        for n, linear, moe in ((8, "linear", "moe"), (9, "_fused_mul_mat_gguf", "moe_chunks"),
-                               (64, "dequant_linear", "moe_chunks"), (256, "dequant_linear", "dequant_moe"),
-                               (257, "dequant_linear", "dequant_moe")):
-            seen.clear()
-            kquant_vllm._linear_fn(torch.zeros(n, 256), w, [kquant.Q4_K], [0], [16])
-            kquant_vllm._moe_fn(torch.zeros(n, 256), w13, w2, torch.ones(n, 8), torch.zeros(n, 8, dtype=torch.int32),
-                                kquant.Q4_K, kquant.Q4_K, "silu")
-            assert [s for s, _ in seen] == [linear, moe], n
-            # the dequantizer the settings name (FASTCOMM_GGUF_DEQUANT_KERNEL) writes an aligned weight
-            assert all(k == kquant_vllm._FORMS["dequant_kernel"] for s, k in seen if s.startswith("dequant")), n
-        # inside a CUDA graph capture (a decode batch of 9+) the linear's chunks up to their limit; a CPU tensor
-        # stands in for a CUDA one, as the routing asks only is_cuda and the capture state
-        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-        for n, want in ((9, "linear_chunks"), (63, "linear_chunks"), (64, "dequant_linear")):
-            seen.clear()
-            kquant_vllm._linear_fn(torch.zeros(n, 256), w, [kquant.Q4_K], [0], [16])
-            assert [s for s, _ in seen] == [want], n
-        kquant_vllm._FORMS.update(chunk_max=32)
+    import dataclasses
+
+    from fastcomm.kquant.settings import Settings
+
+    settings = Settings(dequant_min_tokens=64, dequant_moe_min=64, chunk_max_tokens=256)  # MoE: from 128 tokens
+
+    def run_linear(x, w):
+        kquant_vllm._linear_fn(x, w, [kquant.Q4_K], [0], [16], *kquant_vllm.linear_args(settings))
+
+    w = torch.zeros(16, 144, dtype=torch.uint8)
+    w13, w2 = torch.zeros(16, 32, 144, dtype=torch.uint8), torch.zeros(16, 256, 144, dtype=torch.uint8)
+    # eager (a prefill): a linear's chunks are host-bound, so the plugin's short of dequant's threshold
+    for n, linear, moe in ((8, "linear", "moe"), (9, "_fused_mul_mat_gguf", "moe_chunks"),
+                           (64, "dequant_linear", "moe_chunks"), (256, "dequant_linear", "dequant_moe"),
+                           (257, "dequant_linear", "dequant_moe")):
         seen.clear()
-        kquant_vllm._linear_fn(torch.zeros(33, 256), w, [kquant.Q4_K], [0], [16])
-        assert seen == [("_fused_mul_mat_gguf", None)]  # past the chunks' limit, short of dequant's
-        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-        unaligned = torch.zeros(16 * 144 + 8, dtype=torch.uint8)[8:].view(16, 144)
-        for n, want in ((8, ("_fused_mul_mat_gguf", None)), (9, ("_fused_mul_mat_gguf", None)),
-                        (64, ("dequant_linear", "plugin"))):
-            seen.clear()
-            kquant_vllm._linear_fn(torch.zeros(n, 256), unaligned, [kquant.Q4_K], [0], [16])
-            assert seen == [want], n
-    finally:
-        kquant_vllm._FORMS.clear()
-        kquant_vllm._FORMS.update(saved)
+        run_linear(torch.zeros(n, 256), w)
+        kquant_vllm._moe_fn(torch.zeros(n, 256), w13, w2, torch.ones(n, 8), torch.zeros(n, 8, dtype=torch.int32),
+                            kquant.Q4_K, kquant.Q4_K, "silu", *kquant_vllm.moe_args(settings))
+        assert [s for s, _ in seen] == [linear, moe], n
+        # the dequantizer the settings name (FASTCOMM_GGUF_DEQUANT_KERNEL) writes an aligned weight
+        assert all(k == settings.dequant_kernel for s, k in seen if s.startswith("dequant")), n
+    # inside a CUDA graph capture (a decode batch of 9+) the linear's chunks up to their limit; a CPU tensor
+    # stands in for a CUDA one, as the routing asks only is_cuda and the capture state
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    for n, want in ((9, "linear_chunks"), (63, "linear_chunks"), (64, "dequant_linear")):
+        seen.clear()
+        run_linear(torch.zeros(n, 256), w)
+        assert [s for s, _ in seen] == [want], n
+    settings = dataclasses.replace(settings, chunk_max_tokens=32)
+    seen.clear()
+    run_linear(torch.zeros(33, 256), w)
+    assert seen == [("_fused_mul_mat_gguf", None)]  # past the chunks' limit, short of dequant's
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    unaligned = torch.zeros(16 * 144 + 8, dtype=torch.uint8)[8:].view(16, 144)
+    for n, want in ((8, ("_fused_mul_mat_gguf", None)), (9, ("_fused_mul_mat_gguf", None)),
+                    (64, ("dequant_linear", "plugin"))):
+        seen.clear()
+        run_linear(torch.zeros(n, 256), unaligned)
+        assert seen == [want], n

@@ -104,7 +104,7 @@ def _allreduce_check(res: dict, layers: int, mtp: bool) -> dict:
 
 
 def report(dirs) -> dict:
-    from fastcomm_bench import glm5_gguf as tinyglm
+    from fastcomm_vllm.gguf import synth as tinyglm
 
     layers = tinyglm.Shape().layers
     ref = _load(dirs, "ref")

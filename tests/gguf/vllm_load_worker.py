@@ -31,7 +31,7 @@ def main(gguf_path: str, config_dir: str, out: str, swap: bool) -> None:
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
     from vllm_gguf_plugin.quantization import GGUFConfig
 
-    from fastcomm_vllm.gguf import adapter, files, metadata, plugin, weights
+    from fastcomm_vllm.gguf import adapter, files, kquant_vllm, metadata, plugin, weights
 
     plugin.register()  # what the fastcomm_gguf entry point does in each vLLM process
 
@@ -96,9 +96,9 @@ def main(gguf_path: str, config_dir: str, out: str, swap: bool) -> None:
                 method = getattr(module, "quant_method", None)
                 if method is not None and (hasattr(module, "qweight") or hasattr(module, "w13_qweight")):
                     method.process_weights_after_loading(module)  # as vLLM's loader does after loading
-                    plan = getattr(module, "_fastcomm_kq_plan", "absent")
-                    kq_plans[mname] = plan if plan in (None, True, "absent") else [
-                        [s.type, s.start, s.rows] for s in plan]
+                    plan = kquant_vllm.layer_plan(module, "absent")
+                    kq_plans[mname] = plan if plan in (None, "absent") else True if plan.segments is None else [
+                        [s.type, s.start, s.rows] for s in plan.segments]
                 if mname.endswith(("fused_qkv_a_proj", "gate_up_proj")) and hasattr(module, "qweight"):
                     q = module.qweight
                     fused[mname] = {"shard_id": [str(s) for s in q.shard_id],

@@ -7,6 +7,6 @@ import functools
 
 @functools.lru_cache(maxsize=None)
 def why_no_nvrtc() -> str | None:
-    from fastcomm import jit
+    from fastcomm.runtime import jit
 
     return jit.nvrtc_problem()

@@ -133,7 +133,7 @@ class FastcommCudaCommunicator(CudaCommunicator):
             return f"device {self.device} is not CUDA"
         for module in ("fastcomm", "cupy"):
             if importlib.util.find_spec(module) is None:
-                from fastcomm.commands.args import CUPY_HINT
+                from fastcomm.runtime.jit import CUPY_HINT
 
                 return f"{module} is not installed ({CUPY_HINT})"
         try:

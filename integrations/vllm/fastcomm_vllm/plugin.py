@@ -30,7 +30,8 @@ FUSION_MODULES = ("fused_op.py", "helper_route.py", "compile_pass.py")
 
 def register() -> None:
     """Entry point. A no-op with a log line when FASTCOMM_VLLM=0 or the platform is not CUDA."""
-    from fastcomm.config import Config, unknown_variables
+    from fastcomm.config import Config
+    from fastcomm.variables import unknown_variables
 
     config = Config.from_env()
     for name in unknown_variables():

@@ -450,12 +450,11 @@ def _user_attention(args: Sequence[str]):
 
 def _decode_kernels_note() -> str:
     """Which kernels the workers' GGUF products take (fastcomm_vllm.gguf.plugin reads the same setting)."""
-    from fastcomm.config import read
-
-    from .gguf import kquant
+    from fastcomm import kquant
+    from fastcomm.kquant.settings import Settings
 
     try:
-        setting = read("FASTCOMM_GGUF_KERNELS")
+        setting = Settings.from_env().kernels
     except ConfigError as e:
         raise ServeError(str(e)) from None
     if setting == "plugin":

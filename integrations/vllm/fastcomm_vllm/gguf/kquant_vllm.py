@@ -1,4 +1,4 @@
-"""vllm-gguf-plugin's linear and MoE layers through fastcomm's K-quant decode kernels (kquant.py).
+"""vllm-gguf-plugin's linear and MoE layers through fastcomm's K-quant decode kernels (fastcomm.kquant).
 
 ``install()`` wraps ``GGUFLinearMethod.apply`` (every quantized linear layer, the LM head included) and
 ``GGUFMoEMethod.apply``: a layer whose weights the kernels can read (``kquant.plan_linear`` /
@@ -7,23 +7,49 @@
 Layers the kernels cannot read keep the plugin's ``apply``. A prefill (past 8 tokens) takes the form
 kquant.prefill_form / moe_prefill_form choose: the weights dequantized to bf16 for the tensor cores
 (``dequant_linear`` / ``dequant_moe``; FASTCOMM_GGUF_DEQUANT_*), fastcomm's kernels 8 tokens a call
-(kquant.linear_chunks / moe_chunks; FASTCOMM_GGUF_CHUNK_MAX_TOKENS), or the plugin's own function. Idempotent.
-``install(tensor_cores=False)`` (FASTCOMM_GGUF_KERNELS=dp4a) keeps the products on
-the dp4a forms; ``mma_min`` / ``grouped_min`` move the tensor-core forms' token thresholds
-(FASTCOMM_GGUF_MMA_MIN_TOKENS / FASTCOMM_GGUF_GROUPED_MIN_TOKENS); ``pdl`` allows the dense tensor-core form's
-dependent launch (FASTCOMM_GGUF_PDL).
+(kquant.linear_chunks / moe_chunks; FASTCOMM_GGUF_CHUNK_MAX_TOKENS), or the plugin's own function.
+
+``install(settings)`` takes one ``kquant.settings.Settings``; each layer's plan holds it from its loading on,
+and the custom ops receive the fields they decide by as arguments, so nothing reads a module global at run
+time. Installing again (other settings) rewraps the plugin's original methods.
 """
+from __future__ import annotations
+
+import dataclasses
 import functools
 
 import torch
 
-from . import kquant
+from fastcomm import kquant
+from fastcomm.kquant.settings import Settings
 
-_PLAN = "_fastcomm_kq_plan"  # per layer: the segments (linear), True (MoE), or None (the plugin's path)
-# Set once by install(), from the FASTCOMM_GGUF_* settings, before any layer runs.
-_FORMS = {"tensor_cores": True, "mma_min": kquant.MMA_MIN_TOKENS, "grouped_min": kquant.MOE_GROUPED_MIN_TOKENS,
-          "pdl": True, "dequant_min": 0, "dequant_moe_min": 0, "chunk_max": 0,
-          "dequant_kernel": kquant.DEQUANT_KERNEL}
+_PLAN = "_fastcomm_kq_plan"  # per layer: a LayerPlan, or None (the plugin's path)
+_ORIGINAL = "_fastcomm_original"  # on a wrapped method: the plugin's own
+_SETTINGS = "_fastcomm_settings"  # on the wrapped loading method: the settings its layers get
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """What a layer's products run with, decided once at its loading: the weight's segments (a linear; None
+    for a MoE) and the settings."""
+    segments: tuple[kquant.Segment, ...] | None
+    settings: Settings
+
+
+def layer_plan(layer, missing=None):
+    """The plan a layer got at its loading (a LayerPlan, or None: the plugin's path), ``missing`` where no
+    loading of ours has run on it."""
+    return getattr(layer, _PLAN, missing)
+
+
+def linear_args(s: Settings) -> tuple:
+    """The settings a linear custom op decides by, in its argument order (after the weight's layout)."""
+    return s.tensor_cores, s.mma_min_tokens, s.pdl, s.chunk_max_tokens, s.dequant_min_tokens, s.dequant_kernel
+
+
+def moe_args(s: Settings) -> tuple:
+    """The settings a MoE custom op decides by, in its argument order (after the activation)."""
+    return s.tensor_cores, s.grouped_min_tokens, s.chunk_max_tokens, s.dequant_moe_min, s.dequant_kernel
 
 
 def dequant_linear(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts: list[int],
@@ -66,20 +92,21 @@ def dequant_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weigh
                          activation=MoEActivation.from_str(activation))
 
 
-def _linear_fn(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts: list[int],
-               rows: list[int]) -> torch.Tensor:
+def _linear_fn(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts: list[int], rows: list[int],
+               tensor_cores: bool, mma_min: int, pdl: bool, chunk_max: int, dequant_min: int,
+               dequant_kernel: str) -> torch.Tensor:
     from vllm_gguf_plugin.quantization import linear as plin
 
     aligned = kquant.weights_aligned(qweight.data_ptr())
     segs = tuple(kquant.Segment(t, s, r) for t, s, r in zip(types, starts, rows))
-    forms = {"tensor_cores": _FORMS["tensor_cores"], "mma_min": _FORMS["mma_min"], "pdl": _FORMS["pdl"]}
+    forms = {"tensor_cores": tensor_cores, "mma_min": mma_min, "pdl": pdl}
     if kquant.decode_tokens_ok(x.shape[0]) and aligned:
         return kquant.linear(x, qweight, segs, **forms)
     # eager (no graph capture), a chunked linear's host time exceeds its GPU time: kquant.prefill_form
-    prefill = kquant.prefill_form(x.shape[0], _FORMS["chunk_max"] if aligned else 0, _FORMS["dequant_min"],
+    prefill = kquant.prefill_form(x.shape[0], chunk_max if aligned else 0, dequant_min,
                                   host_bound=not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
     if prefill == "dequant":  # fastcomm's dequantize reads as its other kernels do: an aligned weight only
-        kernel = _FORMS["dequant_kernel"] if aligned else "plugin"
+        kernel = dequant_kernel if aligned else "plugin"
         return dequant_linear(x, qweight, types, starts, rows, kernel=kernel)
     if prefill == "chunks":
         return kquant.linear_chunks(x, qweight, segs, **forms)
@@ -91,8 +118,9 @@ def _linear_fn(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts:
                       for t, s, r, u in zip(types, starts, rows, used)], dim=1)
 
 
-def _linear_fake(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts: list[int],
-                 rows: list[int]) -> torch.Tensor:
+def _linear_fake(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts: list[int], rows: list[int],
+                 tensor_cores: bool, mma_min: int, pdl: bool, chunk_max: int, dequant_min: int,
+                 dequant_kernel: str) -> torch.Tensor:
     return torch.empty(x.shape[0], sum(rows), dtype=x.dtype, device=x.device)
 
 
@@ -111,25 +139,27 @@ def _activation(name: str):
 
 
 def _moe_fn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-            topk_ids: torch.Tensor, t13: int, t2: int, activation: str) -> torch.Tensor:
+            topk_ids: torch.Tensor, t13: int, t2: int, activation: str, tensor_cores: bool, grouped_min: int,
+            chunk_max: int, dequant_moe_min: int, dequant_kernel: str) -> torch.Tensor:
     from vllm_gguf_plugin.quantization import fused_moe as pmoe
 
     aligned = kquant.weights_aligned(w13.data_ptr(), w2.data_ptr())
-    forms = {"silu": activation == "silu", "tensor_cores": _FORMS["tensor_cores"], "grouped_min": _FORMS["grouped_min"]}
+    forms = {"silu": activation == "silu", "tensor_cores": tensor_cores, "grouped_min": grouped_min}
     if kquant.decode_tokens_ok(x.shape[0]) and aligned:
         return kquant.moe(x, w13, w2, topk_weights, topk_ids, t13, t2, _activation(activation), **forms)
-    prefill = kquant.moe_prefill_form(x.shape[0], topk_ids.shape[1], w13.shape[0],
-                                      _FORMS["chunk_max"] if aligned else 0, _FORMS["dequant_moe_min"])
+    prefill = kquant.moe_prefill_form(x.shape[0], topk_ids.shape[1], w13.shape[0], chunk_max if aligned else 0,
+                                      dequant_moe_min)
     if prefill == "dequant":
         return dequant_moe(x, w13, w2, topk_weights, topk_ids, t13, t2, activation,
-                           kernel=_FORMS["dequant_kernel"] if aligned else "plugin")
+                           kernel=dequant_kernel if aligned else "plugin")
     if prefill == "chunks":
         return kquant.moe_chunks(x, w13, w2, topk_weights, topk_ids, t13, t2, _activation(activation), **forms)
     return pmoe._fused_moe_gguf(x, w13, w2, topk_weights, topk_ids, t13, t2, activation)
 
 
 def _moe_fake(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, t13: int, t2: int, activation: str) -> torch.Tensor:
+              topk_ids: torch.Tensor, t13: int, t2: int, activation: str, tensor_cores: bool, grouped_min: int,
+              chunk_max: int, dequant_moe_min: int, dequant_kernel: str) -> torch.Tensor:
     return torch.empty_like(x)
 
 
@@ -178,61 +208,70 @@ def moe_plan(layer) -> bool:
     return kquant.moe_types_ok(t13, t2, hidden, w13.shape[1] // 2, w13.shape[2], w2.shape[2]) and w2.shape[1] == hidden
 
 
-def _after_loading(original, plan):
+def _after_loading(original, plan, settings: Settings):
     @functools.wraps(original)
     def process(self, layer):
         original(self, layer)
         # Decided here, once, outside any torch.compile trace: apply only reads it.
-        setattr(layer, _PLAN, plan(layer) or None)
-    process._fastcomm = True
+        found = plan(layer)
+        setattr(layer, _PLAN, None if not found else
+                LayerPlan(found if isinstance(found, tuple) else None, settings))
+    setattr(process, _ORIGINAL, original)
+    setattr(process, _SETTINGS, settings)
     return process
 
 
-def install(tensor_cores: bool = True, mma_min: int | None = None, grouped_min: int | None = None,
-            pdl: bool = True, dequant_min: int = 0, dequant_moe_min: int = 0, chunk_max: int = 0,
-            dequant_kernel: str = kquant.DEQUANT_KERNEL) -> bool:
-    """Wrap the plugin's methods (once); False when the plugin is not importable here. The prefill's settings
-    (``dequant_min``, ``dequant_moe_min``, ``chunk_max``) as kquant.prefill_form takes them; 0: off;
-    ``dequant_kernel`` (kquant.DEQUANT_KERNELS) writes the dequantized form's weights."""
+def _own(method):
+    """The plugin's method under any wrapper of ours."""
+    return getattr(method, _ORIGINAL, method)
+
+
+def install(settings: Settings) -> bool:
+    """Wrap the plugin's methods so that the layers loaded from now on serve with ``settings``; False when the
+    plugin is not importable here."""
     try:
         from vllm_gguf_plugin.quantization import fused_moe as pmoe, linear as plin
     except ImportError:
         return False
-    _FORMS["tensor_cores"] = tensor_cores
-    _FORMS["mma_min"] = mma_min or kquant.MMA_MIN_TOKENS
-    _FORMS["grouped_min"] = grouped_min or kquant.MOE_GROUPED_MIN_TOKENS
-    _FORMS["pdl"] = pdl
-    _FORMS.update(dequant_min=dequant_min, dequant_moe_min=dequant_moe_min, chunk_max=chunk_max,
-                  dequant_kernel=dequant_kernel)
-    if getattr(plin.GGUFLinearMethod.apply, "_fastcomm", False):
-        return True
     register_ops()
-    linear_apply, moe_apply = plin.GGUFLinearMethod.apply, pmoe.GGUFMoEMethod.apply
+    linear_apply, moe_apply = _own(plin.GGUFLinearMethod.apply), _own(pmoe.GGUFMoEMethod.apply)
 
     @functools.wraps(linear_apply)
     def apply_linear(self, layer, x, bias=None):
-        segs = getattr(layer, _PLAN, None)
-        if segs is None:
+        plan = getattr(layer, _PLAN, None)
+        if plan is None:
             return linear_apply(self, layer, x, bias)
+        segs = plan.segments
         out = torch.ops.vllm.fastcomm_gguf_linear(x, layer.qweight, [s.type for s in segs], [s.start for s in segs],
-                                                  [s.rows for s in segs])
+                                                  [s.rows for s in segs], *linear_args(plan.settings))
         if bias is not None:
             out.add_(bias)
         return out
 
     @functools.wraps(moe_apply)
     def apply_moe(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
-        if getattr(layer, _PLAN, None) is None:
+        plan = getattr(layer, _PLAN, None)
+        if plan is None:
             return moe_apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
         return torch.ops.vllm.fastcomm_gguf_moe(x, layer.w13_qweight, layer.w2_qweight, topk_weights, topk_ids,
                                                 layer.w13_qweight_type.weight_type, layer.w2_qweight_type.weight_type,
-                                                layer.activation.value)
+                                                layer.activation.value, *moe_args(plan.settings))
 
-    apply_linear._fastcomm = apply_moe._fastcomm = True
+    setattr(apply_linear, _ORIGINAL, linear_apply)
+    setattr(apply_moe, _ORIGINAL, moe_apply)
     plin.GGUFLinearMethod.apply = apply_linear
     pmoe.GGUFMoEMethod.apply = apply_moe
     plin.GGUFLinearMethod.process_weights_after_loading = _after_loading(
-        plin.GGUFLinearMethod.process_weights_after_loading, linear_plan)
+        _own(plin.GGUFLinearMethod.process_weights_after_loading), linear_plan, settings)
     pmoe.GGUFMoEMethod.process_weights_after_loading = _after_loading(
-        pmoe.GGUFMoEMethod.process_weights_after_loading, moe_plan)
+        _own(pmoe.GGUFMoEMethod.process_weights_after_loading), moe_plan, settings)
     return True
+
+
+def installed_settings() -> Settings | None:
+    """The settings the plugin's layers load with now, or None where fastcomm's kernels are not installed."""
+    try:
+        from vllm_gguf_plugin.quantization import linear as plin
+    except ImportError:
+        return None
+    return getattr(plin.GGUFLinearMethod.process_weights_after_loading, _SETTINGS, None)

@@ -61,33 +61,28 @@ def register() -> None:
 
 def _decode_kernels() -> None:
     """fastcomm's K-quant kernels for 1-8 token products (kquant_vllm), unless FASTCOMM_GGUF_KERNELS=plugin."""
-    from fastcomm.config import ConfigError, read
+    from fastcomm.config import ConfigError
+    from fastcomm.kquant.settings import Settings
 
     try:
-        setting = read("FASTCOMM_GGUF_KERNELS")
-        mma_min, grouped_min = read("FASTCOMM_GGUF_MMA_MIN_TOKENS"), read("FASTCOMM_GGUF_GROUPED_MIN_TOKENS")
-        pdl = read("FASTCOMM_GGUF_PDL")
-        prefill = {"dequant_min": read("FASTCOMM_GGUF_DEQUANT_MIN_TOKENS"),
-                   "dequant_moe_min": read("FASTCOMM_GGUF_DEQUANT_MOE_MIN"),
-                   "chunk_max": read("FASTCOMM_GGUF_CHUNK_MAX_TOKENS"),
-                   "dequant_kernel": read("FASTCOMM_GGUF_DEQUANT_KERNEL")}
+        settings = Settings.from_env()
     except ConfigError as e:  # a plugin hook must not stop vLLM: say it, keep the plugin's kernels
         logger.warning("fastcomm: %s; GGUF products stay with vllm-gguf-plugin's kernels", e)
         return
-    if setting == "plugin":
+    if not settings.enabled:
         return
     from . import kquant_vllm
 
-    if kquant_vllm.install(tensor_cores=setting != "dp4a", mma_min=mma_min, grouped_min=grouped_min, pdl=pdl,
-                           **prefill):
+    if kquant_vllm.install(settings):
+        most = kquant_vllm.kquant.MAX_TOKENS
         logger.info("fastcomm: GGUF products of 1-%d tokens through fastcomm's K-quant kernels%s "
-                    "(FASTCOMM_GGUF_KERNELS=plugin: the plugin's)", kquant_vllm.kquant.MAX_TOKENS,
-                    " (dp4a forms only)" if setting == "dp4a" else "")
+                    "(FASTCOMM_GGUF_KERNELS=plugin: the plugin's)", most,
+                    "" if settings.tensor_cores else " (dp4a forms only)")
         logger.info("fastcomm: GGUF products past %d tokens: dequantized for the tensor cores (linears from %s "
                     "tokens, MoE from %s routed tokens an expert), else fastcomm's kernels 8 tokens a call up to "
-                    "%s tokens, else the plugin's (0: never); dequantized by %s's kernel", kquant_vllm.kquant.MAX_TOKENS,
-                    prefill["dequant_min"], prefill["dequant_moe_min"], prefill["chunk_max"],
-                    prefill["dequant_kernel"])
+                    "%s tokens, else the plugin's (0: never); dequantized by %s's kernel", most,
+                    settings.dequant_min_tokens, settings.dequant_moe_min, settings.chunk_max_tokens,
+                    settings.dequant_kernel)
 
 
 def _teach_replicated_linear() -> None:

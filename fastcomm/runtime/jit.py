@@ -17,14 +17,16 @@ import tempfile
 import time
 from pathlib import Path
 
-SOURCES = ("dtypes.cuh", "common.cuh", "one_shot.cuh", "two_shot.cuh", "two_shot_ll.cuh", "fused_rmsnorm.cuh", "pull.cuh",
-           "fused_two_shot.cuh", "fused_cluster.cuh", "p2p_check.cuh", "two_shot_islands.cuh",
-           "kernels.cu")
-ENTRY = "kernels.cu"
-# Compile units: the communication kernels, and the GGUF K-quant decode kernels (used by the vLLM
-# integration only, so a process that never serves a GGUF file never compiles them). unit: (sources, entry).
-UNITS = {"comm": (SOURCES, ENTRY),
-         "kquant": (("dtypes.cuh", "kquant.cuh", "kquant_mma.cuh", "kquant.cu"), "kquant.cu")}
+# Compile units, each a folder of csrc/ (and the one header both share, dtypes.cuh): the communication
+# kernels, and the GGUF K-quant decode kernels (used by the GGUF serving path only, so a process that never
+# serves a GGUF file never compiles them). unit: (sources as paths under csrc/, entry). NVRTC sees each file
+# by its base name, the name its #include uses, so a file's folder is not part of what is compiled.
+UNITS = {"comm": (("dtypes.cuh", "comm/common.cuh", "comm/one_shot.cuh", "comm/two_shot.cuh", "comm/two_shot_ll.cuh",
+                   "comm/fused_rmsnorm.cuh", "comm/pull.cuh", "comm/fused_two_shot.cuh", "comm/fused_cluster.cuh",
+                   "comm/p2p_check.cuh", "comm/two_shot_islands.cuh", "comm/kernels.cu"), "comm/kernels.cu"),
+         "kquant": (("dtypes.cuh", "kquant/kquant.cuh", "kquant/kquant_mma.cuh", "kquant/kquant.cu"),
+                    "kquant/kquant.cu")}
+SOURCES, ENTRY = UNITS["comm"]
 OPTIONS = ("-std=c++17", "-default-device")
 # How long a rank waits for another's build of the same cubin before compiling it itself: several times the
 # slowest measured (a K-quant unit: 138 s on 2 cores), so a build that is only slow is never duplicated.
@@ -39,16 +41,21 @@ class CompileError(RuntimeError):
 
 def source_dir() -> Path:
     """csrc/ next to the package (editable install) or bundled as fastcomm._csrc (wheel)."""
-    here = Path(__file__).resolve().parent
-    for cand in (here.parent / "csrc", here / "_csrc"):
+    package = Path(__file__).resolve().parents[1]
+    for cand in (package.parent / "csrc", package / "_csrc"):
         if (cand / ENTRY).is_file():
             return cand
-    raise FileNotFoundError(f"fastcomm kernel sources ({ENTRY}) not found next to {here}")
+    raise FileNotFoundError(f"fastcomm kernel sources ({ENTRY}) not found next to {package}")
+
+
+def _base(path: str) -> str:
+    return path.rsplit("/", 1)[-1]
 
 
 def _read_sources(unit: str = "comm") -> dict[str, str]:
+    """The unit's files by the name NVRTC compiles them under (their base name)."""
     d = source_dir()
-    return {name: (d / name).read_text() for name in UNITS[unit][0]}
+    return {_base(path): (d / path).read_text() for path in UNITS[unit][0]}
 
 
 def _nvrtc():
@@ -57,6 +64,8 @@ def _nvrtc():
     return nvrtc
 
 
+# What installs CuPy (and with it NVRTC's binding), for every message that finds it missing.
+CUPY_HINT = 'pip install -e ".[cuda13]" from the fastcomm checkout (".[cuda12]" for a CUDA 12 driver)'
 # CuPy's wheel brings the binding, not the library: a CPU-only torch beside it leaves no libnvrtc.
 NVRTC_HINT = "install a CUDA torch, the CUDA toolkit, or pip install 'nvidia-cuda-nvrtc>=13,<14' (the cuda13 extra)"
 
@@ -73,7 +82,7 @@ def nvrtc_problem() -> str | None:
     try:
         nvrtc = _nvrtc()
     except ImportError:
-        return "CuPy (NVRTC) is not installed: pip install -e \".[cuda13]\" (or cuda12)"
+        return f"CuPy (NVRTC) is not installed: {CUPY_HINT}"
     try:
         nvrtc.getVersion()
     except (OSError, RuntimeError) as e:  # CuPy raises RuntimeError where libnvrtc.so is not found
@@ -97,7 +106,9 @@ def compile_cubin(arch: str, options: tuple[str, ...] = OPTIONS, unit: str = "co
     CompileError with the log."""
     nvrtc = _nvrtc()
     sources = _read_sources(unit)
-    names_, entry = UNITS[unit]
+    paths, entry = UNITS[unit]
+    entry = _base(entry)
+    names_ = [_base(p) for p in paths]
     headers = [sources[n].encode() for n in names_ if n != entry]
     names = [n.encode() for n in names_ if n != entry]
     prog = nvrtc.createProgram(sources[entry], entry, headers, names)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ctypes
 import functools
 
-from .errors import FastcommError
+from ..errors import FastcommError
 
 CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
 CU_DEVICE_ATTRIBUTE_CLUSTER_LAUNCH = 120       # cudaDevAttrClusterLaunch
