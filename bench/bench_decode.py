@@ -18,11 +18,12 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from fastcomm.measure import source_commit
 
 from . import decode_models
 from .decode_backends import BACKENDS, ROW_DEFINING
@@ -214,19 +215,6 @@ def writable_out(path: Path) -> Path:
     except OSError as e:
         raise UsageError(f"--out {path}: cannot write there ({e.strerror or e})") from None
     return path
-
-
-def source_commit() -> str | None:
-    """The fastcomm commit these results come from: FASTCOMM_COMMIT where the caller says it (a device
-    machine's copy of the tree can carry stale git metadata), else the checkout's HEAD."""
-    if os.environ.get("FASTCOMM_COMMIT"):
-        return os.environ["FASTCOMM_COMMIT"]
-    try:
-        r = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short=12", "HEAD"],
-                           capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return (r.stdout.strip() or None) if r.returncode == 0 else None
 
 
 def main(argv=None) -> int:

@@ -1,9 +1,12 @@
-"""Measuring helpers shared by `fastcomm tune` and the benchmarks in bench/: the size sweep, timers, and the
-exact-result check. torch is imported by the callers (passed in), so importing this module is cheap."""
+"""Measuring helpers shared by `fastcomm tune` and the benchmarks in bench/: the size sweep, timers, the
+exact-result check, and the commit a result file names. torch is imported by the callers (passed in), so importing this module is cheap."""
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
+import subprocess
+from pathlib import Path
 
 
 MAX_POINTS = 1000  # a sweep longer than this is a typo (-f 1.0001), and would run for days
@@ -78,3 +81,16 @@ def check_exact(torch, fn, out, inp, rank) -> int:
     world = dist.get_world_size()
     want = (base.float() * (world * (world + 1) // 2)).to(inp.dtype)
     return int((got != want).sum().item())
+
+
+def source_commit() -> str | None:
+    """The fastcomm commit these results come from: FASTCOMM_COMMIT where the caller says it (a device
+    machine's copy of the tree can carry stale git metadata), else the checkout's HEAD."""
+    if os.environ.get("FASTCOMM_COMMIT"):
+        return os.environ["FASTCOMM_COMMIT"]
+    try:
+        r = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short=12", "HEAD"],
+                           capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (r.stdout.strip() or None) if r.returncode == 0 else None

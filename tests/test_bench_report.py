@@ -88,10 +88,10 @@ def test_wire_column_comes_from_the_layout():
 
 def test_results_name_the_commit_the_caller_gives(monkeypatch):
     # A device machine's copy of the checkout can carry stale git metadata: FASTCOMM_COMMIT wins over HEAD.
-    from fastcomm_bench import bench_decode
+    from fastcomm import measure
 
     monkeypatch.setenv("FASTCOMM_COMMIT", "abc1234")
-    assert bench_decode.source_commit() == "abc1234"
+    assert measure.source_commit() == "abc1234"
     monkeypatch.delenv("FASTCOMM_COMMIT")
-    head = bench_decode.source_commit()
+    head = measure.source_commit()
     assert head is None or (head != "abc1234" and len(head) == 12)

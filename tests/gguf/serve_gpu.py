@@ -532,7 +532,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_term)
     results: dict = {"what": "fastcomm-serve end to end on the tiny GLM-5 GGUF (tests/gguf/serve_gpu.py)",
                      "argv": sys.argv[1:], "checks": {}, "versions": versions()}
-    from fastcomm_bench.bench_decode import source_commit
+    from fastcomm.measure import source_commit
 
     results["commit"] = source_commit()
     try:
