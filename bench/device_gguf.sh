@@ -35,7 +35,7 @@
 #    (PROFILE_CONCURRENCY=8 for the 8-request step), each ~6 min with the engine's start-up.
 #    Why concurrency 2-4: a verify step of k draft tokens is a forward over k + 1 tokens of one request,
 #    which reads the weights as a decode step of k + 1 requests does (bench/predict_mtp.py uses that).
-# 3b. fastcomm's K-quant decode kernels (csrc/kquant.cu; one call, ~3 min): tests/gguf/test_kquant_gpu.py, then
+# 3b. fastcomm's K-quant decode kernels (csrc/kquant/kquant.cu; one call, ~3 min): tests/gguf/test_kquant_gpu.py, then
 #    python -m fastcomm_bench.gguf_kernels (plugin vs fastcomm per product at GLM-5's shapes, $OUT/gguf-kernels.json):
 #        eval "$(bash .stage/install.sh)" && bash bench/device_gguf.sh kquant .gguf_stage
 #    KQUANT_TOKENS=8,16,64,256 adds a prefill's products: the plugin's against the weights dequantized for the

@@ -1,4 +1,4 @@
-"""GGUF decode products at GLM-5's shapes: vllm-gguf-plugin's CUDA kernels against fastcomm's (csrc/kquant.cu).
+"""GGUF decode products at GLM-5's shapes: vllm-gguf-plugin's CUDA kernels against fastcomm's (csrc/kquant/kquant.cu).
 
     python -m fastcomm_bench.gguf_kernels [--tokens 1,2,4,8] [--json OUT]
     python -m fastcomm_bench.gguf_kernels --tokens 64,256   # a prefill's products (needs the plugin)

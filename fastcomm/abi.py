@@ -1,7 +1,7 @@
 """The one mirror of csrc's C ABI: constants, group and step ids, the structs, and the kernel tables.
 
 Everything the host shares with the device is declared here and nowhere else: ``struct FcTable`` and
-``struct FcError`` (csrc/common.cuh) as ctypes structures, the FC_* constants, and every ``extern "C"``
+``struct FcError`` (csrc/comm/common.cuh) as ctypes structures, the FC_* constants, and every ``extern "C"``
 kernel of csrc/comm/kernels.cu with its parameter types, from which launches are packed (the K-quant unit's
 mirror is fastcomm.kquant.abi). tests/test_abi.py reads the CUDA sources and checks this module against them,
 so a change on one side that is not made on the other fails on the CPU, before any GPU sees it.
@@ -13,7 +13,7 @@ import ctypes
 # The entry points' dtype suffixes are the runtime's, shared by both units; named here too as part of the ABI.
 from .runtime.kernel import DTYPE_SUFFIX, Kernel
 
-# ---- constants (FC_* in csrc/common.cuh) -----------------------------------------------------------------
+# ---- constants (FC_* in csrc/comm/common.cuh) -----------------------------------------------------------------
 MAX_WORLD = 8          # FC_MAX_WORLD
 MAX_BLOCKS = 128       # FC_MAX_BLOCKS
 PACKET_BYTES = 16      # FC_PACKET_BYTES: 8 data bytes + the 4-byte flag twice
@@ -35,7 +35,7 @@ STEPS = {STEP_ONE_SHOT: "one-shot exchange", STEP_RS: "two-shot reduce-scatter",
          STEP_PULL: "pull exchange", STEP_PULL_AG: "pull all-gather",
          STEP_FUSED_RS: "fused two-shot all-reduce + RMSNorm reduce-scatter",
          STEP_FUSED_AG: "fused two-shot all-reduce + RMSNorm all-gather"}
-# The island two-shot (FC_STEP_ISL_* in csrc/two_shot_islands.cuh).
+# The island two-shot (FC_STEP_ISL_* in csrc/comm/two_shot_islands.cuh).
 STEP_ISL_RS, STEP_ISL_X, STEP_ISL_AG = 9, 10, 11
 STEPS.update({STEP_ISL_RS: "island two-shot reduce-scatter (inside the island)",
               STEP_ISL_X: "island two-shot exchange across islands",

@@ -144,7 +144,7 @@ def _check_pattern(nonce: int, src: int, dst: int) -> int:
 
 
 def expected_check_bytes(pattern: int, count: int = CHECK_STORES) -> bytes:
-    """What ``fc_p2p_check`` writes (csrc/p2p_check.cuh): per store i, v = pattern ^ (i * golden), as the
+    """What ``fc_p2p_check`` writes (csrc/comm/p2p_check.cuh): per store i, v = pattern ^ (i * golden), as the
     32-bit words (lo, hi, ~lo, ~hi)."""
     out = bytearray()
     m32 = (1 << 32) - 1

@@ -27,7 +27,7 @@ KQUANT_SYMBOLS = [sym for kernel in kabi.KQ_KERNELS for sym in kernel.symbols()]
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_120"])
 def test_kquant_kernels_compile(arch, tmp_path):
-    """The GGUF decode kernels (csrc/kquant.cu), a unit of their own: every entry fastcomm.kquant
+    """The GGUF decode kernels (csrc/kquant/kquant.cu), a unit of their own: every entry fastcomm.kquant
     launches is in the cubin, cached apart from the communication kernels."""
     path = jit.cached_cubin(arch, tmp_path, unit="kquant")
     data = path.read_bytes()

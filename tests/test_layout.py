@@ -107,7 +107,7 @@ def test_flag_arrays_hold_every_block():
 
 
 def test_p2p_check_pattern_mirrors_the_kernel():
-    # The host recomputes what csrc/p2p_check.cuh writes; both use the same constant and word order.
+    # The host recomputes what csrc/comm/p2p_check.cuh writes; both use the same constant and word order.
     from fastcomm import handshake
     from fastcomm.runtime.jit import source_dir
 

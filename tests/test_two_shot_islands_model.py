@@ -1,4 +1,4 @@
-"""The island two-shot's data flow on the CPU: csrc/two_shot_islands.cuh's four phases, step for step, over
+"""The island two-shot's data flow on the CPU: csrc/comm/two_shot_islands.cuh's four phases, step for step, over
 the peer tables fastcomm.layout builds and the cut ops launches (policy.two_shot_launch for the island's
 size), in emulated memory. It checks what the kernel cannot check for itself without a GPU: that every
 pointer it follows lands in its own group's region, in the slot its reader reads, that the slots hold every

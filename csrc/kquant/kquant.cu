@@ -12,8 +12,8 @@
 //   fc_kq_moe_mma_{up,down}_shared<type>  the same with a block's warps sharing each unit's activations
 //   fc_kq_moe_sum_<dt>            per token: the router-weighted sum of its pairs' fp32 rows
 //   fc_kq_dequant_<dt>            the segments' rows dequantized, for a prefill's GEMM on the tensor cores
-// <dt> is the activations' and the output's dtype. Host side: fastcomm_vllm/gguf/kquant.py; the C ABI's one
-// mirror: fastcomm/abi.py.
+// <dt> is the activations' and the output's dtype. Host side: fastcomm/kquant/; the C ABI's one
+// mirror: fastcomm/kquant/abi.py.
 #include "dtypes.cuh"
 #include "kquant.cuh"
 #include "kquant_mma.cuh"

@@ -22,7 +22,7 @@ _MAX_DYNAMIC_SMEM_ATTR = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 def _launch(device: int, kernel: abi.Kernel, dtype: str | None, grid: tuple[int, int], block: int, stream: int,
             args: tuple, variant: str = "", smem: int = 0, prefetches: bool = False, pdl: bool = True) -> None:
-    """A kernel of csrc/kquant.cu; ``prefetches``: it has work to do before it waits for the kernel before it
+    """A kernel of csrc/kquant/kquant.cu; ``prefetches``: it has work to do before it waits for the kernel before it
     (the dense mma form's first weight stages), and launches as a dependent where ``dependent_launch`` says
     (``pdl``: FASTCOMM_GGUF_PDL)."""
     packed = kernel.pack(*args)

@@ -25,7 +25,7 @@ import functools
 from ..runtime import cubin
 from . import abi
 
-# ggml type ids csrc/kquant.cuh reads, with (values, bytes) per block.
+# ggml type ids csrc/kquant/kquant.cuh reads, with (values, bytes) per block.
 Q8_0, Q4_K, Q5_K, Q6_K = abi.KQ_Q8_0, abi.KQ_Q4_K, abi.KQ_Q5_K, abi.KQ_Q6_K
 BLOCKS = {Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
 NAMES = {Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}

@@ -1,5 +1,5 @@
 """Launches through cuLaunchKernelEx, the driver call CuPy does not wrap (ctypes): thread-block clusters
-(fused_cluster.cuh) and programmatic dependent launch (the K-quant decode kernels, csrc/kquant.cu).
+(fused_cluster.cuh) and programmatic dependent launch (the K-quant decode kernels, csrc/kquant/kquant.cu).
 
 A cluster launch (CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION) groups a grid's blocks into clusters;
 cuOccupancyMaxActiveClusters says how many such clusters fit on the device at once (the fused op needs its whole

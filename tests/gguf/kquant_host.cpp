@@ -1,4 +1,4 @@
-// Host twin of the K-quant decode kernels' chunk math (csrc/kquant.cuh), for tests/gguf/test_kquant_host.py.
+// Host twin of the K-quant decode kernels' chunk math (csrc/kquant/kquant.cuh), for tests/gguf/test_kquant_host.py.
 // stdin: int32 type, rows, cols, n, warps; uint8 weights[rows * row_bytes]; float x[n * cols].
 // stdout: float out[n * rows].
 // warps = 0: the dp4a forms: each row summed as a warp does, lane l holding chunks l, l + 32, ..., the 32

@@ -1,4 +1,4 @@
-"""fastcomm's K-quant decode kernels (csrc/kquant.cu) on a GPU, against gguf-py's dequantized weights.
+"""fastcomm's K-quant decode kernels (csrc/kquant/kquant.cu) on a GPU, against gguf-py's dequantized weights.
 
 Activations are chosen so int8 chunk quantization represents them exactly (a scale times integers up to
 127, exact in bf16 too): the kernels must then equal dequantized weights times x up to fp32 sums and the

@@ -1,6 +1,6 @@
 """What "matches the unfused path" means for the fused kernel, pinned against the real vLLM on CPU.
 
-The fused kernel (csrc/fused_rmsnorm.cuh) follows tests/numerics.rmsnorm_ref. That reference claims to be
+The fused kernel (csrc/comm/fused_rmsnorm.cuh) follows tests/numerics.rmsnorm_ref. That reference claims to be
 vLLM's native fused_add_rms_norm as torch.compile runs it (vLLM's default in serving: IR op priority
 'native' when inductor compiles). If a vLLM or torch release changes that (say, inductor starts keeping
 eager's intermediate rounding), this test fails and the kernel's rounding has to follow.
