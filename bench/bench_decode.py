@@ -285,7 +285,7 @@ def _main(argv) -> int:
     # The record names the model as given (no absolute path of this machine) and the commit it ran.
     meta = {**{k: v for k, v in spec.items() if k not in ("engine", "gguf")}, "model": model.record_name, "model_source": model.source,
             "weights": model.weights, "configs": names, "rounds": args.rounds, "started": stamp,
-            "fastcomm_commit": source_commit(), "settings": settings_set()}
+            "fastcomm_commit": source_commit(os.environ.get("FASTCOMM_COMMIT")), "settings": settings_set()}
     log_dir = Path(tempfile.mkdtemp(prefix=f"{out.stem}-logs-", dir=out.parent))
     print(f"bench-decode: model {model.describe()}", flush=True)
     runs: dict[str, list[dict]] = {name: [] for name in names}

@@ -3,7 +3,6 @@ exact-result check, and the commit a result file names. torch is imported by the
 from __future__ import annotations
 
 import contextlib
-import os
 import statistics
 import subprocess
 from pathlib import Path
@@ -83,11 +82,11 @@ def check_exact(torch, fn, out, inp, rank) -> int:
     return int((got != want).sum().item())
 
 
-def source_commit() -> str | None:
-    """The fastcomm commit these results come from: FASTCOMM_COMMIT where the caller says it (a device
-    machine's copy of the tree can carry stale git metadata), else the checkout's HEAD."""
-    if os.environ.get("FASTCOMM_COMMIT"):
-        return os.environ["FASTCOMM_COMMIT"]
+def source_commit(given: str | None = None) -> str | None:
+    """The fastcomm commit results come from: ``given`` where the caller has it (the scripts' FASTCOMM_COMMIT:
+    a device machine's copy of the tree can carry stale git metadata), else the checkout's HEAD."""
+    if given:
+        return given
     try:
         r = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short=12", "HEAD"],
                            capture_output=True, text=True, timeout=10)

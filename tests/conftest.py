@@ -34,3 +34,10 @@ def pytest_runtest_logreport(report):
     # still brings back why (FASTCOMM_INSTAFAIL=1, set by bench/device_run.sh).
     if report.failed and os.environ.get("FASTCOMM_INSTAFAIL"):
         print(f"\n=== FAILED {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n", flush=True)
+
+
+@pytest.fixture(scope="session")
+def cubin_cache_dir(tmp_path_factory):
+    """One cubin cache directory for the whole test run: tests that need the same unit compiled for the same
+    architecture (about a minute each with NVRTC) share the cubin through it instead of compiling it again."""
+    return tmp_path_factory.mktemp("cubins")

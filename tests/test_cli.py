@@ -113,7 +113,7 @@ def test_compile_checks_the_cache_dir_before_compiling(run, no_compile):
 
 
 def test_compile_ignores_unrelated_bad_settings(run, no_compile, tmp_path):
-    rc, out, err = run("compile", "--arch", "sm_90", env={"FASTCOMM_TIMEOUT_S": "abc",
+    rc, out, err = run("compile", "--arch", "sm_90", "--unit", "comm", env={"FASTCOMM_TIMEOUT_S": "abc",
                                                          "FASTCOMM_CACHE_DIR": str(tmp_path)})
     assert rc == 0 and not err and no_compile == ["sm_90"] and str(tmp_path) in out
 
@@ -281,3 +281,93 @@ def test_bench_names_a_bad_setting_in_one_line(run, no_gpus, env, name):
     # FASTCOMM_MAX_BYTES is overridden by the run's own workspace sizes, but a typo in it is still reported.
     rc, _, err = run("bench", env=env)
     assert rc == 2 and name in one_line(err) and "Traceback" not in err
+
+
+# ---- fastcomm compile: every compile unit -------------------------------------------------------------
+
+@pytest.fixture
+def unit_compile(monkeypatch):
+    """jit.cached_cubin stand-in that records (arch, unit) and writes ``unit_compile.data`` (a stub ELF unless a
+    test sets a real cubin) under each unit's own name, as jit names them."""
+    calls = []
+
+    def fake(arch, cache_dir, *a, unit="comm", **k):
+        calls.append((arch, unit))
+        path = Path(cache_dir) / (f"fastcomm-{arch}.cubin" if unit == "comm" else f"fastcomm-{unit}-{arch}.cubin")
+        path.write_bytes(fake.data)
+        return path
+    fake.data = b"\x7fELF"
+    fake.calls = calls
+    monkeypatch.setattr(jit, "cached_cubin", fake)
+    monkeypatch.setattr(A, "cupy_missing", lambda: None)
+    return fake
+
+
+def test_compile_builds_every_unit_unless_told(run, unit_compile, tmp_path):
+    rc, out, err = run("compile", "--arch", "sm_90", "--cache-dir", str(tmp_path))
+    assert rc == 0 and not err and unit_compile.calls == [("sm_90", "comm"), ("sm_90", "kquant")]
+    heads = [line for line in out.splitlines() if not line.startswith(" ")]
+    assert [h.split(" ", 2)[:2] for h in heads] == [["sm_90:", "comm:"], ["sm_90:", "kquant:"]]
+    assert f"{tmp_path / 'fastcomm-kquant-sm_90.cubin'} (4 bytes, " in heads[1]
+
+    unit_compile.calls.clear()
+    rc, out, err = run("compile", "--arch", "sm_90", "--unit", "kquant", "-q", "--cache-dir", str(tmp_path))
+    assert rc == 0 and not err and unit_compile.calls == [("sm_90", "kquant")]
+    assert out.startswith("sm_90: kquant: ") and ": comm: " not in out
+
+    unit_compile.calls.clear()  # in the order given, each once, for each arch in turn
+    rc, _, _ = run("compile", "--arch", "sm_80", "--arch", "sm_120", "--unit", "kquant", "--unit", "comm",
+                   "--unit", "kquant", "--cache-dir", str(tmp_path))
+    assert rc == 0 and unit_compile.calls == [("sm_80", "kquant"), ("sm_80", "comm"),
+                                              ("sm_120", "kquant"), ("sm_120", "comm")]
+
+
+def test_compile_refuses_an_unknown_unit_in_one_line(run, unit_compile, tmp_path):
+    rc, _, err = run("compile", "--unit", "nccl", "--cache-dir", str(tmp_path))
+    line = one_line(err)
+    assert rc == 2 and "--unit" in line and "'nccl'" in line and "comm" in line and "kquant" in line
+    assert not unit_compile.calls
+
+
+def test_compile_names_the_unit_that_failed(run, unit_compile, monkeypatch, tmp_path):
+    fake = unit_compile
+
+    def kquant_fails(arch, cache_dir, *a, unit="comm", **k):
+        if unit == "kquant":
+            raise jit.CompileError(f"NVRTC failed for {arch}: NVRTC_ERROR_COMPILATION (6)\nkquant.cu(1): error")
+        return fake(arch, cache_dir, unit=unit)
+    monkeypatch.setattr(jit, "cached_cubin", kquant_fails)
+    rc, out, err = run("compile", "--arch", "sm_90", "--cache-dir", str(tmp_path))
+    assert rc == 1 and out.startswith("sm_90: comm: ")
+    first, *log = err.splitlines()
+    assert first.startswith("fastcomm compile: kquant: NVRTC failed for sm_90") and log == ["kquant.cu(1): error"]
+
+
+def test_compile_reports_each_units_kernels(run, unit_compile, tmp_path):
+    """Both units' lines, each with its resource table (the tiny cubin of tests/test_cubin.py stands in for
+    both, so nothing of fastcomm is compiled), or with -q only its line and warning."""
+    from tests.test_cubin import tiny_cubin  # skips where NVRTC is missing
+
+    unit_compile.data = tiny_cubin("sm_90")
+    rc, out, err = run("compile", "--arch", "sm_90", "--cache-dir", str(tmp_path))
+    assert rc == 0 and not err
+    lines = out.splitlines()
+    assert len(lines) == 12 and lines[0].startswith("sm_90: comm: ") and lines[6].startswith("sm_90: kquant: ")
+    for block in (lines[1:6], lines[7:12]):
+        assert block[0].startswith("  sm_90 limits: ") and block[1].split()[0] == "kernel"
+        assert [row.split()[0] for row in block[2:4]] == ["tiny_bounded", "tiny_local"]
+        assert block[4].startswith("  warning: 1 of 2 kernels use local memory")
+
+    rc, out, _ = run("compile", "--arch", "sm_90", "-q", "--cache-dir", str(tmp_path))
+    quiet = out.splitlines()
+    assert rc == 0 and len(quiet) == 4 and quiet[1] == quiet[3] == lines[5]
+    assert quiet[0].startswith("sm_90: comm: ") and quiet[2].startswith("sm_90: kquant: ")
+
+
+def test_compile_notice_names_the_kquant_unit(monkeypatch, tmp_path, capsys):
+    def slow(arch, cache_dir, *a, **k):
+        time.sleep(1.0)
+        return tmp_path / "x.cubin"
+    monkeypatch.setattr(jit, "cached_cubin", slow)
+    A.compile_with_notice("sm_120", tmp_path, unit="kquant")
+    assert capsys.readouterr().err == "compiling kquant kernels for sm_120 (first use, about two minutes)...\n"

@@ -1,4 +1,7 @@
-"""Every kernel compiles for sm_80, sm_90 and sm_120 through the same NVRTC path used at run time."""
+"""Every kernel compiles for sm_80, sm_90 and sm_120 through the same NVRTC path used at run time.
+
+One build of each unit per arch for the whole run: the tests share the run's cubin cache
+(conftest.cubin_cache_dir), as ranks share a machine's, so no unit is compiled twice."""
 import pytest
 
 from nvrtc_probe import why_no_nvrtc
@@ -11,30 +14,30 @@ pytestmark = pytest.mark.skipif(why_no_nvrtc() is not None, reason=why_no_nvrtc(
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_120"])
-def test_kernels_compile(arch, tmp_path):
-    path = jit.cached_cubin(arch, tmp_path)
+def test_kernels_compile(arch, cubin_cache_dir):
+    path = jit.cached_cubin(arch, cubin_cache_dir)
     data = path.read_bytes()
     assert data[:4] == b"\x7fELF"
     for kernel in abi.KERNELS:  # every symbol the workspace loads at build
         for sym in kernel.symbols():
             assert sym.encode() in data, f"missing kernel {sym}"
     # second call hits the cache (same file, not recompiled)
-    assert jit.cached_cubin(arch, tmp_path) == path
+    assert jit.cached_cubin(arch, cubin_cache_dir) == path
 
 
 KQUANT_SYMBOLS = [sym for kernel in kabi.KQ_KERNELS for sym in kernel.symbols()]
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_120"])
-def test_kquant_kernels_compile(arch, tmp_path):
+def test_kquant_kernels_compile(arch, cubin_cache_dir):
     """The GGUF decode kernels (csrc/kquant/kquant.cu), a unit of their own: every entry fastcomm.kquant
     launches is in the cubin, cached apart from the communication kernels."""
-    path = jit.cached_cubin(arch, tmp_path, unit="kquant")
+    path = jit.cached_cubin(arch, cubin_cache_dir, unit="kquant")
     data = path.read_bytes()
     assert data[:4] == b"\x7fELF" and path.name.startswith("fastcomm-kquant-")
     for sym in KQUANT_SYMBOLS:
         assert sym.encode() in data, f"missing kernel {sym}"
-    assert path != jit.cached_cubin(arch, tmp_path)
+    assert path != jit.cached_cubin(arch, cubin_cache_dir)
 
 
 def test_cache_key_changes_with_source_and_arch():

@@ -93,7 +93,7 @@ def test_compile_prints_the_kernels_of_the_cubin(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(jit, "cached_cubin", cached)
     regs = {k.name: k.registers for k in cubin.resources(data)}
 
-    assert cli.main(["compile", "--arch", "sm_120", "--cache-dir", str(tmp_path)]) == 0
+    assert cli.main(["compile", "--arch", "sm_120", "--unit", "comm", "--cache-dir", str(tmp_path)]) == 0
     out, err = capsys.readouterr()
     lines = out.splitlines()
     assert not err and lines[0].startswith("sm_120: ") and "sm_120 limits: 101376 bytes" in lines[1]
@@ -103,7 +103,7 @@ def test_compile_prints_the_kernels_of_the_cubin(monkeypatch, capsys, tmp_path):
     assert lines[5].startswith("  warning: 1 of 2 kernels use local memory") and "(tiny_local)" in lines[5]
     assert len(lines) == 6
 
-    assert cli.main(["compile", "--arch", "sm_120", "--cache-dir", str(tmp_path), "--quiet"]) == 0
+    assert cli.main(["compile", "--arch", "sm_120", "--unit", "comm", "--cache-dir", str(tmp_path), "--quiet"]) == 0
     quiet = capsys.readouterr().out.splitlines()
     assert len(quiet) == 2 and quiet[0].startswith("sm_120: ") and quiet[1] == lines[5]
 

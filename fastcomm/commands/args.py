@@ -165,21 +165,28 @@ def cupy_missing() -> str | None:
     return None
 
 
-def compile_with_notice(arch: str, cache_dir: Path, stream=None) -> tuple[Path, float]:
-    """The cached cubin for ``arch``, compiling it on a cache miss. A cache hit takes milliseconds; when the call
-    is still busy after half a second it is compiling, and a line says so (NVRTC needs about a minute per arch,
-    which must not look like a hang). Raises jit.CompileError; the commands print it."""
+# How long a cold compile of each unit takes on two cores (jit.LOCK_WAIT_S names the slowest), for the notice.
+COMPILE_TIME = {"comm": "about a minute", "kquant": "about two minutes"}
+
+
+def compile_with_notice(arch: str, cache_dir: Path, stream=None, unit: str = "comm") -> tuple[Path, float]:
+    """The cached cubin of compile unit ``unit`` (a key of jit.UNITS) for ``arch``, compiling it on a cache miss.
+    A cache hit takes milliseconds; when the call is still busy after half a second it is compiling, and a line
+    says so (NVRTC needs a minute or two per unit and arch, which must not look like a hang). Raises
+    jit.CompileError; the commands print it."""
     import threading
 
     from ..runtime import jit
 
     stream = stream or sys.stderr
-    notice = threading.Timer(0.5, lambda: print(f"compiling kernels for {arch} (first use, about a minute)...",
+    what = "kernels" if unit == "comm" else f"{unit} kernels"
+    notice = threading.Timer(0.5, lambda: print(f"compiling {what} for {arch} (first use, "
+                                                f"{COMPILE_TIME.get(unit, 'a few minutes')})...",
                                                 file=stream, flush=True))
     t0 = time.monotonic()
     notice.start()
     try:
-        path = jit.cached_cubin(arch, Path(cache_dir))
+        path = jit.cached_cubin(arch, Path(cache_dir), unit=unit)
     except jit.CompileError:
         raise
     except (OSError, RuntimeError) as e:

@@ -1,13 +1,17 @@
 """`fastcomm compile`: compile (and cache) the kernels for GPU architectures; needs no GPU, only CuPy (NVRTC).
-Prints each kernel's registers, static shared memory, local memory and launch bound, with warnings for what
-exceeds the architecture's limits or spills to local memory."""
+Builds every compile unit (the collectives, "comm", and the GGUF K-quant decode kernels, "kquant") unless
+--unit names some, and prints a line per unit and architecture, then each kernel's registers, static shared
+memory, local memory and launch bound, with warnings for what exceeds the architecture's limits or spills to
+local memory."""
 from __future__ import annotations
 
 from pathlib import Path
 
+from ..runtime.jit import UNITS
 from .args import MIN_ARCH, arch_arg, compile_with_notice, cupy_missing, fail, writable_dir
 
 DEFAULT_ARCHS = ("sm_80", "sm_90", "sm_120")
+DEFAULT_UNITS = tuple(UNITS)  # comm, kquant
 PROG = "fastcomm compile"
 
 
@@ -16,6 +20,8 @@ def add_parser(sub) -> None:
                        description=__doc__)
     c.add_argument("--arch", action="append", default=None, type=arch_arg,
                    help=f"e.g. sm_90 (repeatable; sm_{MIN_ARCH} or newer; default {' '.join(DEFAULT_ARCHS)})")
+    c.add_argument("--unit", action="append", default=None, choices=DEFAULT_UNITS,
+                   help=f"compile unit (repeatable; default all: {' '.join(DEFAULT_UNITS)})")
     c.add_argument("--cache-dir", default=None, help="default: FASTCOMM_CACHE_DIR")
     c.add_argument("-q", "--quiet", action="store_true",
                    help="print only each cubin's line and the warnings, not the per-kernel resource table")
@@ -39,17 +45,19 @@ def run(args) -> int:
     why = cupy_missing()
     if why:
         return fail(PROG, why)
+    units = list(dict.fromkeys(args.unit or DEFAULT_UNITS))  # in the order given, each once
     for arch in args.arch or DEFAULT_ARCHS:
-        try:
-            path, seconds = compile_with_notice(arch, cache)
-        except jit.CompileError as e:
-            lines = str(e).splitlines()
-            log = f" (NVRTC log, first 40 of {len(lines) - 1} lines, follows)\n" + "\n".join(lines[1:41]) \
-                if len(lines) > 1 else ""
-            return fail(PROG, lines[0] + log, 1)
-        print(f"{arch}: {path} ({path.stat().st_size} bytes, {seconds:.1f} s)")
-        for line in resource_lines(arch, path.read_bytes(), args.quiet):
-            print(f"  {line}")
+        for unit in units:
+            try:
+                path, seconds = compile_with_notice(arch, cache, unit=unit)
+            except jit.CompileError as e:
+                lines = str(e).splitlines()
+                log = f" (NVRTC log, first 40 of {len(lines) - 1} lines, follows)\n" + "\n".join(lines[1:41]) \
+                    if len(lines) > 1 else ""
+                return fail(PROG, f"{unit}: {lines[0]}{log}", 1)
+            print(f"{arch}: {unit}: {path} ({path.stat().st_size} bytes, {seconds:.1f} s)", flush=True)
+            for line in resource_lines(arch, path.read_bytes(), args.quiet):
+                print(f"  {line}")
     return 0
 
 

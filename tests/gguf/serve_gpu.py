@@ -534,7 +534,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "argv": sys.argv[1:], "checks": {}, "versions": versions()}
     from fastcomm.measure import source_commit
 
-    results["commit"] = source_commit()
+    results["commit"] = source_commit(os.environ.get("FASTCOMM_COMMIT"))
     try:
         run_check(out, a, t_start, results)
     except (Exception, Stopped) as e:  # still write what was observed, and fail
