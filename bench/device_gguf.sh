@@ -23,6 +23,8 @@
 #    carry [".gguf_stage", ".stage/install.sh"]:
 #        eval "$(bash .stage/install.sh)" && bash bench/device_gguf.sh run .gguf_stage
 #    Without a prebuilt wheel in .gguf_stage it builds from the sdist there (TORCH_CUDA_ARCH_LIST=9.0).
+#    `device_gguf.sh install .gguf_stage` only installs (then bench/device_run.sh's GPU stage runs the GGUF
+#    GPU tests too, instead of skipping them).
 # 3. The figures, each one call on the same warm machine (carry .gguf_stage and .stage/install.sh, then
 #    eval "$(bash .stage/install.sh)" first):
 #        bash bench/device_gguf.sh model .gguf_stage        # writes the full-width 78-layer GGUF (~41 GB) to $MODEL_DIR
@@ -384,6 +386,7 @@ tp_one_gpu() {  # TP 1-8 with every rank on this one GPU (tests/gguf/tp_one_gpu.
 
 case "$mode" in
   prepare) prepare ;;
+  install) install ;;
   tp) tp_one_gpu ;;
   run) run ;;
   serve) serve ;;
@@ -393,6 +396,6 @@ case "$mode" in
   ab-prepare) ab_prepare "${@:3}" ;;
   ab) ab "${@:3}" ;;
   ncu) profile_ncu ;;
-  *) echo "usage: device_gguf.sh prepare|run|kquant|model|figures|serve DIR [gguf|mtp|fp8|fp8-spread|gguf-profile|fp8-profile]" >&2
+  *) echo "usage: device_gguf.sh prepare|install|run|kquant|model|figures|serve DIR [gguf|mtp|fp8|fp8-spread|gguf-profile|fp8-profile]" >&2
      echo "       device_gguf.sh ab-prepare|ab DIR REV...; device_gguf.sh ncu DIR" >&2; exit 2 ;;
 esac
