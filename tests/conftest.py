@@ -21,6 +21,8 @@ def gpu_count() -> int:
 
 
 def pytest_collection_modifyitems(config, items):
+    # The tests that compile cubins last, so that the background builds (_Prebuild) overlap the rest of the run.
+    items.sort(key=lambda item: bool(_cubins(item)))  # stable: each group keeps its order
     n = gpu_count()
     # One GPU is enough: ranks then share it (fastcomm.spawn's "shared" backend).
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device: bench/device_run.sh)")
@@ -36,8 +38,92 @@ def pytest_runtest_logreport(report):
         print(f"\n=== FAILED {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n", flush=True)
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cubins(*pairs): the (unit, arch) cubins a test compiles (conftest "
+                                       "builds them in the background, one process a core)")
+
+
+class _Prebuild:
+    """The run's NVRTC builds, started in the background as soon as the tests are collected.
+
+    Each unit-arch build is single-threaded NVRTC, 20-45 s on one core, and six of them were most of the test
+    command's time run one after another. Here each is a process of its own, as many at once as there are cores,
+    writing into the run's shared cubin cache; the tests that need them run last, so the builds overlap the
+    rest of the run. A test's own jit.cached_cubin call then finds the cubin, or waits on the build lock of the
+    process building it (jit's lock: never a second build). A background build that fails leaves nothing: the
+    test's own call compiles and reports the error."""
+
+    def __init__(self):
+        self.dir = None
+        self.pending: list[tuple[str, str]] = []
+        self.running: list = []
+        self._thread = None
+        self._stop = False
+
+    def start(self, pairs: list[tuple[str, str]]) -> None:
+        import tempfile
+        import threading
+
+        self.dir = tempfile.mkdtemp(prefix="fastcomm-test-cubins-")
+        self.pending = list(dict.fromkeys(pairs))
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import subprocess
+        import time
+
+        slots = max(1, os.cpu_count() or 1)
+        code = ("import sys; from pathlib import Path; from fastcomm.runtime import jit; "
+                "jit.cached_cubin(sys.argv[2], Path(sys.argv[3]), unit=sys.argv[1])")
+        while (self.pending or self.running) and not self._stop:
+            self.running = [p for p in self.running if p.poll() is None]
+            while self.pending and len(self.running) < slots and not self._stop:
+                unit, arch = self.pending.pop(0)
+                self.running.append(subprocess.Popen([sys.executable, "-c", code, unit, arch, self.dir],
+                                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        import shutil
+
+        self._stop = True
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        for p in self.running:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_PREBUILD = _Prebuild()
+
+
+def _cubins(item) -> list[tuple[str, str]]:
+    return [tuple(pair) for mark in item.iter_markers("cubins") for pair in mark.args]
+
+
+def pytest_collection_finish(session):
+    pairs = [pair for item in session.items for pair in _cubins(item)]
+    if not pairs:
+        return
+    from nvrtc_probe import why_no_nvrtc
+
+    if why_no_nvrtc() is None:
+        _PREBUILD.start(pairs)
+
+
+def pytest_sessionfinish(session):
+    _PREBUILD.stop()
+
+
 @pytest.fixture(scope="session")
 def cubin_cache_dir(tmp_path_factory):
     """One cubin cache directory for the whole test run: tests that need the same unit compiled for the same
-    architecture (about a minute each with NVRTC) share the cubin through it instead of compiling it again."""
-    return tmp_path_factory.mktemp("cubins")
+    architecture share the cubin through it instead of compiling it again (and find it built in the
+    background where they declare it with the cubins marker: _Prebuild)."""
+    from pathlib import Path
+
+    return Path(_PREBUILD.dir) if _PREBUILD.dir else tmp_path_factory.mktemp("cubins")

@@ -1,7 +1,8 @@
 """Every kernel compiles for sm_80, sm_90 and sm_120 through the same NVRTC path used at run time.
 
 One build of each unit per arch for the whole run: the tests share the run's cubin cache
-(conftest.cubin_cache_dir), as ranks share a machine's, so no unit is compiled twice."""
+(conftest.cubin_cache_dir), as ranks share a machine's, so no unit is compiled twice; the cubins marker has
+conftest start the builds in the background as the run begins."""
 import pytest
 
 from nvrtc_probe import why_no_nvrtc
@@ -13,7 +14,14 @@ from fastcomm.runtime import jit
 pytestmark = pytest.mark.skipif(why_no_nvrtc() is not None, reason=why_no_nvrtc() or "")
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_120"])
+ARCHS = ["sm_80", "sm_90", "sm_120"]
+
+
+def builds(unit: str) -> list:
+    return [pytest.param(arch, marks=pytest.mark.cubins((unit, arch))) for arch in ARCHS]
+
+
+@pytest.mark.parametrize("arch", builds("comm"))
 def test_kernels_compile(arch, cubin_cache_dir):
     path = jit.cached_cubin(arch, cubin_cache_dir)
     data = path.read_bytes()
@@ -28,7 +36,7 @@ def test_kernels_compile(arch, cubin_cache_dir):
 KQUANT_SYMBOLS = [sym for kernel in kabi.KQ_KERNELS for sym in kernel.symbols()]
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_120"])
+@pytest.mark.parametrize("arch", builds("kquant"))
 def test_kquant_kernels_compile(arch, cubin_cache_dir):
     """The GGUF decode kernels (csrc/kquant/kquant.cu), a unit of their own: every entry fastcomm.kquant
     launches is in the cubin, cached apart from the communication kernels."""

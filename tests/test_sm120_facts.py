@@ -17,9 +17,9 @@ from fastcomm import abi
 from fastcomm.policy.launch import fused_cluster_launch
 from fastcomm.runtime import cubin, jit
 
-pytestmark = pytest.mark.skipif(why_no_nvrtc() is not None, reason=why_no_nvrtc() or "")
-
 ARCH = "sm_120"
+pytestmark = [pytest.mark.skipif(why_no_nvrtc() is not None, reason=why_no_nvrtc() or ""),
+              pytest.mark.cubins(("comm", ARCH))]
 LIMITS = cubin.LIMITS[ARCH]
 # The cluster size every cluster-capable GPU launches without cudaFuncAttributeNonPortableClusterSizeAllowed
 # (CUDA C++ Programming Guide, "Thread Block Clusters"); sm_120 has no larger non-portable size either.
