@@ -1,5 +1,10 @@
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -47,50 +52,40 @@ class _Prebuild:
     """The run's NVRTC builds, started in the background as soon as the tests are collected.
 
     Each unit-arch build is single-threaded NVRTC, 20-45 s on one core, and six of them were most of the test
-    command's time run one after another. Here each is a process of its own, as many at once as there are cores,
-    writing into the run's shared cubin cache; the tests that need them run last, so the builds overlap the
-    rest of the run. A test's own jit.cached_cubin call then finds the cubin, or waits on the build lock of the
-    process building it (jit's lock: never a second build). A background build that fails leaves nothing: the
-    test's own call compiles and reports the error."""
+    command's time run one after another. Here each is a `fastcomm compile` process of its own, as many at once
+    as there are cores, writing into the run's shared cubin cache; the tests that need them run last, so the
+    builds overlap the rest of the run. A test's own jit.cached_cubin call then finds the cubin, or waits on the
+    build lock of the process building it (jit's lock: never a second build). A background build that fails
+    leaves nothing: the test's own call compiles and reports the error."""
 
     def __init__(self):
         self.dir = None
-        self.pending: list[tuple[str, str]] = []
-        self.running: list = []
-        self._thread = None
-        self._stop = False
+        self._pool = None
+        self._procs: list[subprocess.Popen] = []
+        self._stopping = False
 
     def start(self, pairs: list[tuple[str, str]]) -> None:
-        import tempfile
-        import threading
-
         self.dir = tempfile.mkdtemp(prefix="fastcomm-test-cubins-")
-        self.pending = list(dict.fromkeys(pairs))
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        self._pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
+        for unit, arch in dict.fromkeys(pairs):  # each once, in the order the tests need them
+            self._pool.submit(self._build, unit, arch)
 
-    def _run(self) -> None:
-        import subprocess
-        import time
-
-        slots = max(1, os.cpu_count() or 1)
-        code = ("import sys; from pathlib import Path; from fastcomm.runtime import jit; "
-                "jit.cached_cubin(sys.argv[2], Path(sys.argv[3]), unit=sys.argv[1])")
-        while (self.pending or self.running) and not self._stop:
-            self.running = [p for p in self.running if p.poll() is None]
-            while self.pending and len(self.running) < slots and not self._stop:
-                unit, arch = self.pending.pop(0)
-                self.running.append(subprocess.Popen([sys.executable, "-c", code, unit, arch, self.dir],
-                                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            time.sleep(0.2)
+    def _build(self, unit: str, arch: str) -> None:
+        if self._stopping:
+            return
+        p = subprocess.Popen([sys.executable, "-m", "fastcomm", "compile", "--arch", arch, "--unit", unit,
+                              "--cache-dir", self.dir, "-q"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._procs.append(p)
+        if self._stopping:  # stop() ran while this one started
+            p.kill()
+        p.wait()
 
     def stop(self) -> None:
-        import shutil
-
-        self._stop = True
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        for p in self.running:
+        self._stopping = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        for p in self._procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
@@ -124,6 +119,4 @@ def cubin_cache_dir(tmp_path_factory):
     """One cubin cache directory for the whole test run: tests that need the same unit compiled for the same
     architecture share the cubin through it instead of compiling it again (and find it built in the
     background where they declare it with the cubins marker: _Prebuild)."""
-    from pathlib import Path
-
     return Path(_PREBUILD.dir) if _PREBUILD.dir else tmp_path_factory.mktemp("cubins")

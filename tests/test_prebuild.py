@@ -14,5 +14,5 @@ def test_the_cubin_cache_is_the_background_builds_folder(request, cubin_cache_di
         assert conftest._PREBUILD.dir is None  # nothing to build: nothing started
         return
     assert str(cubin_cache_dir) == conftest._PREBUILD.dir
-    started = {pair for item in request.session.items for pair in conftest._cubins(item)}
-    assert ("comm", "sm_90") in started and ("kquant", "sm_120") in started
+    # Observed: the builds are under way (or done) before any test that compiles has run.
+    assert conftest._PREBUILD._procs or any(cubin_cache_dir.iterdir())
