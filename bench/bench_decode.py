@@ -177,6 +177,9 @@ def parse_args(argv):
     p.add_argument("--profile-tokens", type=int, default=16, help="tokens generated while profiling")
     p.add_argument("--profile-concurrency", type=int, default=1,
                    help="requests decoded together while profiling (e.g. 8: the all-reduce share at 8 concurrent)")
+    p.add_argument("--standin-us", default=None, metavar="US,...",
+                   help="TP 1 only: a stand-in kernel where TP > 1 would all-reduce, timed at each of these "
+                        "microseconds in one engine (fastcomm_vllm.standin; e.g. 0,5,10,20,60 for a TP 8 shard)")
     p.add_argument("--fastcomm-env", action="append", default=[], metavar="FASTCOMM_NAME=VALUE",
                    help="set a fastcomm variable in the fastcomm rows (repeatable), e.g. FASTCOMM_ALGO=one_shot; "
                         "recorded in the results, and --compare never merges it with runs without it")
@@ -254,6 +257,16 @@ def _main(argv) -> int:
         raise UsageError(f"--profile-concurrency {args.profile_concurrency} must be between 1 and the largest "
                          f"concurrency {max(conc)} (the prompts and max_num_seqs are sized by it)")
     check_numbers(args)
+    standin = None
+    if args.standin_us is not None:
+        try:
+            standin = [float(x) for x in args.standin_us.split(",")]
+        except ValueError:
+            raise UsageError(f"--standin-us {args.standin_us!r}: expected microseconds like 0,5,10,20,60") from None
+        if not standin or any(not 0 <= x < 1e6 for x in standin):
+            raise UsageError(f"--standin-us {args.standin_us!r}: each time must be >= 0 and below a second")
+        if args.tp != 1:
+            raise UsageError(f"--standin-us stands in for all-reduces at TP 1; at --tp {args.tp} the real ones run")
     fastcomm_env = parse_fastcomm_env(args.fastcomm_env)
     check_settings(fastcomm_env)
     try:
@@ -281,7 +294,7 @@ def _main(argv) -> int:
                 gpu_memory_utilization=args.gpu_memory_utilization, profile_dir=args.profile_dir,
                 profile_tokens=args.profile_tokens, profile_concurrency=args.profile_concurrency,
                 fastcomm_env=fastcomm_env or None, quantization=model.engine.get("quantization"),
-                spread_routing=args.spread_routing, sweep_temperature=args.sweep_temperature)
+                spread_routing=args.spread_routing, sweep_temperature=args.sweep_temperature, standin_us=standin)
     # The record names the model as given (no absolute path of this machine) and the commit it ran.
     meta = {**{k: v for k, v in spec.items() if k not in ("engine", "gguf")}, "model": model.record_name, "model_source": model.source,
             "weights": model.weights, "configs": names, "rounds": args.rounds, "started": stamp,

@@ -37,6 +37,10 @@ ROW_DEFINING = ("FASTCOMM_VLLM", "FASTCOMM_VLLM_FUSION", "FASTCOMM_TRANSPORT")
 
 
 def row_env(backend: Backend, spec: dict) -> dict:
-    """What a row sets in its process: the backend's own variables, plus --fastcomm-env in fastcomm rows."""
+    """What a row sets in its process: the backend's own variables, plus --fastcomm-env in fastcomm rows, plus
+    the stand-in all-reduces in every row of a --standin-us run (its first time; the worker sets the others)."""
     extra = (spec.get("fastcomm_env") or {}) if backend.fastcomm else {}
+    standin = spec.get("standin_us")
+    if standin:
+        extra = {**extra, "FASTCOMM_TEST_MODE": "1", "FASTCOMM_TEST_STANDIN_US": f"{standin[0]:g}"}
     return {**backend.env, **extra}

@@ -155,6 +155,7 @@ def run(spec: dict, backend: Backend, save) -> dict:
 
         spec = {**spec, "engine": {"model": spec["gguf"]["model"], **gguf_engine_kwargs(gguf, spec["gguf"])}}
     t0 = time.perf_counter()
+    spec = {**spec, "backend_name": backend.name}
     llm = LLM(**engine_kwargs(spec, backend))
     result = {"startup_s": round(time.perf_counter() - t0, 1), "vllm": importlib.metadata.version("vllm")}
     try:
@@ -172,6 +173,31 @@ def run(spec: dict, backend: Backend, save) -> dict:
     def counters():
         return spec_counters(llm.get_metrics()) if spec.get("mtp") else None
 
+    if spec.get("standin_us"):  # one rank's TP 8 shard at TP 1: the stand-ins where its all-reduces would be
+        from fastcomm_vllm import standin
+
+        result["standin_sites"] = llm.collective_rpc(standin.worker_sites)
+        result["standin"] = []
+        for i, us in enumerate(spec["standin_us"]):
+            llm.collective_rpc(standin.worker_set_us, args=(float(us),))
+            point = {"us": us}
+            result["standin"].append(point)
+            measure(llm, spec, batch_prompts, counters, point, lambda: save(result), profile=False)
+            if i == 0:  # the row's own figures (the report's table) are the first time's
+                result.update({k: point[k] for k in ("single", "greedy_tokens", "sweep")})
+        llm.collective_rpc(standin.worker_set_us, args=(float(spec["standin_us"][0]),))
+        if spec.get("profile_dir"):
+            measure(llm, spec, batch_prompts, counters, {}, lambda: save(result), profile=True, timed_runs=False)
+        return result
+    measure(llm, spec, batch_prompts, counters, result, lambda: save(result), profile=True)
+    return result
+
+
+def measure(llm, spec: dict, batch_prompts, counters, result: dict, save, *, profile: bool,
+            timed_runs: bool = True) -> None:
+    """The single request, the profile (``profile`` and a profile folder) and the sweep, into ``result``."""
+    from vllm import SamplingParams
+
     def timed(batch: int, tokens: int, temperature: float = 0.0):
         params = sweep_params(SamplingParams, batch, tokens, temperature, spec["seed"])
         times, outs = [], None
@@ -186,28 +212,31 @@ def run(spec: dict, backend: Backend, save) -> dict:
 
     n = spec["max_tokens"]
     sweep_t = spec.get("sweep_temperature", 0.0)  # the sweep's and the profile's sampling (sweep_params)
-    timed(1, 8)  # warm-up: first-request allocations, sampler JIT
-    t1, _, _, _ = timed(1, 1)
-    tn, outs, runs, accepted = timed(1, n)
-    tpot = (tn - t1) / (n - 1)
-    result["single"] = {"tpot_ms": round(tpot * 1e3, 3), "tok_s": round(1 / tpot, 2),
-                        "ttft_ms": round(t1 * 1e3, 2), "wall_s": round(tn, 3), "runs_s": runs}
-    if accepted:
-        result["single"]["spec_decode"] = accepted
-    result["greedy_tokens"] = list(outs[0].outputs[0].token_ids)
-    save(result)
-    if spec.get("profile_dir"):
+    if timed_runs:
+        timed(1, 8)  # warm-up: first-request allocations, sampler JIT
+        t1, _, _, _ = timed(1, 1)
+        tn, outs, runs, accepted = timed(1, n)
+        tpot = (tn - t1) / (n - 1)
+        result["single"] = {"tpot_ms": round(tpot * 1e3, 3), "tok_s": round(1 / tpot, 2),
+                            "ttft_ms": round(t1 * 1e3, 2), "wall_s": round(tn, 3), "runs_s": runs}
+        if accepted:
+            result["single"]["spec_decode"] = accepted
+        result["greedy_tokens"] = list(outs[0].outputs[0].token_ids)
+        save()
+    if profile and spec.get("profile_dir"):
         try:  # after the timed runs, so profiling never skews them
             llm.start_profile()
             batch = spec.get("profile_concurrency", 1)
             params = sweep_params(SamplingParams, batch, spec.get("profile_tokens", 16), sweep_t, spec["seed"])
             llm.generate([{"prompt_token_ids": p} for p in batch_prompts[:batch]], params, use_tqdm=False)
             llm.stop_profile()
-            result["profile"] = str(Path(spec["profile_dir"]) / backend.name)
+            result["profile"] = str(Path(spec["profile_dir"]) / spec["backend_name"])
         except Exception as e:  # the row stands without a profile
             result["profile"] = f"failed: {type(e).__name__}: {e}"
+    if not timed_runs:
+        return
     sweep = result["sweep"] = []
-    save(result)
+    save()
     for c in spec["concurrency"]:
         # Untimed first: a new batch size compiles Triton kernels for its shapes (vLLM warns "JIT compilation
         # during inference"), which would otherwise land in the 1-token run and shrink the TPOT difference.
@@ -223,8 +252,7 @@ def run(spec: dict, backend: Backend, save) -> dict:
         if accepted:
             point["spec_decode"] = accepted
         sweep.append(point)
-        save(result)
-    return result
+        save()
 
 
 def main(argv=None) -> int:

@@ -79,6 +79,16 @@ def choice(*choices: str) -> Callable[[str], str]:
     return parse
 
 
+def _microseconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise ValueError("not a number of microseconds") from None
+    if not math.isfinite(v) or v < 0:
+        raise ValueError("must be a finite number of microseconds >= 0")
+    return v
+
+
 def _path(text: str) -> Path:
     return Path(text).expanduser()
 
@@ -210,6 +220,9 @@ VARIABLES: tuple[Var, ...] = (
     Var("FASTCOMM_TEST_SWAP_SHARDS", "test_swap_shards", "0", "Tests only (needs FASTCOMM_TEST_MODE=1): 1 makes the "
         "one-GPU vLLM harness's workers load layer 0's gate and up GGUF shards under each other's names (the "
         "negative control of the TP logits check).", boolean),
+    Var("FASTCOMM_TEST_STANDIN_US", "test_standin_us", "", "Benchmarks only (needs FASTCOMM_TEST_MODE=1, TP 1): "
+        "e.g. '10': after every module where TP > 1 would all-reduce, a kernel that copies and spins this long "
+        "(fastcomm_vllm.standin; the TP 8 shard step's cost per all-reduce microsecond).", _microseconds),
 )
 _BY_NAME = {v.name: v for v in VARIABLES}
 _BY_FIELD = {v.field: v for v in VARIABLES}
@@ -283,6 +296,7 @@ class Config:
     test_break_p2p: tuple[int, int] | None = None
     test_startup_delay: tuple[int, float] | None = None
     test_swap_shards: bool = False
+    test_standin_us: float | None = None
 
     def __post_init__(self):
         # Constructor arguments get the same checks as the environment, named by argument.
@@ -326,8 +340,10 @@ class Config:
         if self.tune_file is not None:
             object.__setattr__(self, "tune_file", Path(self.tune_file).expanduser())
         if not self.test_mode:
-            for field in ("test_shared_gpu", "test_break_p2p", "test_startup_delay", "test_swap_shards"):
-                if getattr(self, field):
+            for field in ("test_shared_gpu", "test_break_p2p", "test_startup_delay", "test_swap_shards",
+                          "test_standin_us"):
+                value = getattr(self, field)
+                if value is not None and value is not False:  # the stand-in's 0 us is on, not off
                     raise ConfigError(f"{_BY_FIELD[field].name} ({field}) is a test switch: it needs "
                                       "FASTCOMM_TEST_MODE=1")
 

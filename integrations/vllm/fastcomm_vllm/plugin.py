@@ -36,6 +36,10 @@ def register() -> None:
     config = Config.from_env()
     for name in unknown_variables():
         logger.warning("fastcomm: %s is not a fastcomm setting; it is ignored (`fastcomm env` lists them)", name)
+    if config.test_standin_us is not None:  # one rank's shard timed at TP 1, any row (fastcomm_vllm.standin)
+        from . import standin
+
+        standin.install(config.test_standin_us)
     if not config.vllm_enabled:
         logger.info("fastcomm: plugin off (FASTCOMM_VLLM=0); vLLM runs unchanged")
         return

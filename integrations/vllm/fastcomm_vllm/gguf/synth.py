@@ -7,6 +7,7 @@ each token reads the real model's bytes; ~41 GB, one H200). For the benchmark no
 kept and one random array per (type, shape) is reused by every layer, so writing it is disk-bound:
 
     python -m fastcomm_bench.glm5_gguf OUT_DIR --full [--no-mtp] [--shards N]
+    python -m fastcomm_bench.glm5_gguf OUT_DIR --tp8-shard   # one TP 8 rank's share of GLM-5 (TP8_SHARD)
 
 Shapes keep what the sparse-MLA kernels fix (kv_lora 512, rope 64, indexer 32 heads x 128, qk_nope 192,
 v_head 256) and shrink the rest. Tensor types mix what an Unsloth UD-Q4_K_XL file mixes (Q4_K, Q5_K, Q6_K,
@@ -55,6 +56,27 @@ class Shape:
 
 FULL = Shape(hidden=6144, vocab=154880, layers=78, dense=3, heads=64, q_lora=2048, ffn=12288, moe_ffn=2048,
              experts=16, top_k=8)  # bench/models/glm5-78L-16E's shapes
+GLM5 = dataclasses.replace(FULL, experts=256)  # the real model's shapes (744B: 256 routed experts)
+TP8 = 8
+
+
+def rank_shard(s: Shape, tp: int) -> Shape:
+    """One rank's share of ``s`` at tensor parallel ``tp``, as a model of its own (what vLLM keeps per rank):
+    attention heads, every expert's (and the shared expert's) intermediate, the dense FFN and the vocabulary
+    (embedding and LM head rows) split ``tp`` ways; the rest (q_a / kv_a, the indexer, the router, eh_proj,
+    the norms) replicated at full size. Every split must be whole K-quant super-blocks, as GLM-5's are at TP 8."""
+    for name, n in (("heads", s.heads), ("ffn", s.ffn), ("moe_ffn", s.moe_ffn), ("vocab", s.vocab)):
+        if n % tp:
+            raise ValueError(f"{name}={n} does not split {tp} ways")
+    shard = dataclasses.replace(s, heads=s.heads // tp, ffn=s.ffn // tp, moe_ffn=s.moe_ffn // tp,
+                                vocab=s.vocab // tp)
+    for name, k in (("ffn", shard.ffn), ("moe_ffn", shard.moe_ffn), ("heads x v_head", shard.heads * s.v_head)):
+        if k % 256:
+            raise ValueError(f"{name}={k} per rank is not whole 256-element super-blocks")
+    return shard
+
+
+TP8_SHARD = rank_shard(GLM5, TP8)  # rank 0 of GLM-5 at TP 8: ~55 GB, one H200
 
 
 # HF leaf name -> (llama.cpp GGUF leaf, type). Types follow a UD-Q4_K_XL file's mix; q_a and kv_a differ on
@@ -186,13 +208,23 @@ class _Reuse:
         return self.seen[key], None
 
 
-def build(s: Shape, seed: int = 0, *, truth: bool = True):
+def _no_data(qtype: Q, shape: tuple, *, norm: bool = False):
+    """A stored array's shape and dtype without its bytes (a zero-stride view): for ``plan``."""
+    if qtype == Q.F32:
+        return np.broadcast_to(np.zeros((), np.float32), shape), None
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    return np.broadcast_to(np.zeros((), np.uint8), (*shape[:-1], shape[-1] // block * nbytes)), None
+
+
+def build(s: Shape, seed: int = 0, *, truth: bool = True, data: bool = True):
     """(GGUF tensors in llama.cpp's write order as (gguf_name, stored, qtype), HF truth {name: float32});
-    ``truth=False``: no truth (empty), and arrays are reused across layers (_Reuse)."""
+    ``truth=False``: no truth (empty), and arrays are reused across layers (_Reuse); ``data=False``: no bytes
+    either (``plan``)."""
     rng = np.random.default_rng(seed)
     gguf_tensors: list[tuple[str, np.ndarray, Q]] = []
     truth_of: dict[str, np.ndarray] = {}
-    make = (lambda qtype, shape, norm=False: make_tensor(rng, qtype, shape, norm=norm)) if truth else _Reuse(rng)
+    make = (lambda qtype, shape, norm=False: make_tensor(rng, qtype, shape, norm=norm)) if truth \
+        else _Reuse(rng) if data else _no_data
 
     def put(hf: str, gname: str, qtype: Q, shape: tuple):
         stored, t = make(qtype, shape, norm=hf.endswith("norm.weight") and "indexer" not in hf)
@@ -234,6 +266,11 @@ def build(s: Shape, seed: int = 0, *, truth: bool = True):
                 put(hf, f"blk.{layer}.{gname}", qt, shapes[hf])
     put("lm_head.weight", "output.weight", TOP["lm_head.weight"][1], (s.vocab, s.hidden))
     return gguf_tensors, truth_of
+
+
+def plan(s: Shape) -> list[tuple[str, tuple, Q, int]]:
+    """The file's tensors as (gguf_name, numpy shape of the stored array, type, bytes), without making them."""
+    return [(n, a.shape, q, a.size * a.itemsize) for n, a, q in build(s, truth=False, data=False)[0]]
 
 
 def _put_kv_b(make, s: Shape, layer: int, gguf_tensors, truth):
@@ -412,19 +449,34 @@ def write_other_arch(path: Path) -> Path:
     return path
 
 
+SHARD_NAME = "GLM-5-TP8-rank0-UD-Q4_K_XL"
+
+
 def main(argv=None) -> None:
     import argparse
+    import shutil
 
     p = argparse.ArgumentParser(prog="python -m fastcomm_bench.glm5_gguf", description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, help="folder for the GGUF shards")
-    p.add_argument("--full", action="store_true", help="GLM-5's widths, 78 layers, 16 experts (top-8): ~41 GB")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--full", action="store_true", help="GLM-5's widths, 78 layers, 16 experts (top-8): ~41 GB")
+    what.add_argument("--tp8-shard", action="store_true",
+                      help="rank 0 of GLM-5 at TP 8 as a TP 1 model: 78 layers, 256 experts at 256, 8 heads, "
+                           "19,360 vocabulary rows, replicated tensors at full size: ~55 GB")
     p.add_argument("--no-mtp", action="store_true", help="without the MTP block")
     p.add_argument("--shards", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    shape = dataclasses.replace(FULL if a.full else Shape(), mtp=not a.no_mtp)
-    name = "GLM-5-78L-16E-UD-Q4_K_XL" if a.full else "GLM-5-tiny-UD-Q4_K_XL"
-    first, _ = write_gguf(a.out, shape, seed=a.seed, shards=a.shards, name=name, truth=not a.full)
+    base, name = ((FULL, "GLM-5-78L-16E-UD-Q4_K_XL") if a.full else (TP8_SHARD, SHARD_NAME) if a.tp8_shard
+                  else (Shape(), "GLM-5-tiny-UD-Q4_K_XL"))
+    shape = dataclasses.replace(base, mtp=not a.no_mtp)
+    big = a.full or a.tp8_shard
+    if big:
+        need = sum(t[3] for t in plan(shape))
+        free = shutil.disk_usage(a.out if a.out.exists() else a.out.parent).free
+        if need > free:
+            p.exit(2, f"glm5_gguf: {a.out}: {need / 2**30:.1f} GiB needed, {free / 2**30:.1f} GiB free\n")
+    first, _ = write_gguf(a.out, shape, seed=a.seed, shards=a.shards, name=name, truth=not big)
     total = sum(f.stat().st_size for f in a.out.glob(f"{name}*.gguf"))
     print(f"{first} ({total / 2**30:.1f} GiB in {a.shards} shard(s))")
 
