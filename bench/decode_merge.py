@@ -14,7 +14,7 @@ LEGACY_PROMPTS = "one id repeated"
 # What makes two runs the same measurement; runs that differ in any of these are never merged as rounds.
 SETUP_KEYS = ("model", "tp", "max_tokens", "capture_sizes", "prompt_len", "prompts", "max_num_seqs",
               "fastcomm_env", "weights", "mtp", "quantization", "settings", "sweep_temperature",
-              "max_num_batched_tokens")
+              "max_num_batched_tokens", "standin_us")
 # What a file written before a key existed measured (every run before weights/mtp were recorded used dummy
 # weights without MTP).
 LEGACY = {"prompts": LEGACY_PROMPTS, "weights": "dummy", "mtp": 0, "quantization": None, "settings": None,

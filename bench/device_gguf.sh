@@ -57,9 +57,11 @@
 # 3d. Tensor parallel 1-8 with every rank on this one GPU (fastcomm_vllm.one_gpu; one call per part set,
 #    same carry):  TP_PARTS=ref,tp1,tp2 bash bench/device_gguf.sh tp .gguf_stage   (then tp4,skew4; tp8,control8)
 #    $OUT/tp/*.json per engine, $OUT/tp/report.json: logits vs bf16 and TP 1, MTP, all-reduce counts.
-# 3e. One TP 8 rank's decode step (issue 36), each one call on a warm machine, the shard written once (~55 GiB on
-#    /tmp's disk or /dev/shm): bash bench/device_gguf.sh shard .gguf_stage plain   (then mtp, profile)
-#    SHARD_STANDIN_US (0,5,10,20,60): the stand-in all-reduce's times; the step at each, in one engine.
+# 3e. One TP 8 rank's decode step (issue 36), each one call on a warm machine, the shard written once (~55 GiB in
+#    /dev/shm or on /tmp's disk): bash bench/device_gguf.sh shard .gguf_stage write   (then plain, mtp)
+#    SHARD_STANDIN_US (0,5,10,20,60): the stand-in all-reduce's times; the step at each, in one engine; plain
+#    profiles one request's step at the first time after them. The engine's run is bounded by SHARD_BUDGET_S
+#    (560 s from the call's start), so a call cut short still brings back what it measured.
 # 4. `fastcomm-serve` itself, end to end (one call, same carry; ~2-4 min, bounded at 540 s):
 #        eval "$(bash .stage/install.sh)" && bash bench/device_gguf.sh serve .gguf_stage
 #    tests/gguf/serve_gpu.py: the tiny GLM-5 GGUF (3 shards + MTP block) through `fastcomm-serve --dry-run`
@@ -145,9 +147,9 @@ model() {
   echo "== written in $((SECONDS - t0)) s"
 }
 
-shard_dir() {   # where the ~55 GiB TP 8 shard fits: /tmp's disk, else /dev/shm (host memory), else nothing
+shard_dir() {   # where the ~55 GiB TP 8 shard fits: /dev/shm (host memory; fast to write), else /tmp's disk
   local need=$((60 * 1000 * 1000 * 1000)) d
-  for d in ${SHARD_DIR:-/tmp /dev/shm}; do
+  for d in ${SHARD_DIR:-/dev/shm /tmp}; do
     [ -f "$d/glm5-tp8-shard/$SHARD_FIRST_NAME" ] && { echo "$d/glm5-tp8-shard"; return 0; }
     [ "$(df -B1 --output=avail "$d" 2>/dev/null | tail -1)" -gt "$need" ] 2>/dev/null && { echo "$d/glm5-tp8-shard"; return 0; }
   done
@@ -157,11 +159,12 @@ SHARD_FIRST_NAME=GLM-5-TP8-rank0-UD-Q4_K_XL-00001-of-00008.gguf
 
 # Issue 36: rank 0 of GLM-5 at TP 8 (python -m fastcomm_bench.glm5_gguf --tp8-shard) as a TP 1 engine, a stand-in
 # kernel at each of the step's all-reduce sites (fastcomm_vllm.standin) timed at SHARD_STANDIN_US in one engine.
-#   shard plain: one request and 2-4 (the verify steps' token counts), CUDA graphs at vLLM's default sizes
+#   shard write: the shard file only (a call of its own: ~60 GB written)
+#   shard plain: one request and 2-4 (the verify steps' token counts), CUDA graphs at vLLM's default sizes, then
+#                the profile of one request's step (profile_summary), stand-in at the first time
 #   shard mtp:   one request with 3 MTP drafts (random weights accept none: the drafts' cost)
-#   shard profile: where one request's step goes (profile_summary), stand-in at 0
 shard() {
-  local what=${1:-plain} out=${OUT:-$here/out}
+  local what=${1:-plain} out=${OUT:-$here/out} t_call=$SECONDS
   install || return 1
   local sdir
   sdir=$(shard_dir) || { echo "== no disk or /dev/shm with 60 GB free for the TP 8 shard"; df -h /tmp /dev/shm; return 1; }
@@ -170,17 +173,18 @@ shard() {
     python -m fastcomm_bench.glm5_gguf "$sdir" --tp8-shard --shards 8 || return 1
     echo "== TP 8 shard written to ${sdir%%/glm5*} in $((SECONDS - t0)) s"
   fi
+  [ "$what" = write ] && return 0
   local us=${SHARD_STANDIN_US:-0,5,10,20,60}
+  local left=$(( ${SHARD_BUDGET_S:-560} - (SECONDS - t_call) ))
   local common=(--tp 1 --max-tokens "${SHARD_TOKENS:-64}" --capture-sizes default --repeats "${SHARD_REPEATS:-2}"
-    --max-model-len 2048 --max-num-batched-tokens 2048 --sweep-temperature 1)
+    --max-model-len 2048 --max-num-batched-tokens 2048 --sweep-temperature 1 --timeout "$left")
   case "$what" in
     plain) bash bench/device_decode.sh shard-tp8 "$sdir/$SHARD_FIRST_NAME" vllm "${common[@]}" --no-mtp \
-             --concurrency "${SHARD_CONCURRENCY:-1,2,3,4}" --standin-us "$us" ;;
+             --concurrency "${SHARD_CONCURRENCY:-1,2,3,4}" --standin-us "$us" \
+             --profile-dir /tmp/prof-shard --profile-concurrency 1 --profile-tokens 16 ;;
     mtp) bash bench/device_decode.sh shard-tp8-mtp3 "$sdir/$SHARD_FIRST_NAME" vllm "${common[@]}" --mtp 3 \
            --concurrency 1 --max-num-seqs 1 --standin-us "${SHARD_MTP_STANDIN_US:-0,20}" ;;
-    profile) bash bench/device_decode.sh shard-tp8-prof "$sdir/$SHARD_FIRST_NAME" vllm "${common[@]}" --no-mtp \
-               --concurrency 1 --standin-us 0 --profile-dir /tmp/prof-shard --profile-concurrency 1 --profile-tokens 16 ;;
-    *) echo "shard: plain, mtp or profile" >&2; return 2 ;;
+    *) echo "shard: write, plain or mtp" >&2; return 2 ;;
   esac
 }
 

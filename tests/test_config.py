@@ -148,6 +148,30 @@ def test_test_switches_need_test_mode():
     assert not d.test_mode and not d.test_shared_gpu and d.test_break_p2p is None
 
 
+@pytest.mark.parametrize("text,want", [("10", 10.0), ("2.5", 2.5), ("0", 0.0)])
+def test_standin_microseconds(text, want):
+    c = Config.from_env({"FASTCOMM_TEST_MODE": "1", "FASTCOMM_TEST_STANDIN_US": text})
+    assert c.test_standin_us == want and isinstance(c.test_standin_us, float)
+    assert Config.from_env({"FASTCOMM_TEST_MODE": "1"}).test_standin_us is None  # unset: no stand-ins
+
+
+@pytest.mark.parametrize("value,says", [("abc", "not a number"), ("-1", ">= 0"), ("inf", "finite"),
+                                        ("nan", "finite")])
+def test_standin_bad_values_name_the_variable(value, says):
+    with pytest.raises(ConfigError) as e:
+        Config.from_env({"FASTCOMM_TEST_MODE": "1", "FASTCOMM_TEST_STANDIN_US": value})
+    text = str(e.value)
+    assert text.startswith(f"FASTCOMM_TEST_STANDIN_US={value!r}: ") and says in text and "\n" not in text
+
+
+@pytest.mark.parametrize("value", ["5", "0"])  # 0 us is a stand-in that only copies: on, so a test switch too
+def test_standin_needs_test_mode(value):
+    with pytest.raises(ConfigError, match=r"FASTCOMM_TEST_STANDIN_US \(test_standin_us\).*FASTCOMM_TEST_MODE=1"):
+        Config.from_env({"FASTCOMM_TEST_STANDIN_US": value})
+    with pytest.raises(ConfigError, match="FASTCOMM_TEST_MODE=1"):
+        Config(test_standin_us=float(value))  # the constructor's override too
+
+
 @pytest.mark.parametrize("value", ["0", "0-0", "a-b", "0-1-2", "0-9"])
 def test_break_p2p_needs_two_different_ranks(value):
     with pytest.raises(ConfigError, match=f"FASTCOMM_TEST_BREAK_P2P={value!r}"):

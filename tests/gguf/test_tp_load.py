@@ -280,3 +280,7 @@ def test_every_rank_holds_its_slice_of_the_file(world, file_and_config, tmp_path
     assert any("o_proj" in m for m in control) and any("gate_up_proj" in m for m in control), control[:6]
     stats = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     assert all(s["load_s"]["main"] > 0 for s in stats)
+    # The stand-in's sites, counted on the model vLLM built at this TP: each layer's o_proj and its MLP or MoE
+    # block, plus the embedding (GLM-5: 2 x 78 + 1 = 157); the MTP model's one block and its embedding.
+    sites = [s["standin_sites"] for s in stats]
+    assert sites == [{"main": 2 * shape.layers + 1, "mtp": 3}] * world, sites

@@ -9,7 +9,8 @@ Writes OUT_DIR/rank{RANK}.pt: {model tag: {parameter: record}}, a record being {
 GGUF-quantized module, "types" (shard -> GGML type) and "offsets" (shard -> (first row, end row, bytes)) of a
 fused weight; and OUT_DIR/rank{RANK}.json: host memory before the model is built, after it is built and after
 its weights are loaded, each phase's peak its own where the kernel can reset it (before the dump; with nodump
-no dump is written: the load's memory alone), load seconds.
+no dump is written: the load's memory alone), load seconds, and how many modules fastcomm_vllm.standin counts
+as all-reducing (its sites).
 """
 import json
 import os
@@ -56,6 +57,7 @@ def main(rank: int, world: int, port: str, gguf_path: str, config_dir: str, out:
     from vllm.model_executor.model_loader.utils import get_model_architecture
     from vllm_gguf_plugin.quantization import GGUFConfig
 
+    from fastcomm_vllm import standin
     from fastcomm_vllm.gguf import adapter, files, metadata, plugin, weights
 
     plugin.register()  # what the fastcomm_gguf entry point does in each vLLM process
@@ -78,7 +80,7 @@ def main(rank: int, world: int, port: str, gguf_path: str, config_dir: str, out:
     main_mc = ModelConfig(model=config_dir, dtype="bfloat16", max_model_len=1024, skip_tokenizer_init=True)
     draft_mc = ModelConfig(model=config_dir, dtype="bfloat16", max_model_len=1024, skip_tokenizer_init=True,
                            hf_overrides=SpeculativeConfig.hf_config_override)
-    saved, seconds, memory = {}, {}, {}
+    saved, seconds, memory, sites = {}, {}, {}, {}
     for tag, mc in (("main", main_mc), ("mtp", draft_mc)):
         part = weights.MTP if tag == "mtp" else weights.MAIN
         qc = GGUFConfig(unquantized_modules=adapter.unquantized_modules(meta, n_main, part))
@@ -108,12 +110,14 @@ def main(rank: int, world: int, port: str, gguf_path: str, config_dir: str, out:
             seconds[tag] = time.perf_counter() - start
             phases["load"] = _memory()
             memory[tag] = {**phases, "peak_reset": reset}
+            sites[tag] = standin.count_sites(model)
             if dump:
                 saved[tag] = _records(model)
             del model
     if dump:
         torch.save(saved, Path(out) / f"rank{rank}.pt")
-    (Path(out) / f"rank{rank}.json").write_text(json.dumps({"memory_kb": memory, "load_s": seconds}))
+    stats = {"memory_kb": memory, "load_s": seconds, "standin_sites": sites}
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(stats))
 
 
 def _records(model) -> dict:

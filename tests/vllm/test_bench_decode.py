@@ -625,3 +625,38 @@ def test_max_num_batched_tokens_reaches_the_engine_and_must_hold_the_largest_bat
     assert "max_num_batched_tokens" in decode_merge.SETUP_KEYS
     one_line_error(capsys, ["--concurrency", "1,8", "--prompt-len", "32", "--max-num-batched-tokens", "255"],
                    "--max-num-batched-tokens 255", "8 x 32 tokens")
+
+
+def test_standin_us_mistakes_are_one_line_before_any_backend_starts(tmp_path, monkeypatch, capsys):
+    seen = _specs_run(tmp_path, monkeypatch)
+    one_line_error(capsys, ["--tp", "1", "--standin-us", "x"], "--standin-us 'x'", "microseconds")
+    one_line_error(capsys, ["--tp", "1", "--standin-us", "5,-1"], "--standin-us '5,-1'", ">= 0")
+    one_line_error(capsys, ["--tp", "1", "--standin-us", "nan"], "--standin-us 'nan'")
+    # At TP > 1 the real all-reduces run: a stand-in there would time them twice.
+    one_line_error(capsys, ["--tp", "2", "--standin-us", "5"], "--tp 2")
+    assert seen == [] and list(tmp_path.iterdir()) == []
+
+
+def test_standin_us_reaches_the_spec_and_every_rows_environment(tmp_path, monkeypatch):
+    seen = _specs_run(tmp_path, monkeypatch)
+    assert B.main(["--configs", "vllm,fastcomm", "--tp", "1", "--max-tokens", "64", "--standin-us", "0,5,10",
+                   "--out", str(tmp_path / "r.json")]) == 0
+    assert [s["standin_us"] for s in seen] == [[0.0, 5.0, 10.0]] * 2
+    assert json.loads((tmp_path / "r.json").read_text())["meta"]["standin_us"] == [0.0, 5.0, 10.0]
+    # Every row, baselines too, starts with the stand-ins at the first time (the worker sets the others).
+    for name in ("vllm", "nccl", "fastcomm"):
+        env = decode_backends.row_env(decode_backends.BACKENDS[name], seen[0])
+        assert env["FASTCOMM_TEST_MODE"] == "1" and env["FASTCOMM_TEST_STANDIN_US"] == "0", env
+        assert env.items() >= decode_backends.BACKENDS[name].env.items()
+    # ... and the plugin's own configuration accepts what the row sets.
+    from fastcomm.config import Config
+
+    assert Config.from_env(decode_backends.row_env(decode_backends.BACKENDS["vllm"], seen[0])).test_standin_us == 0.0
+    seen.clear()
+    assert B.main(["--configs", "vllm", "--tp", "1", "--max-tokens", "64", "--out", str(tmp_path / "s.json")]) == 0
+    assert seen[0].get("standin_us") is None
+    env = decode_backends.row_env(decode_backends.BACKENDS["vllm"], seen[0])
+    assert "FASTCOMM_TEST_STANDIN_US" not in env and "FASTCOMM_TEST_MODE" not in env
+    # A stand-in run is another measurement: --compare never pools it with a plain run as rounds of one row.
+    plain, standin = (json.loads((tmp_path / f).read_text())["meta"] for f in ("s.json", "r.json"))
+    assert decode_merge._setup(plain) != decode_merge._setup(standin)

@@ -473,7 +473,9 @@ def main(argv=None) -> None:
     big = a.full or a.tp8_shard
     if big:
         need = sum(t[3] for t in plan(shape))
-        free = shutil.disk_usage(a.out if a.out.exists() else a.out.parent).free
+        # The nearest folder that exists: write_gguf makes the missing ones.
+        where = next(d for d in (a.out, *a.out.absolute().parents) if d.exists())
+        free = shutil.disk_usage(where).free
         if need > free:
             p.exit(2, f"glm5_gguf: {a.out}: {need / 2**30:.1f} GiB needed, {free / 2**30:.1f} GiB free\n")
     first, _ = write_gguf(a.out, shape, seed=a.seed, shards=a.shards, name=name, truth=not big)
