@@ -36,7 +36,7 @@ def test_prediction_grows_with_drafts_and_the_table_labels_itself_a_model():
     assert k3["verify_ms"] > plain["verify_ms"] and k3["tok_s"] == pytest.approx(2.5e3 / k3["step_ms"], rel=1e-2)
     assert M.predict(3, 2.5, 3 * fit.per_token_ms, scaled=False)["step_ms"] > k3["step_ms"]
     lines = M.table({1: 24.8, 2: 36.2, 3: 55.0, 4: 58.5})
-    assert lines[0].startswith("# MODEL, not a measurement") and len(lines) == 5 + 2 * 7
+    assert lines[0].startswith("# MODEL, not a measurement") and len(lines) == 5 + 2 * 7 + 3
 
 
 def test_committed_record_feeds_the_model():
@@ -73,7 +73,7 @@ def test_measured_mtp_step_sets_the_draft_cost():
     assert dear["verify_ms"] == cheap["verify_ms"] and dear["draft_ms"] > cheap["draft_ms"]
     lines = M.table(points, run)
     assert any(line.startswith("# measured H200 MTP step, k=3: 64.5 ms") for line in lines)
-    assert len(lines) == 6 + 2 * 7 + 2   # and the whole step's two rows
+    assert len(lines) == 6 + 3 + 2 * 7 + 2   # and the whole step's two rows
     with pytest.raises(ValueError, match="no step at 1 and 4"):
         M.draft_share({1: 24.8, 2: 36.2}, run)
 
@@ -126,3 +126,27 @@ def test_the_command_takes_an_mtp_run_only_when_given_one(capsys):
     assert "whole MTP step" not in default and "measured H200 MTP step" not in default
     assert "1: 17.8, 2: 22.7, 4: 21.4, 8: 22.1" in default   # the committed sweep's steps, as read
     assert "the H200's whole MTP step" in paired and "measured H200 MTP step, k=3" in paired
+
+
+@pytest.mark.parametrize("end", [0, 1])
+def test_published_nccl_costs_give_back_the_users_43_and_57_tok_s(end):
+    # One constant C for the step's non-all-reduce time must reproduce both of the user's NCCL figures
+    # (CUDA graphs 43 tok/s, NCCL_PROTO=LL 57 tok/s) from NCCL's published per-call costs, at either end of them.
+    us = {p: r[end] for p, r in M.NCCL_PUBLISHED_US.items()}
+    cal = M.calibrate(us)
+    assert all(abs(e) <= M.VALIDATION_TOLERANCE for e in cal["error"].values()), cal
+    assert 12.0 < cal["constant_ms"] < 15.5, cal
+    # Stricter: C from the default point alone predicts the LL one.
+    assert abs(M.predict_other(us)["LL"]) <= M.VALIDATION_TOLERANCE
+
+
+def test_the_briefs_assumed_40_us_fails_the_cross_check():
+    # 40 us at default leaves C ~17 ms, which puts LL (published ~21 us) far below the user's 57 tok/s.
+    assert M.predict_other({"default": 40.0, "LL": 21.0})["LL"] < -M.VALIDATION_TOLERANCE
+    assert M.implied_constant_ms(43.0, 40.0) == pytest.approx(1e3 / 43 - 157 * 0.040)
+
+
+def test_the_table_carries_the_validation_and_fastcomms_row():
+    lines = M.table({1: 24.8, 2: 36.2, 3: 55.0, 4: 58.5})
+    checks = [l for l in lines if l.startswith("# validation")]
+    assert len(checks) == 3 and all("fastcomm without MTP at this C" in l for l in checks)
