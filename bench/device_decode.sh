@@ -35,7 +35,9 @@ for cfg in ${configs//,/ }; do
   kill $sampler 2>/dev/null; wait $sampler 2>/dev/null
   cp "$work/$cfg.json" "$OUT/decode-$tag-$cfg.json" 2>/dev/null
   if [ -n "$prof" ] && [ -d "$prof/$cfg" ]; then
-    python3 -m fastcomm_bench.profile_summary "$prof" --backend "$cfg" --json "$OUT/profile-$tag-$cfg.json" >/dev/null
+    # PROFILE_SUMMARY_ARGS: e.g. the weight-read floor's --weight-bytes / --copy-gbps (device_gguf.sh shard).
+    python3 -m fastcomm_bench.profile_summary "$prof" --backend "$cfg" --json "$OUT/profile-$tag-$cfg.json" \
+      ${PROFILE_SUMMARY_ARGS:-} >"$OUT/profile-$tag-$cfg.txt"
   fi
 done
 {

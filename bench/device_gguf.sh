@@ -179,7 +179,18 @@ shard() {
   local common=(--tp 1 --max-tokens "${SHARD_TOKENS:-64}" --capture-sizes default --repeats "${SHARD_REPEATS:-2}"
     --max-model-len 2048 --max-num-batched-tokens 2048 --sweep-temperature 1 --timeout "$left")
   case "$what" in
-    plain) bash bench/device_decode.sh shard-tp8 "$sdir/$SHARD_FIRST_NAME" vllm "${common[@]}" --no-mtp \
+    plain)
+      # The floor: the weight bytes one request's step reads (synth.step_read_bytes: 8 of 256 experts, no
+      # MTP block) at this GPU's device-to-device copy bandwidth (bytes read + written over the time), measured here.
+      local gbps wbytes
+      gbps=$(python -c 'import torch; x = torch.empty(2**31, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
+for _ in range(3): y.copy_(x)
+s, e = torch.cuda.Event(True), torch.cuda.Event(True); s.record()
+for _ in range(10): y.copy_(x)
+e.record(); e.synchronize(); print(round(2 * 10 * x.numel() / (s.elapsed_time(e) * 1e6), 1))')
+      wbytes=$(python -c 'from fastcomm_vllm.gguf import synth; print(synth.step_read_bytes(synth.TP8_SHARD))')
+      echo "== copy bandwidth ${gbps} GB/s; shard weights ${wbytes} B"
+      PROFILE_SUMMARY_ARGS="--weight-bytes $wbytes --copy-gbps $gbps" bash bench/device_decode.sh shard-tp8 "$sdir/$SHARD_FIRST_NAME" vllm "${common[@]}" --no-mtp \
              --concurrency "${SHARD_CONCURRENCY:-1,2,3,4}" --standin-us "$us" \
              --profile-dir /tmp/prof-shard --profile-concurrency 1 --profile-tokens 16 ;;
     mtp) bash bench/device_decode.sh shard-tp8-mtp3 "$sdir/$SHARD_FIRST_NAME" vllm "${common[@]}" --mtp 3 \

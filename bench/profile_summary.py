@@ -27,8 +27,9 @@ from collections import defaultdict
 from pathlib import Path
 
 # NCCL's all-reduce kernels carry "AllReduce" in their names; its all-gathers (vLLM's logits) are not counted.
+# fastcomm_standin: fastcomm_vllm.standin's kernel where a TP 8 shard's all-reduces would be.
 ALL_REDUCE = re.compile(r"allreduce|all_reduce|cross_device_reduce|one_shot|two_shot|multimem|"
-                        r"^fc_|lamport|oneshot|twoshot", re.IGNORECASE)
+                        r"^fc_|lamport|oneshot|twoshot|fastcomm_standin", re.IGNORECASE)
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 # Kernel families by name (first match wins; the rest is "other"), so a GGUF step and an FP8 step of the same
 # shapes read side by side: vllm-gguf-plugin's kernels (mmvq.cuh's mul_mat_vec_q, mmq.cuh's mul_mat_q*,
@@ -94,13 +95,19 @@ def graph_steps(events: list[dict], gpu: list[dict], top_kernels: int = 4) -> di
     # of at least half the largest kernel count.
     most = max(len(kernels) for kernels in steps.values())
     full = [kernels for kernels in steps.values() if len(kernels) * 2 >= most]
-    spans, ars, counts = [], [], []
+    spans, ars, counts, nodes, idle, gaps = [], [], [], [], [], []
     # Other kernels per step too: a whole-trace total mixes the prefill's (large) calls with the decode
     # steps', so two backends' totals can differ where their steps do not.
     others: list[dict[str, float]] = []
     fams: list[dict[str, float]] = []
     for kernels in full:
         spans.append(max(float(e["ts"]) + float(e["dur"]) for e in kernels) - min(float(e["ts"]) for e in kernels))
+        # Nodes and the GPU's idle time between them: a step of thousands of small kernels loses time to the
+        # gaps between nodes, which neither bandwidth nor a faster all-reduce wins back.
+        nodes.append(len(kernels))
+        busy = _union_length([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kernels])
+        idle.append(spans[-1] - busy)
+        gaps.append(idle[-1] / max(1, len(kernels) - 1))
         per_name: dict[str, float] = defaultdict(float)
         per_family: dict[str, float] = defaultdict(float)
         ar = []
@@ -126,6 +133,8 @@ def graph_steps(events: list[dict], gpu: list[dict], top_kernels: int = 4) -> di
             "median_span_us": round(span, 1), "median_all_reduce_us": round(ar, 1),
             "all_reduce_share": round(ar / span, 3) if span else None,
             "all_reduce_calls_per_step": statistics.median(counts),
+            "nodes_per_step": statistics.median(nodes), "median_idle_us": round(statistics.median(idle), 1),
+            "median_gap_us": round(statistics.median(gaps), 3),
             "top_other_kernels_us": [{"name": n, "median_us": round(m, 1)} for n, m in top],
             "families_us": dict(sorted(fam_medians.items(), key=lambda fm: -fm[1]))}
 
@@ -180,7 +189,13 @@ def summarize_dir(root: Path, only: str | None = None) -> dict:
     return out
 
 
-def print_summary(summary: dict, file=None) -> None:
+def floor_ms(weight_bytes: float, copy_gbps: float) -> float:
+    """The step's weight-read floor: every weight byte read once at the GPU's measured copy bandwidth."""
+    return weight_bytes / (copy_gbps * 1e9) * 1e3
+
+
+def print_summary(summary: dict, file=None, *, layers: int = 78, floor: float | None = None) -> None:
+    """``floor``: the weight-read floor (ms, ``floor_ms``) each graph step is set against."""
     file = file or sys.stdout
     print(f"{'backend':<16} {'trace':<28} {'window ms':>9} {'busy':>5} {'AR calls':>8} {'AR ms':>7} "
           f"{'AR share':>8} {'AR med us':>9} {'graphs':>6} {'kernels':>7}", file=file)
@@ -201,6 +216,12 @@ def print_summary(summary: dict, file=None) -> None:
                       f"calls = {st['all_reduce_share']:.3f} of the step"
                       + (f" ({st['piecewise_graphs_left_out']} piecewise graphs left out)"
                          if st.get("piecewise_graphs_left_out") else ""), file=file)
+                if "nodes_per_step" in st:
+                    print(f"{'':<16}   {st['nodes_per_step']:g} nodes a step ({st['nodes_per_step'] / layers:.1f} a "
+                          f"layer of {layers}), GPU idle between them {st['median_idle_us'] / 1e3:.3f} ms "
+                          f"({st['median_gap_us']:.2f} us a gap)"
+                          + (f"; weight-read floor {floor:.2f} ms, step {st['median_span_us'] / 1e3 / floor:.2f}x it"
+                             if floor else ""), file=file)
                 fams = st.get("families_us") or {}
                 if fams:
                     print(f"{'':<16}   step by kernel family (ms): "
@@ -219,7 +240,17 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default=None, help="only this backend's folder")
     p.add_argument("--json", default=None, help="write the summary here too")
     p.add_argument("--print", nargs="+", default=None, metavar="JSON", help="print summaries written earlier")
+    p.add_argument("--layers", type=int, default=78, help="decoder layers a step runs (nodes a layer)")
+    p.add_argument("--weight-bytes", type=float, default=None,
+                   help="bytes of weights a step reads (e.g. the TP 8 shard's, from synth.plan) for the floor")
+    p.add_argument("--copy-gbps", type=float, default=None,
+                   help="the GPU's measured device-to-device copy bandwidth (GB/s) for the floor")
     args = p.parse_args(argv)
+    if (args.weight_bytes is None) != (args.copy_gbps is None):
+        return _error("--weight-bytes and --copy-gbps go together (the floor needs both)")
+    if args.layers < 1 or (args.weight_bytes is not None and not (args.weight_bytes > 0 and args.copy_gbps > 0)):
+        return _error("--layers, --weight-bytes and --copy-gbps must be positive")
+    floor = floor_ms(args.weight_bytes, args.copy_gbps) if args.weight_bytes is not None else None
     if args.print:
         summary = {}
         for f in args.print:
@@ -229,7 +260,7 @@ def main(argv=None) -> int:
                 return _error(f"--print {f}: {e.strerror or e}")
             except ValueError as e:
                 return _error(f"--print {f}: not JSON ({e})")
-        print_summary(summary)
+        print_summary(summary, layers=args.layers, floor=floor)
         return 0
     if not args.profile_dir:
         return _error("name a PROFILE_DIR (what bench-decode --profile-dir wrote) or --print saved summaries")
@@ -239,7 +270,7 @@ def main(argv=None) -> int:
     if not summary:
         print(f"{PROG}: no traces under {args.profile_dir}", file=sys.stderr)
         return 1
-    print_summary(summary)
+    print_summary(summary, layers=args.layers, floor=floor)
     if args.json:
         try:
             Path(args.json).write_text(json.dumps(summary, indent=1))

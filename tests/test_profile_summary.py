@@ -161,3 +161,28 @@ def test_summarize_tables_and_its_one_line_errors(tmp_path, capsys):
         assert len(err.strip().splitlines()) == 1 and text in err, err
     (tmp_path / "other.json").write_text("[]")
     assert S.main([str(tmp_path / "other.json")]) == 2 and "no rows" in capsys.readouterr().err
+
+
+def test_graph_steps_count_nodes_idle_gaps_and_the_standin_as_an_all_reduce(capsys):
+    # Two steps of 4 nodes; the stand-in kernel (fastcomm_vllm.standin) counts as the step's all-reduce.
+    # Step 1: [0,10] [12,20] [20,25] [30,31]: span 31, busy 24, idle 7 over 3 gaps.
+    # Step 2: [100,110] [110,120] [121,130] [131,132]: span 32, busy 30, idle 2.
+    events = [launch(-5, 1), k("gemv", 0, 10, 1), k("fastcomm_standin", 12, 8, 1), k("rms_norm", 20, 5, 1),
+              k("gemv", 30, 1, 1),
+              launch(95, 2), k("gemv", 100, 10, 2), k("fastcomm_standin", 110, 10, 2), k("rms_norm", 121, 9, 2),
+              k("gemv", 131, 1, 2)]
+    st = P.summarize_events(events)["graph_steps"]
+    assert st["all_reduce_calls_per_step"] == 1 and st["median_all_reduce_us"] == 9.0
+    assert st["nodes_per_step"] == 4 and st["median_idle_us"] == 4.5
+    assert st["median_gap_us"] == round((7 / 3 + 2 / 3) / 2, 3)
+    P.print_summary({"b": {"t": P.summarize_events(events)}}, layers=2, floor=P.floor_ms(15.5e3, 1.0))
+    out = capsys.readouterr().out
+    assert "4 nodes a step (2.0 a layer of 2)" in out and "floor 0.02 ms, step 2.03x it" in out, out
+
+
+def test_floor_options_go_together(tmp_path, capsys):
+    assert P.main([str(tmp_path), "--weight-bytes", "1e9"]) == 2
+    assert "go together" in capsys.readouterr().err
+    assert P.main([str(tmp_path), "--weight-bytes", "1e9", "--copy-gbps", "0"]) == 2
+    assert "positive" in capsys.readouterr().err
+    assert P.floor_ms(4.0e9, 4000.0) == 1.0   # 4 GB at 4 TB/s

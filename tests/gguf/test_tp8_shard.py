@@ -163,3 +163,18 @@ def test_tp8_shard_without_the_disk_space_is_one_line(synth, tmp_path, monkeypat
     err = capsys.readouterr().err
     assert err.splitlines() == [f"glm5_gguf: {out}: {need / 2**30:.1f} GiB needed, 10.0 GiB free"], err
     assert asked and not (tmp_path / "new").exists()
+
+
+def test_a_plain_step_reads_its_layers_head_and_one_tokens_experts(synth, plans):
+    _, shard = plans
+    s = synth.TP8_SHARD
+    # Summed here from the plan's names: main layers and the LM head whole, routed experts 8/256, no
+    # embedding table (a lookup), no MTP block (blk.78).
+    main = [(n, b) for n, _, _, b in shard if not n.startswith("token_embd.") and not n.startswith("blk.78.")]
+    experts = sum(b for n, b in main if "_exps." in n)
+    rest = sum(b for n, b in main if "_exps." not in n)
+    assert synth.step_read_bytes(s) == rest + experts * 8 // 256
+    assert synth.step_read_bytes(s, 0) == rest and synth.step_read_bytes(s, 256) == rest + experts
+    assert 5.0e9 < synth.step_read_bytes(s) < 5.5e9   # ~5.2 GB a rank's one-token step
+    with pytest.raises(ValueError, match="experts_read=257"):
+        synth.step_read_bytes(s, 257)

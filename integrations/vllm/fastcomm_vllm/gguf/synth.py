@@ -273,6 +273,22 @@ def plan(s: Shape) -> list[tuple[str, tuple, Q, int]]:
     return [(n, a.shape, q, a.size * a.itemsize) for n, a, q in build(s, truth=False, data=False)[0]]
 
 
+def step_read_bytes(s: Shape, experts_read: int | None = None) -> int:
+    """Weight bytes one plain decode step reads: every main-layer tensor and the LM head once, the routed experts
+    only ``experts_read`` of ``s.experts`` (default top_k: one token's), the embedding one row (nothing, to the
+    byte count's precision), the MTP block not at all (a plain step runs no draft). The floor of a step is this
+    over the GPU's bandwidth."""
+    n = s.top_k if experts_read is None else experts_read
+    if not 0 <= n <= s.experts:
+        raise ValueError(f"experts_read={n}: between 0 and {s.experts}")
+    total = 0
+    for name, _, _, nbytes in plan(s):
+        if name.startswith("token_embd.") or name.startswith(f"blk.{s.layers}."):
+            continue
+        total += nbytes * n // s.experts if "_exps." in name else nbytes
+    return total
+
+
 def _put_kv_b(make, s: Shape, layer: int, gguf_tensors, truth):
     kt, vt = KV_B_TYPES
     # As llama.cpp stores them: attn_k_b [heads, kv_lora, qk_nope] (k transposed), attn_v_b [heads, v_head, kv_lora]
