@@ -135,8 +135,9 @@ def spread_router_(model, seed: int = 0) -> int:
 
 def spread_routing(worker) -> int:
     """``spread_router_`` on this worker's model (for ``LLM.collective_rpc``)."""
-    runner = worker.model_runner
-    return spread_router_(runner.get_model() if hasattr(runner, "get_model") else runner.model)
+    from fastcomm_vllm.plugin import worker_model
+
+    return spread_router_(worker_model(worker))
 
 
 def _vocab_size(llm) -> int:
@@ -146,7 +147,7 @@ def _vocab_size(llm) -> int:
 
 def run(spec: dict, backend: Backend, save) -> dict:
     """Measure one backend; ``save(result)`` after each step, so a run cut short still reports."""
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     if spec.get("gguf"):  # the GGUF contract again, in this process: it registers vLLM's GGUF adapter here
         from fastcomm_vllm import gguf
@@ -155,7 +156,6 @@ def run(spec: dict, backend: Backend, save) -> dict:
 
         spec = {**spec, "engine": {"model": spec["gguf"]["model"], **gguf_engine_kwargs(gguf, spec["gguf"])}}
     t0 = time.perf_counter()
-    spec = {**spec, "backend_name": backend.name}
     llm = LLM(**engine_kwargs(spec, backend))
     result = {"startup_s": round(time.perf_counter() - t0, 1), "vllm": importlib.metadata.version("vllm")}
     try:
@@ -182,20 +182,37 @@ def run(spec: dict, backend: Backend, save) -> dict:
             llm.collective_rpc(standin.worker_set_us, args=(float(us),))
             point = {"us": us}
             result["standin"].append(point)
-            measure(llm, spec, batch_prompts, counters, point, lambda: save(result), profile=False)
+            measure(llm, spec, batch_prompts, counters, point, lambda: save(result))
             if i == 0:  # the row's own figures (the report's table) are the first time's
                 result.update({k: point[k] for k in ("single", "greedy_tokens", "sweep")})
-        llm.collective_rpc(standin.worker_set_us, args=(float(spec["standin_us"][0]),))
-        if spec.get("profile_dir"):
-            measure(llm, spec, batch_prompts, counters, {}, lambda: save(result), profile=True, timed_runs=False)
+        if spec.get("profile_dir"):  # after every timed run, at the first time
+            llm.collective_rpc(standin.worker_set_us, args=(float(spec["standin_us"][0]),))
+            result["profile"] = profile_step(llm, spec, batch_prompts, backend.name)
+            save(result)
         return result
-    measure(llm, spec, batch_prompts, counters, result, lambda: save(result), profile=True)
+    measure(llm, spec, batch_prompts, counters, result, lambda: save(result), profile_name=backend.name)
     return result
 
 
-def measure(llm, spec: dict, batch_prompts, counters, result: dict, save, *, profile: bool,
-            timed_runs: bool = True) -> None:
-    """The single request, the profile (``profile`` and a profile folder) and the sweep, into ``result``."""
+def profile_step(llm, spec: dict, batch_prompts, name: str) -> str:
+    """One profiled generate into ``spec["profile_dir"]/name`` (the folder, or why it failed)."""
+    from vllm import SamplingParams
+
+    try:
+        llm.start_profile()
+        batch = spec.get("profile_concurrency", 1)
+        params = sweep_params(SamplingParams, batch, spec.get("profile_tokens", 16),
+                              spec.get("sweep_temperature", 0.0), spec["seed"])
+        llm.generate([{"prompt_token_ids": p} for p in batch_prompts[:batch]], params, use_tqdm=False)
+        llm.stop_profile()
+        return str(Path(spec["profile_dir"]) / name)
+    except Exception as e:  # the row stands without a profile
+        return f"failed: {type(e).__name__}: {e}"
+
+
+def measure(llm, spec: dict, batch_prompts, counters, result: dict, save, *, profile_name: str | None = None) -> None:
+    """The single request, the profile (with ``profile_name`` and a profile folder) and the sweep, into
+    ``result``."""
     from vllm import SamplingParams
 
     def timed(batch: int, tokens: int, temperature: float = 0.0):
@@ -212,29 +229,18 @@ def measure(llm, spec: dict, batch_prompts, counters, result: dict, save, *, pro
 
     n = spec["max_tokens"]
     sweep_t = spec.get("sweep_temperature", 0.0)  # the sweep's and the profile's sampling (sweep_params)
-    if timed_runs:
-        timed(1, 8)  # warm-up: first-request allocations, sampler JIT
-        t1, _, _, _ = timed(1, 1)
-        tn, outs, runs, accepted = timed(1, n)
-        tpot = (tn - t1) / (n - 1)
-        result["single"] = {"tpot_ms": round(tpot * 1e3, 3), "tok_s": round(1 / tpot, 2),
-                            "ttft_ms": round(t1 * 1e3, 2), "wall_s": round(tn, 3), "runs_s": runs}
-        if accepted:
-            result["single"]["spec_decode"] = accepted
-        result["greedy_tokens"] = list(outs[0].outputs[0].token_ids)
-        save()
-    if profile and spec.get("profile_dir"):
-        try:  # after the timed runs, so profiling never skews them
-            llm.start_profile()
-            batch = spec.get("profile_concurrency", 1)
-            params = sweep_params(SamplingParams, batch, spec.get("profile_tokens", 16), sweep_t, spec["seed"])
-            llm.generate([{"prompt_token_ids": p} for p in batch_prompts[:batch]], params, use_tqdm=False)
-            llm.stop_profile()
-            result["profile"] = str(Path(spec["profile_dir"]) / spec["backend_name"])
-        except Exception as e:  # the row stands without a profile
-            result["profile"] = f"failed: {type(e).__name__}: {e}"
-    if not timed_runs:
-        return
+    timed(1, 8)  # warm-up: first-request allocations, sampler JIT
+    t1, _, _, _ = timed(1, 1)
+    tn, outs, runs, accepted = timed(1, n)
+    tpot = (tn - t1) / (n - 1)
+    result["single"] = {"tpot_ms": round(tpot * 1e3, 3), "tok_s": round(1 / tpot, 2),
+                        "ttft_ms": round(t1 * 1e3, 2), "wall_s": round(tn, 3), "runs_s": runs}
+    if accepted:
+        result["single"]["spec_decode"] = accepted
+    result["greedy_tokens"] = list(outs[0].outputs[0].token_ids)
+    save()
+    if profile_name and spec.get("profile_dir"):  # after the timed runs, so profiling never skews them
+        result["profile"] = profile_step(llm, spec, batch_prompts, profile_name)
     sweep = result["sweep"] = []
     save()
     for c in spec["concurrency"]:

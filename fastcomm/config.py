@@ -79,7 +79,7 @@ def choice(*choices: str) -> Callable[[str], str]:
     return parse
 
 
-def _microseconds(text: str) -> float:
+def microseconds(text: str) -> float:
     try:
         v = float(text)
     except ValueError:
@@ -222,9 +222,12 @@ VARIABLES: tuple[Var, ...] = (
         "negative control of the TP logits check).", boolean),
     Var("FASTCOMM_TEST_STANDIN_US", "test_standin_us", "", "Benchmarks only (needs FASTCOMM_TEST_MODE=1, TP 1): "
         "e.g. '10': after every module where TP > 1 would all-reduce, a kernel that copies and spins this long "
-        "(fastcomm_vllm.standin; the TP 8 shard step's cost per all-reduce microsecond).", _microseconds),
+        "(fastcomm_vllm.standin; the TP 8 shard step's cost per all-reduce microsecond).", microseconds),
 )
 _BY_NAME = {v.name: v for v in VARIABLES}
+# Every FASTCOMM_TEST_* setting but the mode itself needs FASTCOMM_TEST_MODE=1.
+_TEST_SWITCHES = tuple(v.field for v in VARIABLES
+                       if v.name.startswith("FASTCOMM_TEST_") and v.name != "FASTCOMM_TEST_MODE")
 _BY_FIELD = {v.field: v for v in VARIABLES}
 # FASTCOMM_* names the repository's scripts read (bench/device_*.sh, .ci/run, the GPU test runner): not settings.
 TOOLING_NAMES = frozenset({"FASTCOMM_COMMIT", "FASTCOMM_INSTAFAIL", "FASTCOMM_TEST_BUDGET_S", "FASTCOMM_CI_CACHE",
@@ -340,10 +343,9 @@ class Config:
         if self.tune_file is not None:
             object.__setattr__(self, "tune_file", Path(self.tune_file).expanduser())
         if not self.test_mode:
-            for field in ("test_shared_gpu", "test_break_p2p", "test_startup_delay", "test_swap_shards",
-                          "test_standin_us"):
-                value = getattr(self, field)
-                if value is not None and value is not False:  # the stand-in's 0 us is on, not off
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            for field in _TEST_SWITCHES:
+                if getattr(self, field) != defaults[field]:  # set at all: the stand-in's 0 us is on (off is None)
                     raise ConfigError(f"{_BY_FIELD[field].name} ({field}) is a test switch: it needs "
                                       "FASTCOMM_TEST_MODE=1")
 

@@ -120,6 +120,13 @@ def _fold_into_compile_hash() -> None:
     CompilationConfig.compute_hash = compute_hash
 
 
+def worker_model(worker):
+    """The model a vLLM worker runs (its runner's ``get_model()`` where the runner has one; for
+    ``LLM.collective_rpc`` functions)."""
+    runner = worker.model_runner
+    return runner.get_model() if hasattr(runner, "get_model") else runner.model
+
+
 def worker_status(worker=None) -> dict:
     """What fastcomm does in this worker (for ``LLM.collective_rpc``; ``worker`` is vLLM's, unused)."""
     from vllm.distributed.parallel_state import get_tp_group

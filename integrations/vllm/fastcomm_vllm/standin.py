@@ -165,9 +165,10 @@ def worker_set_us(worker, us: float) -> float:
 
 
 def worker_sites(worker) -> dict:
+    from .plugin import worker_model
+
     runner = worker.model_runner
-    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
-    out = {"model": count_sites(model)}
+    out = {"model": count_sites(worker_model(worker))}
     drafter = getattr(runner, "drafter", None)
     if drafter is not None and getattr(drafter, "model", None) is not None:
         out["drafter"] = count_sites(drafter.model)
