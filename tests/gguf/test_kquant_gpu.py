@@ -361,7 +361,7 @@ def test_back_to_back_products_wait_for_each_other(form):
     replayed with new inputs and routes) is bitwise equal to the same chain launched plainly (every form: the
     dp4a ones run beside it as a control)."""
     k = kq()
-    if not k.dependent_launch(k._device(0).major, True, True):
+    if not k.dependent_launch(k.limits(0).major, True, True):
         pytest.skip("no dependent launch on this GPU (sm_90+)")
     rng = np.random.default_rng(31)
     experts, hidden, inter, topk, tokens = 8, 512, 256, 2, 5
@@ -611,12 +611,14 @@ def test_residency_is_computed_as_the_driver_answers(limits):
     from cupy_backends.cuda.api import driver
 
     k = kq()
+    from fastcomm.kquant import ops  # the launchers' own (cached) function handles and residency
+
     for kernel, dtype, moe in ((k.abi.KQ_MMA, "bfloat16", False), (k.abi.KQ_MOE_MMA_UP, "bfloat16", True),
                                (k.abi.KQ_MOE_MMA_DOWN, None, True)):
         for t in (k.Q4_K, k.Q5_K, k.Q6_K, k.Q8_0):
             ring = k.mma_ring_bytes([t])
             symbol = kernel.symbol(dtype, k.mma_variant([t], moe))
-            fn = k._smem_function(0, symbol)
+            fn = ops._smem_function(0, symbol)
             want = tuple(driver.occupancyMaxActiveBlocksPerMultiprocessor(fn, 32 * w, k.mma_smem(w, ring))
                          for w in range(1, k.abi.KQ_MMA_WARPS + 1))
-            assert k._resident(0, symbol, ring) == want, (symbol, k.NAMES[t])
+            assert ops._resident(0, symbol, ring) == want, (symbol, k.NAMES[t])
