@@ -139,3 +139,18 @@ def test_register_installs_the_stand_ins_when_the_switch_is_on(classes, restored
     plugin.register()
     assert all(getattr(cls.forward, "_fastcomm_standin", False) for cls in (row, embedding, moe))
     assert standin._state["initial_ns"] == 5000
+
+
+def test_set_us_writes_the_time_made_in_inference_mode(monkeypatch):
+    from fastcomm_vllm import standin
+
+    """The time tensor is first made inside vLLM's warm-up (inference mode) and written later by an RPC outside it
+    (bench-decode --standin-us): set_us must take (an inference tensor refuses in-place updates out of that mode)."""
+    from fastcomm_vllm import standin
+
+    monkeypatch.setitem(standin._state, "ns", None)
+    monkeypatch.setitem(standin._state, "initial_ns", 0)
+    with torch.inference_mode():
+        made = standin._ns_tensor(torch.device("cpu"))
+    assert standin.set_us(7.5) == 7.5
+    assert standin._state["ns"] is made and int(made.item()) == 7500

@@ -58,7 +58,10 @@ def _kernel():
 
 def _ns_tensor(device) -> torch.Tensor:
     if _state["ns"] is None or _state["ns"].device != device:
-        _state["ns"] = torch.full((1,), _state["initial_ns"], dtype=torch.int64, device=device)
+        # First made inside vLLM's warm-up (inference mode); a normal tensor, so set_us may write it from an RPC
+        # outside inference mode (an inference tensor refuses in-place updates there).
+        with torch.inference_mode(False):
+            _state["ns"] = torch.full((1,), _state["initial_ns"], dtype=torch.int64, device=device)
     return _state["ns"]
 
 
@@ -68,7 +71,8 @@ def set_us(us: float) -> float:
         raise ValueError(f"stand-in time {us!r} us: must be >= 0")
     dev = _state["ns"].device if _state["ns"] is not None else torch.device("cuda", torch.cuda.current_device())
     _ns_tensor(dev).fill_(int(round(us * 1000)))
-    torch.cuda.synchronize(dev)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
     return us
 
 
