@@ -142,8 +142,6 @@ def test_register_installs_the_stand_ins_when_the_switch_is_on(classes, restored
 
 
 def test_set_us_writes_the_time_made_in_inference_mode(monkeypatch):
-    from fastcomm_vllm import standin
-
     """The time tensor is first made inside vLLM's warm-up (inference mode) and written later by an RPC outside it
     (bench-decode --standin-us): set_us must take (an inference tensor refuses in-place updates out of that mode)."""
     from fastcomm_vllm import standin
