@@ -28,8 +28,10 @@ from pathlib import Path
 
 # NCCL's all-reduce kernels carry "AllReduce" in their names; its all-gathers (vLLM's logits) are not counted.
 # fastcomm_standin: fastcomm_vllm.standin's kernel where a TP 8 shard's all-reduces would be.
-ALL_REDUCE = re.compile(r"allreduce|all_reduce|cross_device_reduce|one_shot|two_shot|multimem|"
-                        r"^fc_|lamport|oneshot|twoshot|fastcomm_standin", re.IGNORECASE)
+# Not all-reduces: fastcomm's K-quant kernels (fc_kq_*, the other product's) and torch.compile's Triton kernels
+# named after the ops they fuse around (triton_poi_fused_add_all_reduce_mul: the add after an all-reduce).
+ALL_REDUCE = re.compile(r"^(?!triton_|fc_kq_)(?:fc_|.*(?:allreduce|all_reduce|cross_device_reduce|one_shot|two_shot|"
+                        r"multimem|lamport|oneshot|twoshot|fastcomm_standin))", re.IGNORECASE)
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 # Kernel families by name (first match wins; the rest is "other"), so a GGUF step and an FP8 step of the same
 # shapes read side by side: vllm-gguf-plugin's kernels (mmvq.cuh's mul_mat_vec_q, mmq.cuh's mul_mat_q*,
@@ -37,6 +39,7 @@ GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 # FP8 / bf16 path's GEMMs and fused MoE, attention, norms.
 FAMILIES = (
     ("all-reduce", ALL_REDUCE),
+    ("fastcomm K-quant", re.compile(r"^fc_kq_")),  # fastcomm.kquant's products, quantize and dequantize
     ("K-quant GEMV", re.compile(r"mul_mat_vec_q")),
     ("K-quant GEMM", re.compile(r"mul_mat_q\d|mul_mat_q_")),
     ("K-quant MoE", re.compile(r"moe_vec_q|moe_q\d|moe_q_")),

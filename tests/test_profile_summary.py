@@ -2,6 +2,8 @@
 import gzip
 import json
 
+import pytest
+
 from fastcomm_bench import profile_summary as P
 
 
@@ -186,3 +188,14 @@ def test_floor_options_go_together(tmp_path, capsys):
     assert P.main([str(tmp_path), "--weight-bytes", "1e9", "--copy-gbps", "0"]) == 2
     assert "positive" in capsys.readouterr().err
     assert P.floor_ms(4.0e9, 4000.0) == 1.0   # 4 GB at 4 TB/s
+
+
+@pytest.mark.parametrize("name, fam", [
+    ("fastcomm_standin", "all-reduce"), ("fc_oneshot_bf16_w8", "all-reduce"), ("fc_lamport_2shot_bf16", "all-reduce"),
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "all-reduce"), ("cross_device_reduce_1stage", "all-reduce"),
+    # seen in the TP 8 shard's profile (2026-12-06-h100x1-shard-tp8-profile-92412e6.txt), once counted as all-reduce:
+    ("fc_kq_gemvs1_bf16", "fastcomm K-quant"), ("fc_kq_moe_mma_down_q5k", "fastcomm K-quant"),
+    ("fc_kq_quantize_silu_bf16", "fastcomm K-quant"), ("triton_poi_fused_add_all_reduce_mul_1", "other"),
+])
+def test_kernel_families_by_name(name, fam):
+    assert P.family(name) == fam
