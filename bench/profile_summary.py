@@ -28,9 +28,10 @@ from pathlib import Path
 
 # NCCL's all-reduce kernels carry "AllReduce" in their names; its all-gathers (vLLM's logits) are not counted.
 # fastcomm_standin: fastcomm_vllm.standin's kernel where a TP 8 shard's all-reduces would be.
-# Not all-reduces: fastcomm's K-quant kernels (fc_kq_*, the other product's) and torch.compile's Triton kernels
-# named after the ops they fuse around (triton_poi_fused_add_all_reduce_mul: the add after an all-reduce).
-ALL_REDUCE = re.compile(r"^(?!triton_|fc_kq_)(?:fc_|.*(?:allreduce|all_reduce|cross_device_reduce|one_shot|two_shot|"
+# Not all-reduces: torch.compile's Triton kernels named after the ops they fuse around
+# (triton_poi_fused_add_all_reduce_mul: the add after an all-reduce). fastcomm's K-quant kernels (fc_kq_*) are
+# told apart by FAMILIES' order.
+ALL_REDUCE = re.compile(r"^(?!triton_)(?:fc_|.*(?:allreduce|all_reduce|cross_device_reduce|one_shot|two_shot|"
                         r"multimem|lamport|oneshot|twoshot|fastcomm_standin))", re.IGNORECASE)
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 # Kernel families by name (first match wins; the rest is "other"), so a GGUF step and an FP8 step of the same
@@ -38,8 +39,8 @@ GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 # moe_vec.cuh's moe_vec_q, moe.cuh's moe_q*, the activations' quantize_q8_1, dequantize_block*), then the
 # FP8 / bf16 path's GEMMs and fused MoE, attention, norms.
 FAMILIES = (
-    ("all-reduce", ALL_REDUCE),
     ("fastcomm K-quant", re.compile(r"^fc_kq_")),  # fastcomm.kquant's products, quantize and dequantize
+    ("all-reduce", ALL_REDUCE),
     ("K-quant GEMV", re.compile(r"mul_mat_vec_q")),
     ("K-quant GEMM", re.compile(r"mul_mat_q\d|mul_mat_q_")),
     ("K-quant MoE", re.compile(r"moe_vec_q|moe_q\d|moe_q_")),
@@ -159,7 +160,7 @@ def summarize_events(events: list[dict], top: int = 8) -> dict:
     by_name: dict[str, list[float]] = defaultdict(list)
     for e in gpu:
         by_name[str(e.get("name", "?"))].append(float(e["dur"]))
-    ar = {n: d for n, d in by_name.items() if ALL_REDUCE.search(n)}
+    ar = {n: d for n, d in by_name.items() if family(n) == "all-reduce"}
     ar_durs = [x for d in ar.values() for x in d]
     others = sorted(((n, d) for n, d in by_name.items() if n not in ar), key=lambda nd: -sum(nd[1]))[:top]
     window = end - start
