@@ -58,7 +58,7 @@
 #    same carry):  TP_PARTS=ref,tp1,tp2 bash bench/device_gguf.sh tp .gguf_stage   (then tp4,skew4; tp8,control8)
 #    $OUT/tp/*.json per engine, $OUT/tp/report.json: logits vs bf16 and TP 1, MTP, all-reduce counts.
 # 3e. One TP 8 rank's decode step (issue 36), each one call on a warm machine, the shard written once (~55 GiB in
-#    /dev/shm or on /tmp's disk): bash bench/device_gguf.sh shard .gguf_stage write   (then plain, mtp)
+#    /dev/shm or on /tmp's disk): bash bench/device_gguf.sh shard .gguf_stage write   (then plain, plugin, mtp)
 #    SHARD_STANDIN_US (0,5,10,20,60): the stand-in all-reduce's times; the step at each, in one engine; plain
 #    profiles one request's step at the first time after them. The engine's run is bounded by SHARD_BUDGET_S
 #    (560 s from the call's start), so a call cut short still brings back what it measured.
@@ -162,6 +162,7 @@ SHARD_FIRST_NAME=GLM-5-TP8-rank0-UD-Q4_K_XL-00001-of-00008.gguf
 #   shard write: the shard file only (a call of its own: ~60 GB written)
 #   shard plain: one request and 2-4 (the verify steps' token counts), CUDA graphs at vLLM's default sizes, then
 #                the profile of one request's step (profile_summary), stand-in at the first time
+#   shard plugin: one request with vllm-gguf-plugin's kernels (as the user's NCCL figures ran), stand-in 0 and 20
 #   shard mtp:   one request with 3 MTP drafts (random weights accept none: the drafts' cost)
 shard() {
   local what=${1:-plain} out=${OUT:-$here/out} t_call=$SECONDS
@@ -193,9 +194,13 @@ e.record(); e.synchronize(); print(round(2 * 10 * x.numel() / (s.elapsed_time(e)
       PROFILE_SUMMARY_ARGS="--weight-bytes $wbytes --copy-gbps $gbps" bash bench/device_decode.sh shard-tp8 "$sdir/$SHARD_FIRST_NAME" vllm "${common[@]}" --no-mtp \
              --concurrency "${SHARD_CONCURRENCY:-1,2,3,4}" --standin-us "$us" \
              --profile-dir /tmp/prof-shard --profile-concurrency 1 --profile-tokens 16 ;;
+    # The same step with vllm-gguf-plugin's kernels (FASTCOMM_GGUF_KERNELS=plugin), as the user's NCCL figures
+    # ran: the C that the validation against the user's 43 / 57 tok/s needs.
+    plugin) FASTCOMM_GGUF_KERNELS=plugin bash bench/device_decode.sh shard-tp8-plugin "$sdir/$SHARD_FIRST_NAME" vllm \
+              "${common[@]}" --no-mtp --concurrency 1 --standin-us "${SHARD_PLUGIN_STANDIN_US:-0,20}" ;;
     mtp) bash bench/device_decode.sh shard-tp8-mtp3 "$sdir/$SHARD_FIRST_NAME" vllm "${common[@]}" --mtp 3 \
            --concurrency 1 --max-num-seqs 1 --standin-us "${SHARD_MTP_STANDIN_US:-0,20}" ;;
-    *) echo "shard: write, plain or mtp" >&2; return 2 ;;
+    *) echo "shard: write, plain, plugin or mtp" >&2; return 2 ;;
   esac
 }
 
