@@ -61,7 +61,8 @@
 #    /dev/shm or on /tmp's disk): bash bench/device_gguf.sh shard .gguf_stage write   (then plain, plugin, mtp)
 #    SHARD_STANDIN_US (0,5,10,20,60): the stand-in all-reduce's times; the step at each, in one engine; plain
 #    profiles one request's step at the first time after them. The engine's run is bounded by SHARD_BUDGET_S
-#    (560 s from the call's start), so a call cut short still brings back what it measured.
+#    (560 s from the call's start), so a call cut short still brings back what it measured. SHARD_PROFILE=0: no
+#    profile (a sweep under the caller's FASTCOMM_GGUF_* settings).
 # 4. `fastcomm-serve` itself, end to end (one call, same carry; ~2-4 min, bounded at 540 s):
 #        eval "$(bash .stage/install.sh)" && bash bench/device_gguf.sh serve .gguf_stage
 #    tests/gguf/serve_gpu.py: the tiny GLM-5 GGUF (3 shards + MTP block) through `fastcomm-serve --dry-run`
@@ -191,9 +192,13 @@ for _ in range(10): y.copy_(x)
 e.record(); e.synchronize(); print(round(2 * 10 * x.numel() / (s.elapsed_time(e) * 1e6), 1))')
       wbytes=$(python -c 'from fastcomm_vllm.gguf import synth; print(synth.step_read_bytes(synth.TP8_SHARD))')
       echo "== copy bandwidth ${gbps} GB/s; shard weights ${wbytes} B"
+      # The floor's inputs as a record of their own (predict_mtp reads them beside the step's record).
+      python -c 'import json, sys, torch; print(json.dumps({"device": torch.cuda.get_device_name(), "copy_gbps": float(sys.argv[1]), "weight_bytes": int(sys.argv[2])}))' \
+        "$gbps" "$wbytes" > "$out/shard-floor.json"
+      local prof=(--profile-dir /tmp/prof-shard --profile-concurrency 1 --profile-tokens 16)
+      [ "${SHARD_PROFILE:-1}" = 0 ] && prof=()   # a policy's sweep only (e.g. FASTCOMM_GGUF_* set by the caller)
       PROFILE_SUMMARY_ARGS="--weight-bytes $wbytes --copy-gbps $gbps" bash bench/device_decode.sh shard-tp8 "$sdir/$SHARD_FIRST_NAME" vllm "${common[@]}" --no-mtp \
-             --concurrency "${SHARD_CONCURRENCY:-1,2,3,4}" --standin-us "$us" \
-             --profile-dir /tmp/prof-shard --profile-concurrency 1 --profile-tokens 16 ;;
+             --concurrency "${SHARD_CONCURRENCY:-1,2,3,4}" --standin-us "$us" "${prof[@]}" ;;
     # The same step with vllm-gguf-plugin's kernels (FASTCOMM_GGUF_KERNELS=plugin), as the user's NCCL figures
     # ran: the C that the validation against the user's 43 / 57 tok/s needs.
     plugin) FASTCOMM_GGUF_KERNELS=plugin bash bench/device_decode.sh shard-tp8-plugin "$sdir/$SHARD_FIRST_NAME" vllm \
