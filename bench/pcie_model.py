@@ -411,21 +411,17 @@ def render(rep: dict) -> list[str]:
 
 
 def markdown(rep: dict) -> list[str]:
-    """The summary RESULTS.md shows: us per call by size per box, then the saves tables."""
+    """The summary RESULTS.md shows: us per call by size per box for the current kernels (the kernels before
+    issue 15's, ``-old``, and what each change saved are the full report's: ``render``)."""
     sizes = sorted({r["size"] for r in rep["rows"]})
     lines = [f"| 8 GPUs, us per call | {' | '.join(format_size(s, True) for s in sizes)} | |",
              "|---|" + "---|" * (len(sizes) + 1)]
     cells: dict = {}
     for r in rep["rows"]:
-        cells.setdefault((r["box"].removeprefix("8 x PCIe Gen5, "), r["impl"]), {})[r["size"]] = r["us"]
+        if not r["impl"].endswith("-old"):
+            cells.setdefault((r["box"].removeprefix("8 x PCIe Gen5, "), r["impl"]), {})[r["size"]] = r["us"]
     lines += [f"| {box}: {impl} | {' | '.join(f'{us[s]:.1f}' for s in sizes)} | model |"
               for (box, impl), us in cells.items()]
-    for name, rows in rep["saves"].items():
-        lines += ["", f"What each change saves, {name.removeprefix('8 x PCIe Gen5, ')}, 12 KB, in a decode step "
-                  f"(model + the measured after-GEMM cost):", "",
-                  "| change | us per all-reduce | saves us | saves ms / step | tok/s | |", "|---|---|---|---|---|---|"]
-        lines += [f"| {r['change']} | {r['us']:.1f} | {r['saves_us']:.1f} | {r['saves_ms_per_step']:.2f} | "
-                  f"{r['tok_s']:.1f} | {r['label']} |" for r in rows]
     return lines
 
 
