@@ -305,9 +305,9 @@ __device__ void kq_gemv_s(const KqSegs& segs, const typename D::raw* x, int n, i
   extern "C" __global__ void __launch_bounds__(32 * FC_KQ_MMA_WARPS)                                         \
       fc_kq_moe_mma_up##V##_##NAME(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type,        \
                                    int rows, int cols, const int* topk_ids, int topk, int pairs,             \
-                                   const kq_u32* xq, const float* xs, D::raw* out) {                         \
-    kq_mma_moe<D, true, TT>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, pairs, xq, xs,   \
-                            out);                                                                            \
+                                   int experts, const kq_u32* xq, const float* xs, D::raw* out) {            \
+    kq_mma_moe<D, true, TT>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, pairs, experts,  \
+                            xq, xs, out);                                                                    \
   }
 
 // A weight's segments dequantized into out [total_rows, cols] (row-major, the dtype): thread i decodes chunk
@@ -386,9 +386,9 @@ __device__ void kq_dequant(KqSegs segs, int cols, typename D::raw* out) {
   extern "C" __global__ void __launch_bounds__(32 * FC_KQ_MMA_WARPS)                                         \
       fc_kq_moe_mma_up_shared##V##_##NAME(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, \
                                           int rows, int cols, const int* topk_ids, int topk, int pairs,      \
-                                          const kq_u32* xq, const float* xs, D::raw* out) {                  \
-    kq_mma_moe<D, true, TT, true>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, pairs, xq, \
-                                  xs, out);                                                                  \
+                                          int experts, const kq_u32* xq, const float* xs, D::raw* out) {     \
+    kq_mma_moe<D, true, TT, true>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, pairs,     \
+                                  experts, xq, xs, out);                                                     \
   }
 #define FC_KQ_DEFINE_SHARED(NAME, D)                                                                         \
   FC_KQ_DEFINE_SHARED_UP(NAME, D, _q4k, FC_KQ_Q4_K)                                                          \
@@ -407,10 +407,10 @@ FC_KQ_DEFINE_SHARED(f32, FcF32)
 #define FC_KQ_DEFINE_DOWN(V, TT)                                                                             \
   extern "C" __global__ void __launch_bounds__(32 * FC_KQ_MMA_WARPS)                                         \
       fc_kq_moe_mma_down##V(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows,     \
-                            int cols, const int* topk_ids, int topk, int pairs, const kq_u32* xq,            \
-                            const float* xs, float* out) {                                                   \
-    kq_mma_moe<FcF32, false, TT>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, pairs, xq,  \
-                                 xs, out);                                                                   \
+                            int cols, const int* topk_ids, int topk, int pairs, int experts,                 \
+                            const kq_u32* xq, const float* xs, float* out) {                                 \
+    kq_mma_moe<FcF32, false, TT>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, pairs,      \
+                                 experts, xq, xs, out);                                                      \
   }
 FC_KQ_DEFINE_DOWN(, FC_KQ_ANY)
 FC_KQ_DEFINE_DOWN(_q4k, FC_KQ_Q4_K)
@@ -419,11 +419,11 @@ FC_KQ_DEFINE_DOWN(_q6k, FC_KQ_Q6_K)
 FC_KQ_DEFINE_DOWN(_q80, FC_KQ_Q8_0)
 #define FC_KQ_DEFINE_SHARED_DOWN(V, TT)                                                                      \
   extern "C" __global__ void __launch_bounds__(32 * FC_KQ_MMA_WARPS)                                         \
-      fc_kq_moe_mma_down_shared##V(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type,         \
+      fc_kq_moe_mma_down_shared##V(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type,        \
                                    int rows, int cols, const int* topk_ids, int topk, int pairs,             \
-                                   const kq_u32* xq, const float* xs, float* out) {                          \
-    kq_mma_moe<FcF32, false, TT, true>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, pairs,\
-                                       xq, xs, out);                                                         \
+                                   int experts, const kq_u32* xq, const float* xs, float* out) {             \
+    kq_mma_moe<FcF32, false, TT, true>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, pairs, \
+                                       experts, xq, xs, out);                                                \
   }
 FC_KQ_DEFINE_SHARED_DOWN(_q4k, FC_KQ_Q4_K)
 FC_KQ_DEFINE_SHARED_DOWN(_q5k, FC_KQ_Q5_K)

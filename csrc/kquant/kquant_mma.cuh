@@ -410,28 +410,38 @@ __device__ __forceinline__ int kq_route(const int* topk_ids, int pairs, int e, i
   return count;
 }
 
-// Grouped MoE: block (tile, expert blockIdx.y) reads the tile of its expert's weight (rows of w + e *
-// expert_stride) once per 8 pairs routed to it. UP: vector = the pair's token (xq: one row per token), out
-// [pairs][rows] in the dtype; else vector = the pair itself (xq: one row per pair), out [pairs][rows] in fp32
-// (kq_moe_sum weights and adds them). A pair whose expert is no block's (outside [0, gridDim.y)) is written by
-// none and read by none.
+// Grouped MoE: block (tile, expert e) reads the tile of its expert's weight (rows of w + e * expert_stride) once
+// per 8 pairs routed to it. UP: vector = the pair's token (xq: one row per token), out [pairs][rows] in the dtype;
+// else vector = the pair itself (xq: one row per pair), out [pairs][rows] in fp32 (kq_moe_sum weights and adds
+// them). A pair whose expert is outside [0, experts) is written by none and read by none.
+// The grid's rows: one an expert (e = blockIdx.y) where there are at least as many pairs as experts; else one a
+// pair (gridDim.y = pairs < experts), the row of an expert's first pair serving it and the others leaving at
+// once: a decode step's few pairs then launch blocks for the experts they use, not for all (GLM-5's 256: at 4
+// tokens of top 8, 224 of every 256 rows would find no pair).
 // SHARED: the shared form (kq_mma_tile_shared): block (x, expert) holds tiles W x .. W x + W - 1, a warp each.
 template <typename D, bool UP, int TT, bool SHARED = false>
 __device__ void kq_mma_moe(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows, int cols,
-                           const int* topk_ids, int topk, int pairs, const kq_u32* xq, const float* xs,
-                           void* out) {
+                           const int* topk_ids, int topk, int pairs, int experts, const kq_u32* xq,
+                           const float* xs, void* out) {
   static_assert(!SHARED || TT != FC_KQ_ANY, "the shared form is built for one weight type");
   __shared__ int s_pair[FC_KQ_MAX_PAIRS];
   __shared__ unsigned s_mask[FC_KQ_MAX_PAIRS / 32];
   // The routes are a kernel's output, and no weight is fetched before them: a real model's 256 experts leave
   // most blocks without a token at decode, whose weights would be read for nothing.
   kq_grid_enter();
-  const int count = kq_route(topk_ids, pairs, blockIdx.y, s_pair, s_mask);
+  int e = blockIdx.y;
+  if ((int)gridDim.y < experts) {  // a row a pair: block-uniform
+    e = __ldg(topk_ids + blockIdx.y);
+    bool earlier = false;
+    for (int j = threadIdx.x; j < (int)blockIdx.y; j += blockDim.x) earlier |= __ldg(topk_ids + j) == e;
+    if (__syncthreads_or(earlier) || e < 0 || e >= experts) return;
+  }
+  const int count = kq_route(topk_ids, pairs, e, s_pair, s_mask);
   const int tile_i = SHARED ? blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5) : blockIdx.x;
   const int r0 = tile_i * FC_KQ_MMA_ROWS, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   // A shared block's warp past the rows reads the last row (its sums are written nowhere).
   const int rtile = SHARED ? min(r0, rows - 1) : r0;
-  const kq_u8* tile = w + (kq_u64)blockIdx.y * expert_stride + (kq_u64)rtile * row_stride;
+  const kq_u8* tile = w + (kq_u64)e * expert_stride + (kq_u64)rtile * row_stride;
   for (int base = 0; base < count; base += FC_KQ_MMA_COLS) {  // block-uniform; one pass unless > 8 pairs
     const int n = min(count - base, FC_KQ_MMA_COLS);
     auto vec = [&](int j) {

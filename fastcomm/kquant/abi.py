@@ -60,7 +60,8 @@ _EXPERTS = (("w", "ptr"), ("expert_stride", "u64"), ("row_stride", "u64"), ("typ
 KQ_MOE_UP = Kernel("kq_moe_up", _EXPERTS + (("topk", "i32"), ("xq", "ptr"), ("xds", "ptr"), ("out", "ptr")))
 KQ_MOE_DOWN = Kernel("kq_moe_down", _EXPERTS + (("topk_weights", "ptr"), ("topk", "i32"), ("xq", "ptr"),
                                                 ("xds", "ptr"), ("out", "ptr")))
-_GROUPED = _EXPERTS + (("topk", "i32"), ("pairs", "i32"), ("xq", "ptr"), ("xs", "ptr"), ("out", "ptr"))
+_GROUPED = _EXPERTS + (("topk", "i32"), ("pairs", "i32"), ("experts", "i32"), ("xq", "ptr"), ("xs", "ptr"),
+                       ("out", "ptr"))
 KQ_MOE_MMA_UP = Kernel("kq_moe_mma_up", _GROUPED, variants=_KQ_MMA_VARIANTS)
 # fp32 rows whatever the dtype
 KQ_MOE_MMA_DOWN = Kernel("kq_moe_mma_down", _GROUPED, variants=_KQ_MMA_VARIANTS, typed=False)

@@ -110,13 +110,14 @@ def _mma_launch(dev: int, kernel: abi.Kernel, dtype: str | None, tiles_x: int, g
             prefetches=not moe, pdl=pdl)
 
 
-def _shared_launch(dev: int, kernel: abi.Kernel, dtype: str | None, rows: int, experts: int, t: int, stream: int,
+def _shared_launch(dev: int, kernel: abi.Kernel, dtype: str | None, rows: int, grid_y: int, t: int, stream: int,
                    args: tuple, warps: int) -> None:
-    """A shared-form launch: ``warps`` tiles a block, the entry built for weight type ``t``."""
+    """A shared-form launch: ``warps`` tiles a block, the entry built for weight type ``t``, ``grid_y`` rows of
+    blocks (the grouped MoE's busy experts: kq_mma_moe)."""
     if warps not in (1, 2, 4, 8):  # kq_xshare splits a stage's 128 operand pieces evenly over the block
         raise ValueError(f"the shared form takes 1, 2, 4 or 8 warps a block (got {warps})")
     _fits(dev, f"the shared form at {warps} warps a block", moe_shared_smem([t], warps))
-    _launch(dev, kernel, dtype, ((tiles(rows) + warps - 1) // warps, experts), 32 * warps, stream, args,
+    _launch(dev, kernel, dtype, ((tiles(rows) + warps - 1) // warps, grid_y), 32 * warps, stream, args,
             variant=abi.KQ_TYPE_VARIANTS[t], smem=moe_shared_smem([t], warps))
 
 
@@ -289,18 +290,18 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu:
     dt, dev, stream = _dt(x), x.device.index, _stream(x)
     e13, r13 = w13.stride(0) * w13.element_size(), w13.stride(1) * w13.element_size()
     e2, r2 = w2.stride(0) * w2.element_size(), w2.stride(1) * w2.element_size()
-    busy = min(experts, pairs)  # experts a grouped launch's blocks can find work for
+    busy = min(experts, pairs)  # experts a grouped launch's blocks can find work for: its grid's rows
     grouped, shared = form in ("grouped", "shared"), form == "shared"
     xq, xds = quantize(x, mma=grouped)
     up = torch.empty(pairs, rows13, dtype=x.dtype, device=x.device)
     if shared:
-        _shared_launch(dev, abi.KQ_MOE_MMA_UP_SHARED, dt, rows13, experts, t13, stream,
-                       (w13.data_ptr(), e13, r13, t13, rows13, hidden, ids.data_ptr(), topk, pairs, xq.data_ptr(),
-                        xds.data_ptr(), up.data_ptr()), shared_warps)
+        _shared_launch(dev, abi.KQ_MOE_MMA_UP_SHARED, dt, rows13, busy, t13, stream,
+                       (w13.data_ptr(), e13, r13, t13, rows13, hidden, ids.data_ptr(), topk, pairs, experts,
+                        xq.data_ptr(), xds.data_ptr(), up.data_ptr()), shared_warps)
     elif grouped:
-        _mma_launch(dev, abi.KQ_MOE_MMA_UP, dt, tiles(rows13), experts, tiles(rows13) * busy, hidden, [t13], stream,
-                    (w13.data_ptr(), e13, r13, t13, rows13, hidden, ids.data_ptr(), topk, pairs, xq.data_ptr(),
-                     xds.data_ptr(), up.data_ptr()), moe=True)
+        _mma_launch(dev, abi.KQ_MOE_MMA_UP, dt, tiles(rows13), busy, tiles(rows13) * busy, hidden, [t13], stream,
+                    (w13.data_ptr(), e13, r13, t13, rows13, hidden, ids.data_ptr(), topk, pairs, experts,
+                     xq.data_ptr(), xds.data_ptr(), up.data_ptr()), moe=True)
     else:
         _launch(dev, abi.KQ_MOE_UP, dt, ((rows13 + abi.KQ_ROWS_PER_BLOCK - 1) // abi.KQ_ROWS_PER_BLOCK, pairs),
                 abi.KQ_THREADS, stream, (w13.data_ptr(), e13, r13, t13, rows13, hidden, ids.data_ptr(), topk,
@@ -309,12 +310,12 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu:
     out = _out(out, tokens, hidden, x)
     if grouped:
         y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-        down = (w2.data_ptr(), e2, r2, t2, hidden, inter, ids.data_ptr(), topk, pairs, aq.data_ptr(), ads.data_ptr(),
-                y.data_ptr())
+        down = (w2.data_ptr(), e2, r2, t2, hidden, inter, ids.data_ptr(), topk, pairs, experts, aq.data_ptr(),
+                ads.data_ptr(), y.data_ptr())
         if shared:
-            _shared_launch(dev, abi.KQ_MOE_MMA_DOWN_SHARED, None, hidden, experts, t2, stream, down, shared_warps)
+            _shared_launch(dev, abi.KQ_MOE_MMA_DOWN_SHARED, None, hidden, busy, t2, stream, down, shared_warps)
         else:
-            _mma_launch(dev, abi.KQ_MOE_MMA_DOWN, None, tiles(hidden), experts, tiles(hidden) * busy, inter, [t2],
+            _mma_launch(dev, abi.KQ_MOE_MMA_DOWN, None, tiles(hidden), busy, tiles(hidden) * busy, inter, [t2],
                         stream, down, moe=True)
         _launch(dev, abi.KQ_MOE_SUM, dt, ((tokens * hidden + 255) // 256, 1), 256, stream,
                 (y.data_ptr(), ids.data_ptr(), weights.data_ptr(), topk, experts, tokens, hidden, out.data_ptr()))

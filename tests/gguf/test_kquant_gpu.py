@@ -270,15 +270,18 @@ def test_moe_bf16_and_the_activation_hook(form):
     assert np.linalg.norm(fused.float().cpu().numpy() - want) / np.linalg.norm(want) < 3e-2
 
 
+@pytest.mark.parametrize("experts", [4, 64])
 @pytest.mark.parametrize("form", MOE_FORMS)
-def test_moe_repeated_and_foreign_expert_ids(form):
+def test_moe_repeated_and_foreign_expert_ids(form, experts):
     """A token routed twice to one expert (16 pairs on expert 0 at 8 tokens: two passes of the grouped tile)
     counts twice; for the grouped forms (grouped, shared), an id outside [0, experts) (expert parallelism's "not
     here") adds nothing. The pairs form has no such guard and is not given one: vLLM's router gives these kernels
-    neither at tensor parallelism (the GGUF MoE does not run expert parallel)."""
+    neither at tensor parallelism (the GGUF MoE does not run expert parallel). At 64 experts the 24 pairs are
+    fewer than the experts, so the grouped launch's rows are a pair each (kq_mma_moe), an expert's first pair's
+    row serving it."""
     k = kq()
     rng = np.random.default_rng(24)
-    experts, hidden, inter, topk, tokens = 4, 512, 256, 3, 8
+    hidden, inter, topk, tokens = 512, 256, 3, 8
     w13, w13_t, w2, w2_t = _experts("Q4_K", "Q5_K", experts, hidden, inter, seed=25)
     x = rng.standard_normal((tokens, hidden)).astype(np.float32)
     ids = np.zeros((tokens, topk), np.int32)
@@ -294,12 +297,14 @@ def test_moe_repeated_and_foreign_expert_ids(form):
     assert np.linalg.norm(got.cpu().numpy() - want) / np.linalg.norm(want) < 3e-2
 
 
-def test_moe_graph_replays_with_new_routing():
+@pytest.mark.parametrize("experts,topk", [(8, 2), (256, 8)])
+def test_moe_graph_replays_with_new_routing(experts, topk):
     """The grouped form routes on the device: a captured graph replayed with new tokens and new expert ids
-    (tokens moving between experts, experts left empty) stays right."""
+    (tokens moving between experts, experts left empty) stays right. 256 experts, top 8 (GLM-5's) at 4 tokens:
+    fewer pairs than experts, a row of blocks a pair."""
     k = kq()
     rng = np.random.default_rng(27)
-    experts, hidden, inter, topk, tokens = 8, 512, 256, 2, 4
+    hidden, inter, tokens = 512, 256, 4
     w13, w13_t, w2, w2_t = _experts("Q4_K", "Q5_K", experts, hidden, inter, seed=28)
     x = torch.zeros(tokens, hidden, device="cuda")
     ids = torch.zeros(tokens, topk, dtype=torch.int32, device="cuda")
@@ -309,7 +314,8 @@ def test_moe_graph_replays_with_new_routing():
     graph, out = _captured(run)
     for i in range(200):
         xi = rng.standard_normal((tokens, hidden)).astype(np.float32)
-        idi = np.stack([rng.permutation(experts if i % 2 else 3)[:topk] for _ in range(tokens)]).astype(np.int32)
+        idi = np.stack([rng.permutation(experts if i % 2 else topk + 1)[:topk]
+                        for _ in range(tokens)]).astype(np.int32)
         wi = rng.random((tokens, topk)).astype(np.float32)
         x.copy_(torch.from_numpy(xi))
         ids.copy_(torch.from_numpy(idi))
