@@ -135,7 +135,7 @@ def test_compile_notice_only_when_it_really_compiles(monkeypatch, tmp_path, caps
         return tmp_path / "x.cubin"
     monkeypatch.setattr(jit, "cached_cubin", slow)
     A.compile_with_notice("sm_90", tmp_path)
-    assert capsys.readouterr().err == "compiling kernels for sm_90 (first use, about a minute)...\n"
+    assert capsys.readouterr().err == "compiling kernels for sm_90 (first use, about half a minute)...\n"
     monkeypatch.setattr(jit, "cached_cubin", lambda *a, **k: tmp_path / "x.cubin")  # a cache hit
     A.compile_with_notice("sm_90", tmp_path)
     time.sleep(0.7)  # past the notice's delay: a cancelled notice must stay silent
@@ -370,4 +370,4 @@ def test_compile_notice_names_the_kquant_unit(monkeypatch, tmp_path, capsys):
         return tmp_path / "x.cubin"
     monkeypatch.setattr(jit, "cached_cubin", slow)
     A.compile_with_notice("sm_120", tmp_path, unit="kquant")
-    assert capsys.readouterr().err == "compiling kquant kernels for sm_120 (first use, about two minutes)...\n"
+    assert capsys.readouterr().err == "compiling kquant kernels for sm_120 (first use, about 20 s)...\n"

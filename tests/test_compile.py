@@ -61,3 +61,18 @@ def test_compile_errors_carry_the_log(monkeypatch, tmp_path):
                                                               for n in jit.SOURCES})
     with pytest.raises(jit.CompileError, match="sm_90"):
         jit.compile_cubin("sm_90")
+
+
+def test_builds_optimize_in_parallel_where_nvrtc_takes_it(monkeypatch):
+    """This NVRTC takes --split-compile (the kernels' builds use every core), once in the options and the cache
+    key; an option NVRTC refuses is left out, not passed to every build."""
+    if tuple(jit._nvrtc().getVersion()) >= (13, 0):  # CI's, and the cuda13 extra's
+        assert jit.build_options(jit.OPTIONS) == (*jit.OPTIONS, jit.SPLIT_COMPILE)
+    assert jit.build_options(jit.build_options(jit.OPTIONS)) == jit.build_options(jit.OPTIONS)
+    monkeypatch.setattr(jit, "SPLIT_COMPILE", "--no-such-nvrtc-option")
+    jit._takes_split_compile.cache_clear()
+    try:
+        assert jit.build_options(jit.OPTIONS) == jit.OPTIONS
+    finally:
+        monkeypatch.undo()
+        jit._takes_split_compile.cache_clear()

@@ -12,6 +12,7 @@ CHILD = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     from fastcomm.runtime import jit
     jit._nvrtc = lambda: types.SimpleNamespace(getVersion=lambda: (13, 0))
+    jit._takes_split_compile = lambda: True
     def slow(arch, options, unit):
         with open({log!r}, "a") as f:
             f.write(f"{{os.getpid()}}\\n")

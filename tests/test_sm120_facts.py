@@ -3,7 +3,7 @@ what each kernel uses (fastcomm.runtime.cubin) against compute capability 12.0's
 cluster shapes the launch policy asks for. Nothing here runs a kernel: a failure means a kernel or policy change
 made a kernel that sm_120 cannot launch as the launcher launches it. docs/SM120.md writes the numbers down.
 
-The cubin is compiled once per test run (about a minute with NVRTC) into the run's shared cubin cache
+The cubin is compiled once per test run (about half a minute with NVRTC) into the run's shared cubin cache
 (conftest.cubin_cache_dir)."""
 from __future__ import annotations
 

@@ -166,13 +166,13 @@ def cupy_missing() -> str | None:
 
 
 # How long a cold compile of each unit takes on two cores (jit.LOCK_WAIT_S names the slowest), for the notice.
-COMPILE_TIME = {"comm": "about a minute", "kquant": "about two minutes"}
+COMPILE_TIME = {"comm": "about half a minute", "kquant": "about 20 s"}
 
 
 def compile_with_notice(arch: str, cache_dir: Path, stream=None, unit: str = "comm") -> tuple[Path, float]:
     """The cached cubin of compile unit ``unit`` (a key of jit.UNITS) for ``arch``, compiling it on a cache miss.
     A cache hit takes milliseconds; when the call is still busy after half a second it is compiling, and a line
-    says so (NVRTC needs a minute or two per unit and arch, which must not look like a hang). Raises
+    says so (NVRTC needs 20-30 s per unit and arch on 2 cores, which must not look like a hang). Raises
     jit.CompileError; the commands print it."""
     import threading
 
