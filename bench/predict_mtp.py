@@ -38,9 +38,11 @@ from . import pcie_model
 from .pcie_model import ALLREDUCES_PER_STEP, DECODE_BYTES, LAYERS
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# The TP 8 shard's step with fastcomm's K-quant kernels (92412e6), and its floor's inputs.
-RECORD = RESULTS / "2026-12-06-h100x1-shard-tp8-plain-92412e6.json"
-FLOOR = RESULTS / "2026-12-06-h100x1-shard-tp8-floor-92412e6.json"
+# The TP 8 shard's step with fastcomm's current K-quant kernels (1db05e8: the grouped MoE's grid over the busy
+# experts), and its floor's inputs. The run before that change (92412e6: five stand-in times, the profile) pairs
+# with its own floor record the same way.
+RECORD = RESULTS / "2026-12-06-h100x1-shard-tp8-plain-1db05e8.json"
+FLOOR = RESULTS / "2026-12-06-h100x1-shard-tp8-floor-1db05e8.json"
 
 ALLREDUCES_PER_DRAFT = 3           # the MTP block's two, and its eh_proj's
 # The shard's LM head (19,360 x 6144 Q6_K, 97.6 MB) over the weight bytes of its one-token step (5.23 GB).
@@ -288,8 +290,6 @@ def _load(path: str) -> dict:
 
 def _floor_beside(record: Path) -> Path:
     """The floor record of a shard record: the committed pair, or shard-floor.json in the same folder."""
-    if record.resolve() == RECORD.resolve():
-        return FLOOR
     named = record.with_name(record.name.replace("-plain-", "-floor-"))
     return named if named.is_file() else record.with_name("shard-floor.json")
 

@@ -132,12 +132,15 @@ def test_published_nccl_costs_give_back_the_users_43_and_57_tok_s(end):
 def test_the_committed_shard_record_feeds_the_model(capsys):
     rec, floor = json.loads(M.RECORD.read_text()), json.loads(M.FLOOR.read_text())
     s = M.shard_from(rec, floor)
-    assert rec["meta"]["fastcomm_commit"] == s.commit == "92412e6"
+    assert rec["meta"]["fastcomm_commit"] == s.commit == "1db05e8"
     assert 9.0 < s.constant_ms < 12.0 and 0.1 < s.per_us_ms < 0.2 and 1.5 < s.floor_ms < 2.0
     assert sorted(s.requests_ms) == [1, 2, 3, 4]
     M.main([])
     out = capsys.readouterr().out
-    assert "(H100 SXM, 92412e6)" in out and out.count("# validation") == 2
+    assert "(H100 SXM, 1db05e8)" in out and out.count("# validation") == 2
+    # the run before the grouped MoE's change, by its own floor record
+    M.main([str(M.RESULTS / "2026-12-06-h100x1-shard-tp8-plain-92412e6.json")])
+    assert "(H100 SXM, 92412e6)" in capsys.readouterr().out
     assert "the user ran the plugin's, whose shard step is not given" in out
 
 
