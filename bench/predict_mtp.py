@@ -124,6 +124,11 @@ class Shard:
         return self.requests_ms[k + 1] - self.requests_ms[1]
 
 
+def _lowest_standin(result: dict) -> dict:
+    """A bench-decode backend's row at the stand-in's lowest time (the step nearest a free all-reduce)."""
+    return min(result["standin"], key=lambda s: s["us"])
+
+
 def shard_from(record: dict, floor: dict) -> Shard:
     """The shard's step from a bench-decode record with stand-in rows and its floor record."""
     row = record["results"]["vllm"]
@@ -131,8 +136,7 @@ def shard_from(record: dict, floor: dict) -> Shard:
     if len({us for us, _ in points}) < 2:
         raise ValueError("the record has the step at fewer than two stand-in times: no line")
     line = pcie_model.fit_line(points)
-    zero = min(row["standin"], key=lambda s: s["us"])
-    requests = {p["concurrency"]: p["tpot_ms"] for p in zero.get("sweep", ())}
+    requests = {p["concurrency"]: p["tpot_ms"] for p in _lowest_standin(row).get("sweep", ())}
     floor_ms = floor["weight_bytes"] / (floor["copy_gbps"] * 1e9) * 1e3
     return Shard(line.intercept, line.slope, floor_ms, gpu_of(floor["device"]), requests,
                  record["meta"].get("fastcomm_commit", "?"))
@@ -169,7 +173,7 @@ def mtp_run_from(record: dict) -> MtpRun:
     """The measured MTP step of a bench-decode record: its single-request row at the stand-in's lowest time
     (a record without stand-in rows: its one row)."""
     res = next(iter(record["results"].values()))
-    row = min(res["standin"], key=lambda s: s["us"])["single"] if "standin" in res else res["single"]
+    row = _lowest_standin(res)["single"] if "standin" in res else res["single"]
     spec = row["spec_decode"]
     return MtpRun(record["meta"]["mtp"], row["tpot_ms"] * spec["tokens_per_step"], spec["tokens_per_step"])
 
