@@ -223,6 +223,9 @@ VARIABLES: tuple[Var, ...] = (
     Var("FASTCOMM_TEST_STANDIN_US", "test_standin_us", "", "Benchmarks only (needs FASTCOMM_TEST_MODE=1, TP 1): "
         "e.g. '10': after every module where TP > 1 would all-reduce, a kernel that copies and spins this long "
         "(fastcomm_vllm.standin; the TP 8 shard step's cost per all-reduce microsecond).", microseconds),
+    Var("FASTCOMM_TEST_CHECK_ALLREDUCE", "test_check_allreduce", "0", "Tests only (needs FASTCOMM_TEST_MODE=1): "
+        "1 makes the one-GPU vLLM harness check every eager all-reduce against the ranks' inputs summed on the "
+        "CPU in fastcomm's order (fp32, ranks 0..n-1), bit for bit, and count the calls that differ.", boolean),
 )
 _BY_NAME = {v.name: v for v in VARIABLES}
 # Every FASTCOMM_TEST_* setting but the mode itself needs FASTCOMM_TEST_MODE=1.
@@ -300,6 +303,7 @@ class Config:
     test_startup_delay: tuple[int, float] | None = None
     test_swap_shards: bool = False
     test_standin_us: float | None = None
+    test_check_allreduce: bool = False
 
     def __post_init__(self):
         # Constructor arguments get the same checks as the environment, named by argument.

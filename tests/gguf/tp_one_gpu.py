@@ -5,8 +5,11 @@ in its own process (gpu_worker.py --one-gpu --graphs: torch.compile and CUDA gra
     python tests/gguf/tp_one_gpu.py --report OUT_DIR [OUT_DIR...] # check and summarise what the folders hold
 
 Parts: ref (bf16 reference at TP 1), tpN (N = 1, 2, 4, 8: one engine for the prefill logits and greedy
-without MTP, one for greedy with MTP; the all-reduce counts of both), controlN (layer 0's gate/up shards swapped at TP N: must be far off), skewN (TP N
-with rank 1 waiting 60 s before its first forward under FASTCOMM_TIMEOUT_S=30: must start). The report checks:
+without MTP, one for greedy with MTP; the all-reduce counts of both), controlN (layer 0's gate/up shards swapped
+at TP N: must be far off), skewN (TP N with rank 1 waiting 60 s before its first forward under
+FASTCOMM_TIMEOUT_S=30: must start), greedyN (greedy without MTP alone in its engine, no logits request before
+it). A part may name variants after '@', joined by '+' (VARIANTS: e.g. greedy8@eager+check): a wrong result's
+search, each variant's run compared with the same TP's run with MTP. The report checks:
 - logits at every TP against the bf16 reference (median per-position error < TOL, as test_gguf_gpu) and
   against TP 1 (reported); the swapped control's error > CONTROL_MIN;
 - greedy tokens with and without MTP identical at each TP, or parted only at a near-tie (greedy_agreement), and
@@ -28,6 +31,26 @@ from greedy import first_difference, greedy_agreement  # noqa: E402
 from test_gguf_gpu import CONTROL_MIN, TOL, summary, write_models  # noqa: E402
 
 TIMEOUT_S = 560
+# A part's variants: (worker options to drop, environment to add).
+VARIANTS = {
+    "eager": (("--graphs",), {}),                                   # no torch.compile, no CUDA graphs
+    "check": ((), {"FASTCOMM_TEST_CHECK_ALLREDUCE": "1"}),          # every eager all-reduce checked bit for bit
+    "plugin": ((), {"FASTCOMM_GGUF_KERNELS": "plugin"}),            # vllm-gguf-plugin's kernels, not fastcomm's
+    "mma1": ((), {"FASTCOMM_GGUF_MMA_MIN_TOKENS": "1"}),            # tensor-core linears from 1 token
+    "grouped1": ((), {"FASTCOMM_GGUF_GROUPED_MIN_TOKENS": "1"}),    # the MoE grouped by expert from 1 token
+}
+
+
+def _variant(part: str) -> tuple[str, str, tuple, dict]:
+    """``part`` as (base part, name suffix, worker options to drop, environment)."""
+    base, _, names = part.partition("@")
+    drop, env = [], {}
+    for name in filter(None, names.split("+")):
+        if name not in VARIANTS:
+            raise SystemExit(f"unknown variant {name!r} in {part!r} (known: {', '.join(VARIANTS)})")
+        drop += VARIANTS[name][0]
+        env.update(VARIANTS[name][1])
+    return base, f"@{names}" if names else "", tuple(drop), env
 
 
 def _run(out: Path, name: str, mode: str, model: Path, *extra, env=None) -> dict:
@@ -55,14 +78,18 @@ def run_parts(out: Path, parts: list[str]) -> None:
     os.environ.setdefault("FASTCOMM_CACHE_DIR", str(out / "cache"))
     os.environ.update(FASTCOMM_TEST_MODE="1", FASTCOMM_TEST_SHARED_GPU="1")
     first, ref = write_models(out / "models")
-    common = ("--one-gpu", "--graphs")
     for part in parts:
+        part, tag, drop, env = _variant(part)
+        common = tuple(o for o in ("--one-gpu", "--graphs") if o not in drop)
         if part == "ref":
             _run(out, "ref", "logits", ref, "--tp", 1, *common)
         elif part.startswith("tp"):
             tp = int(part[2:])
-            _run(out, f"logits-tp{tp}", "both", first, "--tp", tp, *common)  # logits, then greedy
-            _run(out, f"greedy-mtp-tp{tp}", "greedy", first, "--tp", tp, "--mtp", 1, *common)
+            _run(out, f"logits-tp{tp}{tag}", "both", first, "--tp", tp, *common, env=env)  # logits, then greedy
+            _run(out, f"greedy-mtp-tp{tp}{tag}", "greedy", first, "--tp", tp, "--mtp", 1, *common, env=env)
+        elif part.startswith("greedy"):
+            tp = int(part[len("greedy"):])
+            _run(out, f"greedy-tp{tp}{tag}", "greedy", first, "--tp", tp, *common, env=env)
         elif part.startswith("control"):
             tp = int(part[len("control"):])
             _run(out, f"control-tp{tp}", "logits", first, "--tp", tp, "--swap", *common)
@@ -97,9 +124,13 @@ def _allreduce_check(res: dict, layers: int, mtp: bool) -> dict:
                 bad.append({"rank": rank, "tokens": tokens, "calls": calls, "fastcomm": fc, "fallback": fallback})
         if c["outside"]:
             bad.append({"rank": rank, "outside_a_forward": c["outside"]})
-    ok = bool(ranks) and not bad and f"{main} calls" in seen and (not mtp or f"{draft} calls" in seen)
+    checked = sum(c.get("checked", 0) for c in ranks)
+    mismatches = [{"rank": rank, **m} for rank, c in enumerate(ranks) for m in c.get("mismatches", [])]
+    ok = (bool(ranks) and not bad and not mismatches and f"{main} calls" in seen
+          and (not mtp or f"{draft} calls" in seen))
     return {"forwards_by_calls": seen, "ranks": len(ranks), "expected_main": main,
             "expected_draft": draft if mtp else None, "bad": bad[:8],
+            "checked_bit_for_bit": checked, "mismatches": mismatches[:8],
             "fastcomm_every_rank": all(c.get("fastcomm") for c in ranks) if ranks else None, "ok": ok}
 
 
@@ -143,6 +174,24 @@ def report(dirs) -> dict:
             if r is None or "failed" in r:
                 failures.append(f"TP {tp} {k} engine")
         out["tp"][tp] = row
+    for tp in (1, 2, 4, 8):
+        for path in sorted({p.name for d in dirs for p in Path(d).glob(f"greedy-tp{tp}*.json")}):
+            name = path[:-len(".json")]
+            v, gm, lg = _load(dirs, name), _load(dirs, f"greedy-mtp-tp{tp}"), _load(dirs, f"logits-tp{tp}")
+            if not v or "tokens" not in v:
+                failures.append(f"{name} engine")
+                continue
+            row = {"tokens": v["tokens"]}
+            for other, res in (("vs_mtp", gm), ("vs_plain", lg)):
+                if res and "tokens" in res:
+                    row[other] = greedy_agreement(v, res)
+            if tp > 1 and "allreduce" in v:
+                row["allreduce"] = _allreduce_check(v, layers, False)
+                if not row["allreduce"]["ok"]:
+                    failures.append(f"{name} allreduce")
+            if "vs_mtp" in row and not row["vs_mtp"]["ok"]:
+                failures.append(f"{name} vs MTP")
+            out.setdefault("variants", {})[name] = row
     for tp in (2, 4, 8):
         c = _load(dirs, f"control-tp{tp}")
         if c and "prompt_logprobs" in c and ref:

@@ -134,6 +134,11 @@ def _base_init_args(args, kwargs):
     return DeviceCommunicatorBase, {k: v for k, v in kwargs.items() if k in params}
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bits as integers (NaN payloads and -0.0 compare exactly)."""
+    return t.contiguous().view(-1).view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
 _FORWARDS = itertools.count()
 
 
@@ -161,6 +166,11 @@ class OneGpuCommunicator(FastcommCudaCommunicator):
             setattr(self, name, None)
         self.use_custom_allreduce = False
         self.calls: list[tuple[int | None, int, str]] = []  # (forward, tokens, destination)
+        from fastcomm.config import Config
+
+        self.check = Config.from_env().test_check_allreduce
+        self.checked = 0
+        self.mismatches: list[dict] = []  # the first few calls whose result was not the exact sum
         self._open_fastcomm()
 
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
@@ -168,6 +178,8 @@ class OneGpuCommunicator(FastcommCudaCommunicator):
         if ws is not None:
             if not self.fastcomm_ready and not torch.cuda.is_current_stream_capturing():
                 dist.barrier(group=self.cpu_group)
+            checking = self.check and not torch.cuda.is_current_stream_capturing()
+            terms = self._gather_all(input_) if checking else None
             try:
                 out = self._fastcomm_try(input_, ws)
             except RuntimeError as exc:
@@ -177,9 +189,30 @@ class OneGpuCommunicator(FastcommCudaCommunicator):
                 raise
             if out is not None:
                 self.calls.append((_forward_id(), int(input_.shape[0]) if input_.dim() else 1, FASTCOMM))
+                if terms is not None:
+                    self._check_sum(terms, out)
                 return out
         self.calls.append((_forward_id(), int(input_.shape[0]) if input_.dim() else 1, FALLBACK))
         return self._on_cpu(input_, lambda t: dist.all_reduce(t, group=self.cpu_group))
+
+    def _check_sum(self, terms: list[torch.Tensor], out: torch.Tensor) -> None:
+        """FASTCOMM_TEST_CHECK_ALLREDUCE: ``out`` must be the ranks' ``terms`` summed in fp32 in rank order and
+        rounded once (what every fastcomm kernel computes), bit for bit, and the same on every rank."""
+        total = terms[0].float()
+        for t in terms[1:]:
+            total = total + t.float()
+        want = _bits(total.to(out.dtype))
+        got = _bits(out.detach().to("cpu"))
+        same = all(torch.equal(_bits(o), got) for o in self._gather_all(out))
+        exact = torch.equal(got, want)
+        self.checked += 1
+        if not (exact and same) and len(self.mismatches) < 16:
+            diff = (out.detach().to("cpu").float().view(-1) - total.view(-1)).abs()
+            self.mismatches.append({"call": len(self.calls) - 1, "forward": self.calls[-1][0],
+                                    "tokens": self.calls[-1][1], "elements": int(got.numel()),
+                                    "wrong": int((got != want).sum()),
+                                    "max_abs_diff": float(diff.nan_to_num(float("inf")).max()),
+                                    "ranks_agree": same})
 
     def _on_cpu(self, input_: torch.Tensor, op) -> torch.Tensor:
         t = input_.detach().to("cpu", copy=True)
@@ -269,4 +302,5 @@ def counts(worker=None) -> dict:
         rec[2 if dest == FASTCOMM else 3] += 1
     return {"forwards": [by_forward[k] for k in sorted(by_forward)], "outside": outside,
             "fastcomm": getattr(comm, "fastcomm_workspace", None) is not None,
+            "checked": getattr(comm, "checked", 0), "mismatches": getattr(comm, "mismatches", []),
             "why_not": getattr(comm, "fastcomm_why_not", None)}
