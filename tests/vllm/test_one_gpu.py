@@ -113,3 +113,37 @@ def test_serve_args_are_the_engine_kwargs_through_vllm_serve_parser(monkeypatch)
         ns = parser.parse_args(["--model", "m", "-tp", str(tp), *one_gpu.serve_args(tp)])
         for name, value in kw.items():  # what EngineArgs.from_cli_args reads (building one needs a device)
             assert getattr(ns, name) == value, (name, getattr(ns, name), value)
+
+
+def test_the_allreduce_check_finds_a_result_that_is_not_the_exact_sum():
+    """FASTCOMM_TEST_CHECK_ALLREDUCE's comparison (the gloo gathers replaced by the terms in hand): the ranks'
+    inputs summed in fp32 in rank order and rounded once pass bit for bit, -0.0 and NaN included; one wrong
+    element, or ranks holding different results, is recorded."""
+    import torch
+
+    from fastcomm_vllm import one_gpu
+
+    g = torch.Generator().manual_seed(3)
+    terms = [torch.randn(3, 512, generator=g).to(torch.bfloat16) for _ in range(8)]
+    for t in terms:
+        t[0, :2] = torch.tensor([-0.0, float("nan")])
+    exact = terms[0].float()
+    for t in terms[1:]:
+        exact = exact + t.float()
+    exact = exact.to(torch.bfloat16)
+    comm = one_gpu.OneGpuCommunicator.__new__(one_gpu.OneGpuCommunicator)
+    comm.calls, comm.checked, comm.mismatches = [(7, 3, one_gpu.FASTCOMM)], 0, []
+    results = {}
+    comm._gather_all = lambda out: results["all"]
+    results["all"] = [exact] * 8
+    comm._check_sum(terms, exact)
+    assert comm.checked == 1 and comm.mismatches == []
+    wrong = exact.clone()
+    wrong[2, 5] = wrong[2, 5] * 2 + 1
+    results["all"] = [wrong] * 8
+    comm._check_sum(terms, wrong)
+    m = comm.mismatches[0]
+    assert (m["forward"], m["tokens"], m["wrong"], m["ranks_agree"]) == (7, 3, 1, True)
+    results["all"] = [exact] * 7 + [wrong]
+    comm._check_sum(terms, exact)
+    assert comm.mismatches[1]["wrong"] == 0 and not comm.mismatches[1]["ranks_agree"]
