@@ -226,6 +226,10 @@ VARIABLES: tuple[Var, ...] = (
     Var("FASTCOMM_TEST_CHECK_ALLREDUCE", "test_check_allreduce", "0", "Tests only (needs FASTCOMM_TEST_MODE=1): "
         "1 makes the one-GPU vLLM harness check every eager all-reduce against the ranks' inputs summed on the "
         "CPU in fastcomm's order (fp32, ranks 0..n-1), bit for bit, and count the calls that differ.", boolean),
+    Var("FASTCOMM_TEST_ROUTING", "test_routing", "0", "Tests only (needs FASTCOMM_TEST_MODE=1): 1 makes the "
+        "one-GPU vLLM harness record, in eager forwards of up to 8 tokens, the experts each MoE layer routes "
+        "each token to and the margin of that choice (a routing near-tie turns a rounding difference into a "
+        "different token).", boolean),
 )
 _BY_NAME = {v.name: v for v in VARIABLES}
 # Every FASTCOMM_TEST_* setting but the mode itself needs FASTCOMM_TEST_MODE=1.
@@ -304,6 +308,7 @@ class Config:
     test_swap_shards: bool = False
     test_standin_us: float | None = None
     test_check_allreduce: bool = False
+    test_routing: bool = False
 
     def __post_init__(self):
         # Constructor arguments get the same checks as the environment, named by argument.

@@ -40,3 +40,22 @@ def test_report_compares_each_variant_with_the_mtp_run(tmp_path):
     assert v["greedy-tp8@check"]["allreduce"]["mismatches"][0]["wrong"] == 3
     assert "greedy-tp8@plugin vs MTP" in res["failures"] and "greedy-tp8@check allreduce" in res["failures"]
     assert not any("eager" in f for f in res["failures"])
+
+
+def _routed(tokens_per_step, experts, margins):
+    """An engine's routing records as one_gpu.record_routing writes them: warm-up, the prefill's mark, steps."""
+    recs = [{"forward": 0, "module": "model.layers.1.mlp", "tokens": 1, "experts": [[0, 1]], "margin": [0.5]},
+            {"forward": 1, "module": "model.layers.1.mlp", "tokens": 128}]
+    for i, (e, m) in enumerate(zip(experts, margins)):
+        recs.append({"forward": 2 + i, "module": "model.layers.1.mlp", "tokens": tokens_per_step,
+                     "experts": [e] * tokens_per_step, "margin": [m] * tokens_per_step})
+    return {"allreduce": [{"routing": recs}]}
+
+
+def test_routing_parting_names_the_first_step_whose_experts_differ():
+    plain = _routed(1, [[3, 5], [1, 2], [4, 6]], [0.2, 0.3, 0.0004])
+    mtp = _routed(2, [[5, 3], [2, 1], [4, 7]], [0.2, 0.3, 0.0002])  # the same sets, then a near-tie flip
+    res = T.routing_parting(plain, mtp)
+    assert res["token"] == 3 and res["experts"] == [[4, 6], [4, 7]] and res["margins"] == [0.0004, 0.0002]
+    assert T.routing_parting(plain, plain) == {"token": None, "steps": 3}
+    assert T.routing_parting(plain, {"allreduce": [{}]}) is None

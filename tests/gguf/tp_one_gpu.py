@@ -8,7 +8,7 @@ Parts: ref (bf16 reference at TP 1), tpN (N = 1, 2, 4, 8: one engine for the pre
 without MTP, one for greedy with MTP; the all-reduce counts of both), controlN (layer 0's gate/up shards swapped
 at TP N: must be far off), skewN (TP N with rank 1 waiting 60 s before its first forward under
 FASTCOMM_TIMEOUT_S=30: must start), greedyN (greedy without MTP alone in its engine, no logits request before
-it). A part may name variants after '@', joined by '+' (VARIANTS: e.g. greedy8@eager+check): a wrong result's
+it), mtpN (greedy with MTP alone). A part may name variants after '@', joined by '+' (VARIANTS: e.g. greedy8@eager+check): a wrong result's
 search, each variant's run compared with the same TP's run with MTP. The report checks:
 - logits at every TP against the bf16 reference (median per-position error < TOL, as test_gguf_gpu) and
   against TP 1 (reported); the swapped control's error > CONTROL_MIN;
@@ -38,6 +38,7 @@ VARIANTS = {
     "plugin": ((), {"FASTCOMM_GGUF_KERNELS": "plugin"}),            # vllm-gguf-plugin's kernels, not fastcomm's
     "mma1": ((), {"FASTCOMM_GGUF_MMA_MIN_TOKENS": "1"}),            # tensor-core linears from 1 token
     "grouped1": ((), {"FASTCOMM_GGUF_GROUPED_MIN_TOKENS": "1"}),    # the MoE grouped by expert from 1 token
+    "routing": ((), {"FASTCOMM_TEST_ROUTING": "1"}),                # experts and margins per step (eager only)
 }
 
 
@@ -87,6 +88,9 @@ def run_parts(out: Path, parts: list[str]) -> None:
             tp = int(part[2:])
             _run(out, f"logits-tp{tp}{tag}", "both", first, "--tp", tp, *common, env=env)  # logits, then greedy
             _run(out, f"greedy-mtp-tp{tp}{tag}", "greedy", first, "--tp", tp, "--mtp", 1, *common, env=env)
+        elif part.startswith("mtp"):
+            tp = int(part[len("mtp"):])
+            _run(out, f"greedy-mtp-tp{tp}{tag}", "greedy", first, "--tp", tp, "--mtp", 1, *common, env=env)
         elif part.startswith("greedy"):
             tp = int(part[len("greedy"):])
             _run(out, f"greedy-tp{tp}{tag}", "greedy", first, "--tp", tp, *common, env=env)
@@ -107,6 +111,33 @@ def _load(dirs, name):
         if p.is_file():
             return json.loads(p.read_text())
     return None
+
+
+def routing_steps(res: dict) -> dict[str, list]:
+    """Per MoE layer, the routing of each decode step after the prompt's prefill (one_gpu.record_routing, rank 0):
+    step i's (experts, margin) of the token whose logits gave generated token i (a verify step's first row)."""
+    records = ((res.get("allreduce") or [{}])[0]).get("routing") or []
+    last_prefill = max((i for i, r in enumerate(records) if "experts" not in r), default=-1)
+    steps: dict[str, list] = {}
+    for r in records[last_prefill + 1:]:
+        steps.setdefault(r["module"], []).append((sorted(r["experts"][0]), r["margin"][0]))
+    return steps
+
+
+def routing_parting(a: dict, b: dict) -> dict | None:
+    """The first decode step (generated token index) at which two runs' routing of one layer differs, with
+    both runs' margins there; None where both recorded none."""
+    ra, rb = routing_steps(a), routing_steps(b)
+    if not ra or not rb:
+        return None
+    for step in range(max(len(v) for v in ra.values())):
+        for module in sorted(set(ra) & set(rb)):
+            if step >= min(len(ra[module]), len(rb[module])):
+                continue
+            (ea, ma), (eb, mb) = ra[module][step], rb[module][step]
+            if ea != eb:
+                return {"token": step + 1, "module": module, "experts": [ea, eb], "margins": [ma, mb]}
+    return {"token": None, "steps": min(len(v) for v in ra.values())}
 
 
 def _allreduce_check(res: dict, layers: int, mtp: bool) -> dict:
@@ -185,6 +216,10 @@ def report(dirs) -> dict:
             for other, res in (("vs_mtp", gm), ("vs_plain", lg)):
                 if res and "tokens" in res:
                     row[other] = greedy_agreement(v, res)
+            mtp_routed = _load(dirs, f"greedy-mtp-tp{tp}{name[name.index('@'):]}") if "@" in name else None
+            if mtp_routed and "tokens" in mtp_routed:  # the MTP run with the same variants
+                row["vs_mtp_same_variant"] = greedy_agreement(v, mtp_routed)
+                row["routing_vs_mtp_same_variant"] = routing_parting(v, mtp_routed)
             if tp > 1 and "allreduce" in v:
                 row["allreduce"] = _allreduce_check(v, layers, False)
                 if not row["allreduce"]["ok"]:

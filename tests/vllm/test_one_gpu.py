@@ -147,3 +147,35 @@ def test_the_allreduce_check_finds_a_result_that_is_not_the_exact_sum():
     results["all"] = [exact] * 7 + [wrong]
     comm._check_sum(terms, exact)
     assert comm.mismatches[1]["wrong"] == 0 and not comm.mismatches[1]["ranks_agree"]
+
+
+def test_routing_is_recorded_with_its_margin_for_decode_sized_forwards():
+    """FASTCOMM_TEST_ROUTING's hook on a MoE-shaped module (``gate`` with a float weight and the correction
+    bias, ``experts``): the experts sigmoid + bias picks, the margin to the first not picked, and for a forward
+    of more than 8 tokens only a mark."""
+    import torch
+    from torch import nn
+
+    from fastcomm_vllm import one_gpu
+
+    class Moe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(4, 3, bias=False)
+            self.gate.e_score_correction_bias = torch.tensor([0.0, 0.0, 0.5])
+            self.experts = nn.Identity()
+
+        def forward(self, x):
+            return self.experts(x)
+
+    model = nn.Sequential(Moe())
+    with torch.no_grad():
+        model[0].gate.weight.copy_(torch.tensor([[1.0, 0, 0, 0], [0, 1.0, 0, 0], [0, 0, 1.0, 0]]))
+    records = one_gpu.record_routing(model, top_k=2)
+    model(torch.tensor([[2.0, 0.0, -9.0, 0.0]]))  # scores: sigmoid(2)=0.881, 0.5, 0.5 + ~0 = 0.5001
+    model(torch.zeros(9, 4))
+    (step, mark) = records
+    assert step["module"] == "0" and step["tokens"] == 1 and step["experts"] == [[0, 2]]
+    want = torch.sigmoid(torch.tensor(-9.0)).item() + 0.5 - 0.5
+    assert abs(step["margin"][0] - want) < 1e-6
+    assert mark == {"forward": None, "module": "0", "tokens": 9}

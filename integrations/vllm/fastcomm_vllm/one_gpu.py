@@ -95,7 +95,16 @@ class OneGpuWorker(_worker_base()):
 
     def fastcomm_counts(self) -> dict:
         """``counts`` by name, for ``LLM.collective_rpc("fastcomm_counts")`` (vLLM serializes no functions)."""
-        return counts()
+        return {**counts(), "routing": getattr(self, "_fastcomm_routing", [])}
+
+    def load_model(self, *args, **kwargs):
+        out = super().load_model(*args, **kwargs)
+        from fastcomm.config import Config
+
+        if Config.from_env().test_routing and self.rank == 0:  # every rank routes alike: rank 0 records
+            self._fastcomm_routing = record_routing(self.model_runner.get_model(),
+                                                   self.vllm_config.model_config.hf_config.num_experts_per_tok)
+        return out
 
     def determine_available_memory(self, *args, **kwargs):
         # The first forward (the profile run) follows: the start-up skew test delays one rank here.
@@ -106,6 +115,49 @@ class OneGpuWorker(_worker_base()):
             logger.warning("fastcomm test: rank %d waits %.0f s before its first forward", self.rank, delay[1])
             time.sleep(delay[1])
         return super().determine_available_memory(*args, **kwargs)
+
+
+ROUTING_MAX_TOKENS = 8  # decode and verify steps; warm-up and prefill forwards are not recorded
+
+
+def routing_choice(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int) -> tuple[list, list]:
+    """GLM-5's routing (sigmoid scores plus the correction bias, one group) of router ``logits`` [tokens,
+    experts]: per token, the top_k experts in order, and the margin (in score) between the last one chosen and
+    the first one not."""
+    choice = torch.sigmoid(logits.float())
+    if bias is not None:
+        choice = choice + bias.float()
+    ranked = choice.sort(dim=-1, descending=True)
+    margin = ranked.values[:, top_k - 1] - ranked.values[:, top_k]
+    return ranked.indices[:, :top_k].tolist(), margin.tolist()
+
+
+def record_routing(model, top_k: int) -> list[dict]:
+    """FASTCOMM_TEST_ROUTING: a pre-forward hook on each MoE layer (a module with ``gate`` and ``experts``) that
+    recomputes its router's choice from the layer's input in fp32 (eager forwards only: a graph replay runs no
+    hooks). Returns the list the records go to."""
+    records: list[dict] = []
+
+    def hook(name, module, args):
+        x = args[0] if args else None
+        if (not isinstance(x, torch.Tensor) or torch.compiler.is_compiling()
+                or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+            return
+        x = x.view(-1, x.shape[-1])
+        if x.shape[0] > ROUTING_MAX_TOKENS:  # a mark only: where the prompt's prefill was
+            records.append({"forward": _forward_id(), "module": name, "tokens": int(x.shape[0])})
+            return
+        gate = module.gate
+        logits = x.float() @ gate.weight.float().t()
+        experts, margin = routing_choice(logits, getattr(gate, "e_score_correction_bias", None), top_k)
+        records.append({"forward": _forward_id(), "module": name, "tokens": int(x.shape[0]),
+                        "experts": experts, "margin": margin})
+
+    for name, m in model.named_modules():
+        weight = getattr(getattr(m, "gate", None), "weight", None)
+        if hasattr(m, "experts") and isinstance(weight, torch.Tensor) and weight.is_floating_point():
+            m.register_forward_pre_hook(lambda mod, args, name=name: hook(name, mod, args))
+    return records
 
 
 def swap_gate_up_of_layer_0() -> None:
