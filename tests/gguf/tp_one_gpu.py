@@ -8,8 +8,8 @@ Parts: ref (bf16 reference at TP 1), tpN (N = 1, 2, 4, 8: one engine for the pre
 without MTP, one for greedy with MTP; the all-reduce counts of both), controlN (layer 0's gate/up shards swapped
 at TP N: must be far off), skewN (TP N with rank 1 waiting 60 s before its first forward under
 FASTCOMM_TIMEOUT_S=30: must start), greedyN (greedy without MTP alone in its engine, no logits request before
-it), mtpN (greedy with MTP alone). A part may name variants after '@', joined by '+' (VARIANTS: e.g. greedy8@eager+check): a wrong result's
-search, each variant's run compared with the same TP's run with MTP. The report checks:
+it), mtpN (greedy with MTP alone). A part may name variants after '@', joined by '+' (VARIANTS: e.g.
+greedy8@eager+check): a wrong result's search, each variant's run compared with the same TP's run with MTP. The report checks:
 - logits at every TP against the bf16 reference (median per-position error < TOL, as test_gguf_gpu) and
   against TP 1 (reported); the swapped control's error > CONTROL_MIN;
 - greedy tokens with and without MTP identical at each TP, or parted only at a near-tie (greedy_agreement), and
@@ -84,12 +84,10 @@ def run_parts(out: Path, parts: list[str]) -> None:
         common = tuple(o for o in ("--one-gpu", "--graphs") if o not in drop)
         if part == "ref":
             _run(out, "ref", "logits", ref, "--tp", 1, *common)
-        elif part.startswith("tp"):
-            tp = int(part[2:])
-            _run(out, f"logits-tp{tp}{tag}", "both", first, "--tp", tp, *common, env=env)  # logits, then greedy
-            _run(out, f"greedy-mtp-tp{tp}{tag}", "greedy", first, "--tp", tp, "--mtp", 1, *common, env=env)
-        elif part.startswith("mtp"):
-            tp = int(part[len("mtp"):])
+        elif part.startswith(("tp", "mtp")):  # tpN: logits and greedy, then MTP; mtpN: MTP alone
+            tp = int(part[part.index("p") + 1:])
+            if part.startswith("tp"):
+                _run(out, f"logits-tp{tp}{tag}", "both", first, "--tp", tp, *common, env=env)
             _run(out, f"greedy-mtp-tp{tp}{tag}", "greedy", first, "--tp", tp, "--mtp", 1, *common, env=env)
         elif part.startswith("greedy"):
             tp = int(part[len("greedy"):])
