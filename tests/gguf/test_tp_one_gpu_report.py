@@ -59,3 +59,22 @@ def test_routing_parting_names_the_first_step_whose_experts_differ():
     assert res["token"] == 3 and res["experts"] == [[4, 6], [4, 7]] and res["margins"] == [0.0004, 0.0002]
     assert T.routing_parting(plain, plain) == {"token": None, "steps": 3}
     assert T.routing_parting(plain, {"allreduce": [{}]}) is None
+
+
+def test_mtp_agreement_is_decided_on_the_verify_steps_forms(tmp_path):
+    """A plain run on the default forms may part from the MTP run (the forms round differently); the run on the
+    verify steps' forms (greedy-tpN@mma1) must not."""
+    pytest.importorskip("gguf")
+    (tmp_path / "greedy-mtp-tp8.json").write_text(json.dumps({**_engine([3, 4, 5]),
+                                                               "spec_decode": {"vllm:spec_decode_num_draft_tokens": 2}}))
+    (tmp_path / "logits-tp8.json").write_text(json.dumps(_engine([3, 9, 9])))
+    (tmp_path / "greedy-tp8@mma1.json").write_text(json.dumps(_engine([3, 4, 5])))
+    res = T.report([tmp_path])
+    row = res["tp"][8]
+    assert row["greedy_with_mtp"]["first_difference"] == 1 and not row["greedy_with_mtp"]["ok"]
+    assert row["greedy_with_mtp_same_forms"]["identical"]
+    assert "TP 8 MTP" not in res["failures"]
+    (tmp_path / "greedy-tp8@mma1.json").write_text(json.dumps(_engine([3, 4, 7])))
+    res = T.report([tmp_path])
+    assert res["tp"][8]["greedy_with_mtp_same_forms"]["first_difference"] == 2
+    assert "TP 8 MTP" in res["failures"]

@@ -5,7 +5,8 @@ in its own process (gpu_worker.py --one-gpu --graphs: torch.compile and CUDA gra
     python tests/gguf/tp_one_gpu.py --report OUT_DIR [OUT_DIR...] # check and summarise what the folders hold
 
 Parts: ref (bf16 reference at TP 1), tpN (N = 1, 2, 4, 8: one engine for the prefill logits and greedy
-without MTP, one for greedy with MTP; the all-reduce counts of both), controlN (layer 0's gate/up shards swapped
+without MTP, one for greedy with MTP, one for greedy without MTP on the verify steps' kernel forms (greedyN@mma1);
+the all-reduce counts of all), controlN (layer 0's gate/up shards swapped
 at TP N: must be far off), skewN (TP N with rank 1 waiting 60 s before its first forward under
 FASTCOMM_TIMEOUT_S=30: must start), greedyN (greedy without MTP alone in its engine, no logits request before
 it), mtpN (greedy with MTP alone). A part may name variants after '@', joined by '+' (VARIANTS: e.g.
@@ -13,7 +14,11 @@ greedy8@eager+check): a wrong result's search, each variant's run compared with 
 - logits at every TP against the bf16 reference (median per-position error < TOL, as test_gguf_gpu) and
   against TP 1 (reported); the swapped control's error > CONTROL_MIN;
 - greedy tokens with and without MTP identical at each TP, or parted only at a near-tie (greedy_agreement), and
-  MTP proposed drafts; the same for greedy at each TP against TP 1;
+  MTP proposed drafts; the same for greedy at each TP against TP 1. Where the run on the verify steps' forms
+  exists (greedyN@mma1), it decides: a 1-token step on the default forms (staged dp4a) rounds differently from
+  a 2-token verify step (tensor cores), so runs on different forms may part where a routing or a token nearly
+  ties, and only runs on the same forms must agree (at TP 8 they do, all 32 tokens, while the default forms part
+  at token 14: bench/results/2026-12-07-h100x1-tp-one-gpu-tp8-forms-2811183.json);
 - every forward of one token ran 1 + 2 x layers all-reduces (embedding, then attention and MLP per layer; the
   MTP draft's forward 1 + 2) on every rank, all through fastcomm, none falling back.
 """
@@ -89,6 +94,8 @@ def run_parts(out: Path, parts: list[str]) -> None:
             if part.startswith("tp"):
                 _run(out, f"logits-tp{tp}{tag}", "both", first, "--tp", tp, *common, env=env)
             _run(out, f"greedy-mtp-tp{tp}{tag}", "greedy", first, "--tp", tp, "--mtp", 1, *common, env=env)
+            if part.startswith("tp") and not tag:
+                _run(out, f"greedy-tp{tp}@mma1", "greedy", first, "--tp", tp, *common, env=VARIANTS["mma1"][1])
         elif part.startswith("greedy"):
             tp = int(part[len("greedy"):])
             _run(out, f"greedy-tp{tp}{tag}", "greedy", first, "--tp", tp, *common, env=env)
@@ -190,7 +197,11 @@ def report(dirs) -> dict:
             drafts = sum(v for n, v in gm["spec_decode"].items() if "num_draft_tokens" in n and "per_pos" not in n)
             row["greedy_with_mtp"] = greedy_agreement(g, gm)
             row["mtp_draft_tokens"] = drafts
-            if not (row["greedy_with_mtp"]["ok"] and drafts > 0):
+            same = _load(dirs, f"greedy-tp{tp}@mma1")  # greedy on the verify steps' forms (module docstring)
+            if same and "tokens" in same:
+                row["greedy_with_mtp_same_forms"] = greedy_agreement(same, gm)
+            decides = row.get("greedy_with_mtp_same_forms", row["greedy_with_mtp"])
+            if not (decides["ok"] and drafts > 0):
                 failures.append(f"TP {tp} MTP")
         if tp > 1:
             for name, res, mtp in (("allreduce", g, False), ("allreduce_mtp", gm, True)):
