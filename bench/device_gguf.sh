@@ -56,7 +56,7 @@
 #    $OUT/ncu-OP-FORM.txt, through python -m fastcomm_bench.kquant_profile.
 # 3d. Tensor parallel 1-8 with every rank on this one GPU (fastcomm_vllm.one_gpu; one call per part set,
 #    same carry):  TP_PARTS=ref,tp1,tp2 bash bench/device_gguf.sh tp .gguf_stage   (then tp4,skew4; tp8,control8)
-#    $OUT/tp/*.json per engine, $OUT/tp/report.json: logits vs bf16 and TP 1, MTP, all-reduce counts.
+#    $OUT/tp/engines.tgz (each engine's JSON and log), $OUT/tp/report.json: logits vs bf16 and TP 1, MTP, all-reduce counts.
 # 3e. One TP 8 rank's decode step (issue 36), each one call on a warm machine, the shard written once (~55 GiB in
 #    /dev/shm or on /tmp's disk): bash bench/device_gguf.sh shard .gguf_stage write   (then plain, plugin, mtp)
 #    SHARD_STANDIN_US (0,5,10,20,60): the stand-in all-reduce's times; the step at each, in one engine; plain
@@ -447,6 +447,9 @@ tp_one_gpu() {  # TP 1-8 with every rank on this one GPU (tests/gguf/tp_one_gpu.
   python tests/gguf/tp_one_gpu.py --report "$out" > "$out/report.json"
   local rc=$?
   rm -rf "$out/models"
+  # One archive of the engines' JSONs and logs beside report.json: the device's fetch brings back few files.
+  (cd "$out" && tar czf engines.tgz --exclude=report.json --exclude=engines.tgz --exclude=cache *.json *.log 2>/dev/null \
+     && find . -maxdepth 1 \( -name '*.json' -o -name '*.log' \) ! -name report.json -delete)
   tail -60 "$out/report.json"
   return $rc
 }
