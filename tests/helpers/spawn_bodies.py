@@ -7,6 +7,11 @@ def ok(rank, world, group):
 
 
 def hang_on_rank_1(rank, world, group):
+    # Both ranks past the group's set-up first: else rank 0 may finish and take the rendezvous store with it
+    # while rank 1's gloo still connects, and rank 1 fails on a reset socket instead of hanging.
+    import torch.distributed as dist
+
+    dist.barrier(group)
     if rank == 1:
         time.sleep(600)  # a deadlocked rank
     return "done"
