@@ -448,7 +448,7 @@ tp_one_gpu() {  # TP 1-8 with every rank on this one GPU (tests/gguf/tp_one_gpu.
   local rc=$?
   rm -rf "$out/models"
   # One archive of the engines' JSONs and logs beside report.json: the device's fetch brings back few files.
-  (cd "$out" && tar czf engines.tgz --exclude=report.json --exclude=engines.tgz --exclude=cache *.json *.log 2>/dev/null \
+  (cd "$out" && tar czf engines.tgz --exclude=report.json *.json *.log 2>/dev/null \
      && find . -maxdepth 1 \( -name '*.json' -o -name '*.log' \) ! -name report.json -delete)
   tail -60 "$out/report.json"
   return $rc

@@ -45,6 +45,7 @@ VARIANTS = {
     "grouped1": ((), {"FASTCOMM_GGUF_GROUPED_MIN_TOKENS": "1"}),    # the MoE grouped by expert from 1 token
     "routing": ((), {"FASTCOMM_TEST_ROUTING": "1"}),                # experts and margins per step (eager only)
 }
+SAME_FORMS = "mma1"  # the variant whose 1-token step takes the verify steps' K-quant form (module docstring)
 
 
 def _variant(part: str) -> tuple[str, str, tuple, dict]:
@@ -95,7 +96,8 @@ def run_parts(out: Path, parts: list[str]) -> None:
                 _run(out, f"logits-tp{tp}{tag}", "both", first, "--tp", tp, *common, env=env)
             _run(out, f"greedy-mtp-tp{tp}{tag}", "greedy", first, "--tp", tp, "--mtp", 1, *common, env=env)
             if part.startswith("tp") and not tag:
-                _run(out, f"greedy-tp{tp}@mma1", "greedy", first, "--tp", tp, *common, env=VARIANTS["mma1"][1])
+                _, same_tag, _, same_env = _variant(f"greedy{tp}@{SAME_FORMS}")
+                _run(out, f"greedy-tp{tp}{same_tag}", "greedy", first, "--tp", tp, *common, env=same_env)
         elif part.startswith("greedy"):
             tp = int(part[len("greedy"):])
             _run(out, f"greedy-tp{tp}{tag}", "greedy", first, "--tp", tp, *common, env=env)
@@ -197,7 +199,7 @@ def report(dirs) -> dict:
             drafts = sum(v for n, v in gm["spec_decode"].items() if "num_draft_tokens" in n and "per_pos" not in n)
             row["greedy_with_mtp"] = greedy_agreement(g, gm)
             row["mtp_draft_tokens"] = drafts
-            same = _load(dirs, f"greedy-tp{tp}@mma1")  # greedy on the verify steps' forms (module docstring)
+            same = _load(dirs, f"greedy-tp{tp}@{SAME_FORMS}")  # greedy on the verify steps' forms
             if same and "tokens" in same:
                 row["greedy_with_mtp_same_forms"] = greedy_agreement(same, gm)
             decides = row.get("greedy_with_mtp_same_forms", row["greedy_with_mtp"])
