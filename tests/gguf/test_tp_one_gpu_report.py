@@ -78,3 +78,14 @@ def test_mtp_agreement_is_decided_on_the_verify_steps_forms(tmp_path):
     res = T.report([tmp_path])
     assert res["tp"][8]["greedy_with_mtp_same_forms"]["first_difference"] == 2
     assert "TP 8 MTP" in res["failures"]
+
+
+def test_each_part_runs_its_engines(tmp_path, monkeypatch):
+    """The engines a part starts, by the names the report loads them under (a logitsN part gives TP N's first
+    engine alone, so TP 1's row can come from a call that runs no TP 1 MTP engine)."""
+    ran = []
+    monkeypatch.setattr(T, "write_models", lambda d: (d / "q.gguf", d / "bf16.gguf"))
+    monkeypatch.setattr(T, "_run", lambda out, name, mode, model, *extra, env=None: ran.append((name, mode)))
+    T.run_parts(tmp_path, ["ref", "logits1", "tp4", "control8", "skew4"])
+    assert ran == [("ref", "logits"), ("logits-tp1", "both"), ("logits-tp4", "both"), ("greedy-mtp-tp4", "greedy"),
+                   ("greedy-tp4@mma1", "greedy"), ("control-tp8", "logits"), ("skew-tp4", "greedy")]

@@ -9,7 +9,8 @@ without MTP, one for greedy with MTP, one for greedy without MTP on the verify s
 the all-reduce counts of all), controlN (layer 0's gate/up shards swapped
 at TP N: must be far off), skewN (TP N with rank 1 waiting 60 s before its first forward under
 FASTCOMM_TIMEOUT_S=30: must start), greedyN (greedy without MTP alone in its engine, no logits request before
-it), mtpN (greedy with MTP alone). A part may name variants after '@', joined by '+' (VARIANTS: e.g.
+it), mtpN (greedy with MTP alone), logitsN (tpN's first engine alone: prefill logits and greedy without MTP, as
+TP 1's row for the other TPs' comparisons). A part may name variants after '@', joined by '+' (VARIANTS: e.g.
 greedy8@eager+check): a wrong result's search, each variant's run compared with the same TP's run with MTP. The report checks:
 - logits at every TP against the bf16 reference (median per-position error < TOL, as test_gguf_gpu) and
   against TP 1 (reported); the swapped control's error > CONTROL_MIN;
@@ -98,6 +99,9 @@ def run_parts(out: Path, parts: list[str]) -> None:
             if part.startswith("tp") and not tag:
                 _, same_tag, _, same_env = _variant(f"greedy{tp}@{SAME_FORMS}")
                 _run(out, f"greedy-tp{tp}{same_tag}", "greedy", first, "--tp", tp, *common, env=same_env)
+        elif part.startswith("logits"):
+            tp = int(part[len("logits"):])
+            _run(out, f"logits-tp{tp}{tag}", "both", first, "--tp", tp, *common, env=env)
         elif part.startswith("greedy"):
             tp = int(part[len("greedy"):])
             _run(out, f"greedy-tp{tp}{tag}", "greedy", first, "--tp", tp, *common, env=env)
