@@ -10,7 +10,8 @@ plugin's path (as its ``apply`` runs it: per-shard copies for a mixed-type fused
 ``mmvq_safe`` batch, else its MMQ GEMM; MoE through ``ggml_moe_a8_vec``), fastcomm's in every form (linears:
 ``mma`` on the tensor cores, ``staged`` and ``unstaged`` dp4a; MoE: ``grouped`` by expert on the tensor cores,
 ``pairs`` dp4a per (token, expert) pair, ``shared``: grouped with a block's warps sharing each unit's
-activations; kquant.FORMS_*), the form its policy takes marked (kquant.linear_form /
+activations, ``staged``: pairs in two launches that quantize their own activations (None where its stage
+exceeds a block's shared memory); kquant.FORMS_*), the form its policy takes marked (kquant.linear_form /
 moe_form, whose thresholds come from this table), and a bf16 cuBLAS matmul of the same shape for scale. Each
 timing is a CUDA graph of 16 calls replayed (launch overhead out, as in vLLM's decode graphs; each call after
 a one-element torch add, whose own time is taken off, as another library's kernel stands between two products
@@ -313,7 +314,9 @@ def bench_moe(tokens, rng):
                "default": kquant.moe_form(n, topk, hidden, inter),
                "mma_entry": "/".join(kquant.mma_variant([q], moe=True) or "any" for q in (q13, q2))}
         for form in kquant.FORMS_MOE:
-            row[f"{form}_us"] = round(_graph_time_us([lambda a=a, b=b, f=form: kquant.moe(
+            staged_out = form == "staged" and \
+                kquant.moe_stage_bytes(n, topk, hidden, inter) > kquant.limits(0).smem_per_block
+            row[f"{form}_us"] = None if staged_out else round(_graph_time_us([lambda a=a, b=b, f=form: kquant.moe(
                 x, a, b, wts, ids, q13, q2, act, silu=True, form=f) for a, b in zip(w13s, w2s)]), 2)
         for w in SHARED_WARPS:  # the shared form at other block sizes than its default (columns shared_wN)
             fits = max(kquant.moe_shared_smem([q], w) for q in (q13, q2)) <= kquant.limits(0).smem_per_block

@@ -7,6 +7,7 @@
 //   fc_kq_mma_<dt>                the same on the tensor cores: 16-row tiles, up to 8 vectors
 //   fc_kq_moe_up_<dt>             one row of an expert per (token, expert) pair (dp4a)
 //   fc_kq_moe_down_<dt>           per token: the router-weighted sum over its experts (dp4a)
+//   fc_kq_moe_{up,down}_s_<dt>    the same two, each staging its activations (down: silu(gate) * up) itself
 //   fc_kq_moe_mma_up_<dt>         grouped by expert on the tensor cores: each expert's rows once for its pairs
 //   fc_kq_moe_mma_down            the same for the down rows, one fp32 row per pair
 //   fc_kq_moe_mma_{up,down}_shared<type>  the same with a block's warps sharing each unit's activations
@@ -200,23 +201,40 @@ struct KqStage {
   int chunks;
 };
 
+// silu (block-uniform): the rows are [gate | up] of 2 cols values and the vector is silu(gate) * up, rounded as
+// kq_quantize's SILU form rounds it, so a staged product's activations are the two-launch forms' bit for bit.
 template <typename D>
-__device__ KqStage kq_stage(const typename D::raw* x, int n, int cols, kq_u64 x_stride, uint4* smem) {
+__device__ KqStage kq_stage(const typename D::raw* x, int n, int cols, kq_u64 x_stride, uint4* smem,
+                            bool silu = false) {
   typedef typename D::raw raw;
   const int chunks = cols / FC_KQ_CHUNK, total = n * chunks;
   uint4* qa = smem;
   uint4* qb = qa + total;
   float2* ds = reinterpret_cast<float2*>(qb + total);
+  constexpr int LOADS = (int)(FC_KQ_CHUNK * sizeof(raw) / 16);
   for (int i = threadIdx.x; i < total; i += blockDim.x) {
     const int v = i / chunks, c = i - v * chunks;
     const uint4* src = reinterpret_cast<const uint4*>(x + v * x_stride + (kq_u64)c * FC_KQ_CHUNK);
     alignas(16) raw buf[FC_KQ_CHUNK];  // filled by 16-byte stores
     uint4* b = reinterpret_cast<uint4*>(buf);
 #pragma unroll
-    for (int k = 0; k < (int)(FC_KQ_CHUNK * sizeof(raw) / 16); ++k) b[k] = __ldg(src + k);  // rows 16-byte aligned
+    for (int k = 0; k < LOADS; ++k) b[k] = __ldg(src + k);  // rows 16-byte aligned
     float f[FC_KQ_CHUNK];
+    if (silu) {
+      alignas(16) raw up[FC_KQ_CHUNK];
+      uint4* u = reinterpret_cast<uint4*>(up);
+      const uint4* usrc = reinterpret_cast<const uint4*>(x + v * x_stride + cols + (kq_u64)c * FC_KQ_CHUNK);
 #pragma unroll
-    for (int l = 0; l < FC_KQ_CHUNK; ++l) f[l] = D::to_f(buf[l]);
+      for (int k = 0; k < LOADS; ++k) u[k] = __ldg(usrc + k);
+#pragma unroll
+      for (int l = 0; l < FC_KQ_CHUNK; ++l) {
+        const float gate = D::to_f(buf[l]), s = D::to_f(D::from_f(gate / (1.f + expf(-gate))));
+        f[l] = D::to_f(D::from_f(s * D::to_f(up[l])));
+      }
+    } else {
+#pragma unroll
+      for (int l = 0; l < FC_KQ_CHUNK; ++l) f[l] = D::to_f(buf[l]);
+    }
     kq_u32 q[8];
     float d, s;
     kq_quantize_chunk(f, q, &d, &s);
@@ -278,6 +296,83 @@ __device__ void kq_gemv_s(const KqSegs& segs, const typename D::raw* x, int n, i
       const float sum = kq_warp_sum(acc[v]);
       if (v < n && (threadIdx.x & 31) == 0) out[v * out_stride + sg.out_col + (r - sg.row0)] = D::from_f(sum);
     }
+  }
+}
+
+// ---- the MoE's pairs form, staged: two launches a layer instead of four ----------------------------------
+// Why: at 1-2 tokens a layer's experts ran quantize, up, quantize-silu, down: two of the four launches only
+// quantize (3.5 + 5.2 us of a ~40-node layer on an H100, bench/results/2026-12-06-h100x1-shard-tp8-profile-92412e6).
+// Here each block stages the activations itself (kq_stage), then its warps take (pair, row) items of up, or
+// (token, row) items of down, in a grid-stride loop. The arithmetic is kq_moe_up's / kq_moe_down's, chunk for
+// chunk, so the outputs equal the pairs form's bit for bit.
+template <typename D>
+__device__ void kq_moe_up_s(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows, int cols,
+                            const int* topk_ids, int topk, int tokens, const typename D::raw* x, kq_u64 x_stride,
+                            typename D::raw* out) {
+  extern __shared__ uint4 kq_smem[];
+  kq_grid_enter();
+  const KqStage xs = kq_stage<D>(x, tokens, cols, x_stride, kq_smem);
+  const int warps = blockDim.x >> 5, items = tokens * topk * rows;
+  for (int i = blockIdx.x * warps + (threadIdx.x >> 5); i < items; i += gridDim.x * warps) {
+    const int p = i / rows, r = i - p * rows;
+    float acc[1] = {0.f};
+    kq_row_s_any<1>(type, w + (kq_u64)topk_ids[p] * expert_stride + (kq_u64)r * row_stride, xs, p / topk, 1, acc);
+    const float sum = kq_warp_sum(acc[0]);
+    if ((threadIdx.x & 31) == 0) out[(kq_u64)p * rows + r] = D::from_f(sum);
+  }
+}
+
+// kq_moe_down_lane against staged activations: pair rows v0 .. v0 + topk - 1 of the stage.
+template <int T>
+__device__ __forceinline__ float kq_moe_down_lane_s(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int r,
+                                                    const int* ids, const float* weights, int topk,
+                                                    const KqStage& a, int v0) {
+  const int chunks = a.chunks;
+  float acc = 0.f;
+#pragma unroll 2
+  for (int s = threadIdx.x & 31; s < topk * chunks; s += 32) {
+    const int k = s / chunks, c = s - k * chunks;
+    KqChunk ch;
+    kq_decode_chunk(T, w + (kq_u64)ids[k] * expert_stride + (kq_u64)r * row_stride, c, &ch);
+    const int i = (v0 + k) * chunks + c;
+    const uint4 qa = a.qa[i], qb = a.qb[i];
+    const kq_u32 q[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+    const float2 ds = a.ds[i];
+    acc += weights[k] * kq_chunk_dot(ch, q, ds.x, ds.y);
+  }
+  return acc;
+}
+
+// a [tokens * topk, cols] (silu: [.., 2 cols], vLLM's silu_and_mul applied while staging), out [tokens, rows].
+template <typename D>
+__device__ void kq_moe_down_s(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows, int cols,
+                              const int* topk_ids, const float* topk_weights, int topk, int tokens,
+                              const typename D::raw* a, kq_u64 a_stride, int silu, typename D::raw* out) {
+  extern __shared__ uint4 kq_smem[];
+  kq_grid_enter();
+  const KqStage as = kq_stage<D>(a, tokens * topk, cols, a_stride, kq_smem, silu != 0);
+  const int warps = blockDim.x >> 5, items = tokens * rows;
+  for (int i = blockIdx.x * warps + (threadIdx.x >> 5); i < items; i += gridDim.x * warps) {
+    const int t = i / rows, r = i - t * rows;
+    const int* ids = topk_ids + (kq_u64)t * topk;
+    const float* wt = topk_weights + (kq_u64)t * topk;
+    float acc;
+    switch (type) {  // warp-uniform
+      case FC_KQ_Q4_K:
+        acc = kq_moe_down_lane_s<FC_KQ_Q4_K>(w, expert_stride, row_stride, r, ids, wt, topk, as, t * topk);
+        break;
+      case FC_KQ_Q5_K:
+        acc = kq_moe_down_lane_s<FC_KQ_Q5_K>(w, expert_stride, row_stride, r, ids, wt, topk, as, t * topk);
+        break;
+      case FC_KQ_Q6_K:
+        acc = kq_moe_down_lane_s<FC_KQ_Q6_K>(w, expert_stride, row_stride, r, ids, wt, topk, as, t * topk);
+        break;
+      default:
+        acc = kq_moe_down_lane_s<FC_KQ_Q8_0>(w, expert_stride, row_stride, r, ids, wt, topk, as, t * topk);
+        break;
+    }
+    const float sum = kq_warp_sum(acc);
+    if ((threadIdx.x & 31) == 0) out[(kq_u64)t * rows + r] = D::from_f(sum);
   }
 }
 
@@ -370,6 +465,19 @@ __device__ void kq_dequant(KqSegs segs, int cols, typename D::raw* out) {
                             const kq_u32* xq, const float2* xds, D::raw* out) {                              \
     kq_moe_down<D>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk_weights, topk, xq, xds,    \
                    out);                                                                                     \
+  }                                                                                                          \
+  extern "C" __global__ void __launch_bounds__(FC_KQ_STAGED_THREADS)                                         \
+      fc_kq_moe_up_s_##NAME(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows,     \
+                            int cols, const int* topk_ids, int topk, int tokens, const D::raw* x,            \
+                            kq_u64 x_stride, D::raw* out) {                                                  \
+    kq_moe_up_s<D>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk, tokens, x, x_stride, out); \
+  }                                                                                                          \
+  extern "C" __global__ void __launch_bounds__(FC_KQ_STAGED_THREADS)                                         \
+      fc_kq_moe_down_s_##NAME(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows,   \
+                              int cols, const int* topk_ids, const float* topk_weights, int topk,            \
+                              int tokens, const D::raw* a, kq_u64 a_stride, int silu, D::raw* out) {         \
+    kq_moe_down_s<D>(w, expert_stride, row_stride, type, rows, cols, topk_ids, topk_weights, topk, tokens, a, \
+                     a_stride, silu, out);                                                                   \
   }                                                                                                          \
   extern "C" __global__ void __launch_bounds__(256)                                                          \
       fc_kq_moe_sum_##NAME(const float* y, const int* topk_ids, const float* topk_weights, int topk,         \

@@ -60,6 +60,12 @@ _EXPERTS = (("w", "ptr"), ("expert_stride", "u64"), ("row_stride", "u64"), ("typ
 KQ_MOE_UP = Kernel("kq_moe_up", _EXPERTS + (("topk", "i32"), ("xq", "ptr"), ("xds", "ptr"), ("out", "ptr")))
 KQ_MOE_DOWN = Kernel("kq_moe_down", _EXPERTS + (("topk_weights", "ptr"), ("topk", "i32"), ("xq", "ptr"),
                                                 ("xds", "ptr"), ("out", "ptr")))
+# The pairs form staged: each block quantizes the activations (down: silu(gate) * up when silu) into shared memory
+KQ_MOE_UP_S = Kernel("kq_moe_up_s", _EXPERTS + (("topk", "i32"), ("tokens", "i32"), ("x", "ptr"), ("x_stride", "u64"),
+                                                ("out", "ptr")))
+KQ_MOE_DOWN_S = Kernel("kq_moe_down_s", _EXPERTS + (("topk_weights", "ptr"), ("topk", "i32"), ("tokens", "i32"),
+                                                    ("a", "ptr"), ("a_stride", "u64"), ("silu", "i32"),
+                                                    ("out", "ptr")))
 _GROUPED = _EXPERTS + (("topk", "i32"), ("pairs", "i32"), ("experts", "i32"), ("xq", "ptr"), ("xs", "ptr"),
                        ("out", "ptr"))
 KQ_MOE_MMA_UP = Kernel("kq_moe_mma_up", _GROUPED, variants=_KQ_MMA_VARIANTS)
@@ -72,5 +78,6 @@ KQ_MOE_MMA_DOWN_SHARED = Kernel("kq_moe_mma_down_shared", _GROUPED, variants=tup
 KQ_MOE_SUM = Kernel("kq_moe_sum", (("y", "ptr"), ("topk_ids", "ptr"), ("topk_weights", "ptr"), ("topk", "i32"),
                                    ("experts", "i32"), ("tokens", "i32"), ("rows", "i32"), ("out", "ptr")))
 KQ_DEQUANT = Kernel("kq_dequant", (("segs", KqSegs), ("cols", "i32"), ("out", "ptr")))
-KQ_KERNELS = (KQ_QUANTIZE, KQ_QUANTIZE_SILU, KQ_GEMV, KQ_GEMVS, KQ_MMA, KQ_MOE_UP, KQ_MOE_DOWN, KQ_MOE_MMA_UP,
+KQ_KERNELS = (KQ_QUANTIZE, KQ_QUANTIZE_SILU, KQ_GEMV, KQ_GEMVS, KQ_MMA, KQ_MOE_UP, KQ_MOE_DOWN, KQ_MOE_UP_S,
+              KQ_MOE_DOWN_S, KQ_MOE_MMA_UP,
               KQ_MOE_MMA_DOWN, KQ_MOE_MMA_UP_SHARED, KQ_MOE_MMA_DOWN_SHARED, KQ_MOE_SUM, KQ_DEQUANT)

@@ -11,9 +11,10 @@ import functools
 
 from . import abi, settings
 from .policy import (EMULATED, dependent_launch, Limits, MAX_TOKENS, MMA_MIN_TOKENS, MOE_GROUPED_MIN_TOKENS, MOE_SHARED_WARPS,
-                     QUANTIZE_THREADS, Segment, chunk_rows, decode_tokens_ok, gemv_variant, linear_form, mma_ok,
-                     mma_ring_bytes, mma_smem, mma_variant, mma_warps, moe_call_tokens, moe_form, moe_form_error,
-                     moe_shared_smem, resident_blocks, stage_bytes, staged_grid, tiles, weights_aligned)
+                     MOE_STAGED, PER_PAIR_FORMS, QUANTIZE_THREADS, Segment, chunk_rows, decode_tokens_ok, gemv_variant,
+                     linear_form, mma_ok, mma_ring_bytes, mma_smem, mma_variant, mma_warps, moe_call_tokens, moe_form,
+                     moe_form_error, moe_shared_smem, moe_stage_bytes, resident_blocks, stage_bytes, staged_grid,
+                     tiles, weights_aligned)
 
 # ---- launching ------------------------------------------------------------------------------------------
 
@@ -261,14 +262,15 @@ def linear(x, qweight, segments: tuple[Segment, ...], form: str | None = None, t
 
 def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu: bool = False,
         form: str | None = None, tensor_cores: bool = True, grouped_min: int = MOE_GROUPED_MIN_TOKENS,
-        shared_warps: int = MOE_SHARED_WARPS, out=None):
+        staged: bool = MOE_STAGED, shared_warps: int = MOE_SHARED_WARPS, out=None):
     """The routed experts of 1-8 tokens (the grouped forms: up to KQ_MAX_PAIRS pairs, ``moe_call_tokens``):
     x [T, hidden], w13 [E, 2 inter, row13], w2 [E, hidden, row2] (uint8
     blocks); returns [T, hidden], each token's experts summed in their top-k order, router weights applied.
     ``activation`` maps [pairs, 2 inter] to [pairs, inter]; ``silu``: it is vLLM's silu_and_mul, which the
     activations' quantize launch then applies itself (``activation`` is not called). ``form``: one of FORMS_MOE
-    (None: ``moe_form``'s, the grouped form only with ``tensor_cores``, from ``grouped_min`` tokens); a form that
-    cannot serve the shapes raises ValueError (``moe_form_error`` says why). ``shared_warps``: the shared form's
+    (None: ``moe_form``'s, the grouped form only with ``tensor_cores``, from ``grouped_min`` tokens, below it the
+    staged form where ``staged`` and it fits, FASTCOMM_GGUF_MOE_STAGED); a form that cannot serve the shapes raises
+    ValueError (``moe_form_error`` or the device's shared memory says why). ``shared_warps``: the shared form's
     tiles a block (1, 2, 4 or 8; the benchmark times each); ``out``: where to write the sums (``_out``)."""
     import torch
 
@@ -279,17 +281,22 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu:
     pairs = tokens * topk
     experts, rows13 = w13.shape[0], w13.shape[1]
     inter = rows13 // 2
-    form = form or moe_form(tokens, topk, hidden, inter, tensor_cores, grouped_min)
-    if tokens < 1 or (tokens > MAX_TOKENS and form == "pairs"):
-        raise ValueError(f"moe takes 1-{MAX_TOKENS} tokens in the pairs form (got {tokens}; moe_chunks takes any)")
+    dev, stage = x.device.index, moe_stage_bytes(tokens, topk, hidden, inter)
+    form = form or moe_form(tokens, topk, hidden, inter, tensor_cores, grouped_min,
+                            staged and stage <= _device(dev).smem_per_block)
+    if tokens < 1 or (tokens > MAX_TOKENS and form in PER_PAIR_FORMS):
+        raise ValueError(f"moe takes 1-{MAX_TOKENS} tokens in the {form} form (got {tokens}; moe_chunks takes any)")
     error = moe_form_error(form, tokens, topk, hidden, inter)
     if error:
         raise ValueError(f"{error} (moe_chunks takes any number of tokens)")
     ids = topk_ids.to(torch.int32).contiguous()
     weights = topk_weights.to(torch.float32).contiguous()
-    dt, dev, stream = _dt(x), x.device.index, _stream(x)
+    dt, stream = _dt(x), _stream(x)
     e13, r13 = w13.stride(0) * w13.element_size(), w13.stride(1) * w13.element_size()
     e2, r2 = w2.stride(0) * w2.element_size(), w2.stride(1) * w2.element_size()
+    if form == "staged":
+        _fits(dev, "the staged MoE form", stage)
+        return _moe_staged(x, w13, w2, weights, ids, t13, t2, activation, silu, out, (e13, r13, e2, r2))
     busy = min(experts, pairs)  # experts a grouped launch's blocks can find work for: its grid's rows
     grouped, shared = form in ("grouped", "shared"), form == "shared"
     xq, xds = quantize(x, mma=grouped)
@@ -323,6 +330,28 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu:
     _launch(dev, abi.KQ_MOE_DOWN, dt, ((hidden + abi.KQ_ROWS_PER_BLOCK - 1) // abi.KQ_ROWS_PER_BLOCK, tokens),
             abi.KQ_THREADS, stream, (w2.data_ptr(), e2, r2, t2, hidden, inter, ids.data_ptr(), weights.data_ptr(),
                                      topk, aq.data_ptr(), ads.data_ptr(), out.data_ptr()))
+    return out
+
+
+def _moe_staged(x, w13, w2, weights, ids, t13: int, t2: int, activation, silu: bool, out, strides):
+    """``moe``'s staged form: up and down, each block quantizing its activations (down: silu(gate) * up where
+    ``silu``, as the pairs form's quantize-silu rounds it) into shared memory: two launches."""
+    import torch
+
+    (tokens, hidden), topk, rows13 = x.shape, ids.shape[1], w13.shape[1]
+    inter, pairs = rows13 // 2, tokens * ids.shape[1]
+    e13, r13, e2, r2 = strides
+    dt, dev, stream = _dt(x), x.device.index, _stream(x)
+    sms = _device(dev).sms
+    up = torch.empty(pairs, rows13, dtype=x.dtype, device=x.device)
+    _launch(dev, abi.KQ_MOE_UP_S, dt, (staged_grid(pairs * rows13, sms), 1), abi.KQ_STAGED_THREADS, stream,
+            (w13.data_ptr(), e13, r13, t13, rows13, hidden, ids.data_ptr(), topk, tokens, x.data_ptr(), x.stride(0),
+             up.data_ptr()), smem=stage_bytes(tokens, hidden))
+    a = up if silu else _aligned(activation(up))
+    out = _out(out, tokens, hidden, x)
+    _launch(dev, abi.KQ_MOE_DOWN_S, dt, (staged_grid(tokens * hidden, sms), 1), abi.KQ_STAGED_THREADS, stream,
+            (w2.data_ptr(), e2, r2, t2, hidden, inter, ids.data_ptr(), weights.data_ptr(), topk, tokens,
+             a.data_ptr(), a.stride(0), int(silu), out.data_ptr()), smem=stage_bytes(pairs, inter))
     return out
 
 

@@ -11,8 +11,9 @@ different types: GLM-5's ``fused_qkv_a_proj`` is Q5_K + Q8_0) is read in place, 
 Forms (bench/gguf_kernels.py times each): a linear layer's product runs as ``mma`` (tensor cores, 16-row
 tiles: the activations quantized by one launch, the product by another), ``staged`` (dp4a, one launch that
 quantizes the activations into shared memory) or ``unstaged`` (dp4a, quantize then product); the MoE as
-``grouped`` (tensor cores, each routed expert read once for all its tokens) or ``pairs`` (dp4a, once per
-(token, expert) pair). ``linear_form`` / ``moe_form`` choose. Past 8 tokens (a prefill) ``prefill_form`` /
+``grouped`` (tensor cores, each routed expert read once for all its tokens), ``pairs`` (dp4a, once per
+(token, expert) pair: quantize, up, quantize-silu, down) or ``staged`` (pairs in two launches, each block
+quantizing its activations into shared memory). ``linear_form`` / ``moe_form`` choose. Past 8 tokens (a prefill) ``prefill_form`` /
 ``moe_prefill_form`` choose between the weights dequantized for a GEMM on the tensor cores, these kernels called
 on 8 tokens at a time, and the plugin's own kernels. The launch shape (warps a tile) follows from a device's
 ``Limits`` (``resident_blocks``, ``mma_warps``), computed, so that emulated limits plan as the real GPU would.
@@ -35,7 +36,12 @@ QUANTIZE_THREADS = 256
 STAGED_BLOCKS_PER_SM = 2
 STAGE_BYTES_PER_CHUNK = 40  # two 16-byte halves and a (scale, sum) float2, per 32 values of a row
 FORMS_LINEAR = ("mma", "staged", "unstaged")
-FORMS_MOE = ("grouped", "pairs", "shared")
+FORMS_MOE = ("grouped", "pairs", "shared", "staged")
+PER_PAIR_FORMS = frozenset({"pairs", "staged"})  # dp4a, a warp a (pair, row): up to MAX_TOKENS a call
+# The staged form spares a layer's two quantize launches (3.5 + 5.2 us of a ~40-node layer on an H100:
+# bench/results/2026-12-06-h100x1-shard-tp8-profile-92412e6.json) and equals pairs bit for bit; it serves in
+# place of pairs where FASTCOMM_GGUF_MOE_STAGED allows it. Off until bench/gguf_kernels.py times it faster.
+MOE_STAGED = False
 # The shared form (grouped, a block's warps sharing each unit's activations: kq_mma_tile_shared) takes this many
 # warps a block, a tile each. Not the policy's form until a run shows it faster (bench/gguf_kernels.py times it).
 MOE_SHARED_WARPS = 4
@@ -118,20 +124,21 @@ def moe_types_ok(t13: int, t2: int, hidden: int, inter: int, row13: int, row2: i
 
 
 def moe_form(tokens: int, topk: int, hidden: int, inter: int, tensor_cores: bool = True,
-             min_tokens: int = MOE_GROUPED_MIN_TOKENS) -> str:
+             min_tokens: int = MOE_GROUPED_MIN_TOKENS, staged: bool = False) -> str:
     """``grouped`` where allowed (from ``min_tokens``: FASTCOMM_GGUF_GROUPED_MIN_TOKENS; past MAX_TOKENS: never,
-    for any number of tokens) and its tiles and route table hold the shapes, else ``pairs``."""
+    for any number of tokens) and its tiles and route table hold the shapes, else ``staged`` where ``staged``
+    (allowed, and ``moe_stage_bytes`` fit a block), else ``pairs``."""
     allowed = tensor_cores and min_tokens <= MAX_TOKENS and tokens >= min_tokens
     if allowed and moe_form_error("grouped", tokens, topk, hidden, inter) is None:
         return "grouped"
-    return "pairs"
+    return "staged" if staged else "pairs"
 
 
 def moe_form_error(form: str, tokens: int, topk: int, hidden: int, inter: int) -> str | None:
     """Why ``form`` cannot serve these shapes, or None: the grouped form's route table and tiles bound it."""
     if form not in FORMS_MOE:
         return f"MoE form {form!r} is not one of {', '.join(FORMS_MOE)}"
-    if form == "pairs":
+    if form in PER_PAIR_FORMS:  # the staged form's shared memory: moe_stage_bytes, checked against the device
         return None
     if hidden % abi.KQ_UNIT or inter % abi.KQ_UNIT:
         return f"form {form} needs hidden and inter multiples of {abi.KQ_UNIT} (got {hidden}, {inter})"
@@ -244,6 +251,12 @@ def stage_bytes(rows: int, cols: int) -> int:
     return rows * (cols // abi.KQ_CHUNK) * STAGE_BYTES_PER_CHUNK
 
 
+def moe_stage_bytes(tokens: int, topk: int, hidden: int, inter: int) -> int:
+    """Shared memory a block of the staged MoE form needs: up's stage (the tokens' rows of ``hidden``) or
+    down's (the pairs' rows of ``inter``), the larger."""
+    return max(stage_bytes(tokens, hidden), stage_bytes(tokens * topk, inter))
+
+
 def staged_grid(items: int, sms: int) -> int:
     """Blocks of a staged launch: enough for every item's warp, at most STAGED_BLOCKS_PER_SM per SM (each
     block quantizes the activations again, so more blocks cost L2 reads and gain nothing)."""
@@ -317,11 +330,12 @@ def moe_call_tokens(topk: int, hidden: int, inter: int, form: str | None = None,
                     min_tokens: int = MOE_GROUPED_MIN_TOKENS) -> int:
     """The most tokens one ``moe`` call takes in ``form`` (None: the one ``moe_form`` takes for that many): the
     grouped forms' route table (KQ_MAX_PAIRS pairs: 32 tokens of top 8), as they read each routed expert once
-    per 8 of its pairs whatever the tokens; the pairs form MAX_TOKENS. ``moe_chunks`` calls it that many at a
+    per 8 of its pairs whatever the tokens; the per-pair forms MAX_TOKENS. ``moe_chunks`` calls it that many at a
     time."""
     most = max(MAX_TOKENS, abi.KQ_MAX_PAIRS // topk)
     form = form or moe_form(most, topk, hidden, inter, tensor_cores, min_tokens)
-    return most if form != "pairs" and moe_form_error(form, most, topk, hidden, inter) is None else MAX_TOKENS
+    grouped = form not in PER_PAIR_FORMS and moe_form_error(form, most, topk, hidden, inter) is None
+    return most if grouped else MAX_TOKENS
 
 
 def gemv_variant(tokens: int) -> int:

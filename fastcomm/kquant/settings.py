@@ -34,6 +34,10 @@ VARIABLES: tuple[Var, ...] = (
     Var("FASTCOMM_GGUF_GROUPED_MIN_TOKENS", "grouped_min_tokens", str(policy.MOE_GROUPED_MIN_TOKENS), "Tokens from which a GGUF MoE layer's "
         "experts take the tensor-core form grouped by expert (the default from an H200; 9: never).",
         _decode_tokens),
+    Var("FASTCOMM_GGUF_MOE_STAGED", "moe_staged", "1" if policy.MOE_STAGED else "0", "1: a GGUF MoE layer's "
+        "experts below the grouped form's tokens run staged (two launches, each block quantizing its activations "
+        "into shared memory; the same sums bit for bit) instead of per pair in four launches; 0: per pair.",
+        boolean),
     Var("FASTCOMM_GGUF_DEQUANT_MIN_TOKENS", "dequant_min_tokens", "16", "Tokens from which a GGUF linear "
         "layer's product past fastcomm's 1-8 (a prefill) dequantizes its weight to bf16 and multiplies on the tensor "
         "cores (cuBLAS) instead of the plugin's dp4a MMQ kernel; 0: never. 16 from an H200 (bench/RESULTS.md); "
@@ -70,6 +74,7 @@ class Settings:
     kernels: str = "auto"                                     # FASTCOMM_GGUF_KERNELS (policy.KERNEL_SETTINGS)
     mma_min_tokens: int = policy.MMA_MIN_TOKENS               # FASTCOMM_GGUF_MMA_MIN_TOKENS (policy.linear_form)
     grouped_min_tokens: int = policy.MOE_GROUPED_MIN_TOKENS   # FASTCOMM_GGUF_GROUPED_MIN_TOKENS (policy.moe_form)
+    moe_staged: bool = policy.MOE_STAGED                     # FASTCOMM_GGUF_MOE_STAGED (policy.moe_form)
     dequant_min_tokens: int = 16                              # FASTCOMM_GGUF_DEQUANT_MIN_TOKENS (policy.prefill_form)
     dequant_moe_min: int = 0                                  # FASTCOMM_GGUF_DEQUANT_MOE_MIN (moe_prefill_form)
     chunk_max_tokens: int = 256                               # FASTCOMM_GGUF_CHUNK_MAX_TOKENS (prefill_form)

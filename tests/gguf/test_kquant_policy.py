@@ -99,9 +99,14 @@ def test_form_choice():
     assert kquant.moe_form(8, abi.KQ_MAX_PAIRS // 8 + 1, 6144, 2048) == "pairs"  # more pairs than its route table
     assert kquant.moe_form(8, 8, 6144, 2048, tensor_cores=False) == "pairs"  # FASTCOMM_GGUF_KERNELS=dp4a
     assert set(kquant.FORMS_LINEAR) == {"mma", "staged", "unstaged"}
-    assert set(kquant.FORMS_MOE) == {"grouped", "pairs", "shared"}
+    assert set(kquant.FORMS_MOE) == {"grouped", "pairs", "shared", "staged"}
     # the shared form is timed beside the others, never the policy's choice until a run says so
     assert {kquant.moe_form(n, 8, 6144, 2048) for n in range(1, 9)} <= {"grouped", "pairs"}
+    # the staged form takes the per-pair form's place where allowed and its stage fits (staged=True), never the
+    # grouped form's
+    assert kquant.moe_form(1, 8, 6144, 2048, staged=True) == "staged"
+    assert kquant.moe_form(8, 8, 6144, 2048, staged=True) == "grouped"
+    assert kquant.moe_form(8, 8, 6144, 2048, tensor_cores=False, staged=True) == "staged"
 
 
 def test_a_prefill_dequantizes_from_its_threshold_else_chunks_up_to_its_limit_else_the_plugin():
@@ -203,8 +208,8 @@ def test_every_kernel_lets_the_next_launch_and_waits_before_it_reads():
     launch = (csrc / "kquant.cu").read_text()
     bodies = _bodies(launch + (csrc / "kquant_mma.cuh").read_text())
     entries = re.findall(r'extern "C" __global__ void[^{]*\{[\s\\]*(kq_\w+)<', launch)
-    # quantize, gemv, gemv_s, moe_up/down, mma_gemv/moe, sum, dequant
-    assert len(set(entries)) == 9, sorted(set(entries))
+    # quantize, gemv, gemv_s, moe_up/down, moe_up_s/down_s, mma_gemv/moe, sum, dequant
+    assert len(set(entries)) == 11, sorted(set(entries))
     for name in set(entries):
         body = bodies[name]
         assert "kq_grid_" in body, f"{name} neither lets the next kernel launch nor waits"
@@ -226,12 +231,20 @@ def test_only_16_byte_aligned_weights_reach_the_kernels():
     assert all(kquant.ROW_ALIGN[t] == 16 for t in (kquant.Q4_K, kquant.Q5_K))
 
 
+def test_the_staged_moe_form_stages_the_larger_of_up_and_down():
+    # GLM-5 at TP 8 (hidden 6144, 256 of inter a rank, top 8): up's 2 tokens of 6144 outweigh down's 16 pairs
+    assert kquant.moe_stage_bytes(2, 8, 6144, 256) == kquant.stage_bytes(2, 6144) == 2 * 192 * 40
+    # at TP 1 (inter 2048), 8 tokens: down's 64 pairs of 2048 values, 160 KB, past sm_120's 99 KB a block
+    assert kquant.moe_stage_bytes(8, 8, 6144, 2048) == kquant.stage_bytes(64, 2048) == 163840
+    assert kquant.moe_stage_bytes(8, 8, 6144, 2048) > kquant.EMULATED["sm_120"].smem_per_block
+
+
 def test_a_moe_call_takes_what_the_grouped_route_table_holds_and_the_pairs_form_8():
     calls = kquant.moe_call_tokens
     assert calls(8, 6144, 2048) == abi.KQ_MAX_PAIRS // 8 == 32  # GLM-5: 32 tokens of top 8 a call
     assert calls(4, 6144, 2048) == 64 and calls(8, 6144, 2048, form="shared") == 32
     assert calls(64, 6144, 2048) == kquant.MAX_TOKENS  # never fewer than the decode kernels' 8
-    assert calls(8, 6144, 2048, form="pairs") == kquant.MAX_TOKENS
+    assert calls(8, 6144, 2048, form="pairs") == calls(8, 6144, 2048, form="staged") == kquant.MAX_TOKENS
     assert calls(8, 6144, 2048, tensor_cores=False) == kquant.MAX_TOKENS  # FASTCOMM_GGUF_KERNELS=dp4a
     assert calls(8, 6144, 2048, min_tokens=9) == kquant.MAX_TOKENS  # FASTCOMM_GGUF_GROUPED_MIN_TOKENS=9
     assert calls(8, 6144, 2000) == kquant.MAX_TOKENS  # shapes the grouped tiles cannot read

@@ -256,17 +256,18 @@ def test_the_token_thresholds_reach_the_kernels(monkeypatch):
         monkeypatch.setenv("FASTCOMM_GGUF_DEQUANT_MIN_TOKENS", "128")
         monkeypatch.setenv("FASTCOMM_GGUF_CHUNK_MAX_TOKENS", "200")
         monkeypatch.setenv("FASTCOMM_GGUF_DEQUANT_KERNEL", "plugin")
+        monkeypatch.setenv("FASTCOMM_GGUF_MOE_STAGED", "0" if kquant.MOE_STAGED else "1")
         plugin._decode_kernels()
         # linear: tensor cores, mma_min, pdl, chunk_max, dequant_min, dequant kernel; MoE: tensor cores,
-        # grouped_min, chunk_max, dequant_moe_min, dequant kernel
-        assert forms() == ((True, 5, False, 200, 128, "plugin"), (True, 9, 200, 32, "plugin"))
+        # grouped_min, staged, chunk_max, dequant_moe_min, dequant kernel
+        assert forms() == ((True, 5, False, 200, 128, "plugin"), (True, 9, not kquant.MOE_STAGED, 200, 32, "plugin"))
         for name in ("MMA_MIN_TOKENS", "GROUPED_MIN_TOKENS", "PDL", "DEQUANT_MIN_TOKENS", "DEQUANT_MOE_MIN",
-                     "CHUNK_MAX_TOKENS", "DEQUANT_KERNEL"):
+                     "CHUNK_MAX_TOKENS", "DEQUANT_KERNEL", "MOE_STAGED"):
             monkeypatch.delenv(f"FASTCOMM_GGUF_{name}")
         plugin._decode_kernels()
         defaults = forms()
         assert defaults == ((True, kquant.MMA_MIN_TOKENS, True, 256, 16, kquant.DEQUANT_KERNEL),
-                            (True, kquant.MOE_GROUPED_MIN_TOKENS, 256, 0, kquant.DEQUANT_KERNEL))
+                            (True, kquant.MOE_GROUPED_MIN_TOKENS, kquant.MOE_STAGED, 256, 0, kquant.DEQUANT_KERNEL))
         monkeypatch.setenv("FASTCOMM_GGUF_MMA_MIN_TOKENS", "2")
         monkeypatch.setenv("FASTCOMM_GGUF_GROUPED_MIN_TOKENS", "0")  # named, and the last setting stays
         plugin._decode_kernels()

@@ -49,7 +49,7 @@ def linear_args(s: Settings) -> tuple:
 
 def moe_args(s: Settings) -> tuple:
     """The settings a MoE custom op decides by, in its argument order (after the activation)."""
-    return s.tensor_cores, s.grouped_min_tokens, s.chunk_max_tokens, s.dequant_moe_min, s.dequant_kernel
+    return s.tensor_cores, s.grouped_min_tokens, s.moe_staged, s.chunk_max_tokens, s.dequant_moe_min, s.dequant_kernel
 
 
 def dequant_linear(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts: list[int],
@@ -140,11 +140,12 @@ def _activation(name: str):
 
 def _moe_fn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
             topk_ids: torch.Tensor, t13: int, t2: int, activation: str, tensor_cores: bool, grouped_min: int,
-            chunk_max: int, dequant_moe_min: int, dequant_kernel: str) -> torch.Tensor:
+            staged: bool, chunk_max: int, dequant_moe_min: int, dequant_kernel: str) -> torch.Tensor:
     from vllm_gguf_plugin.quantization import fused_moe as pmoe
 
     aligned = kquant.weights_aligned(w13.data_ptr(), w2.data_ptr())
-    forms = {"silu": activation == "silu", "tensor_cores": tensor_cores, "grouped_min": grouped_min}
+    forms = {"silu": activation == "silu", "tensor_cores": tensor_cores, "grouped_min": grouped_min,
+             "staged": staged}
     if kquant.decode_tokens_ok(x.shape[0]) and aligned:
         return kquant.moe(x, w13, w2, topk_weights, topk_ids, t13, t2, _activation(activation), **forms)
     prefill = kquant.moe_prefill_form(x.shape[0], topk_ids.shape[1], w13.shape[0], chunk_max if aligned else 0,
@@ -159,7 +160,7 @@ def _moe_fn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: 
 
 def _moe_fake(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, t13: int, t2: int, activation: str, tensor_cores: bool, grouped_min: int,
-              chunk_max: int, dequant_moe_min: int, dequant_kernel: str) -> torch.Tensor:
+              staged: bool, chunk_max: int, dequant_moe_min: int, dequant_kernel: str) -> torch.Tensor:
     return torch.empty_like(x)
 
 
