@@ -84,6 +84,8 @@ def test_each_part_runs_its_engines(tmp_path, monkeypatch):
     """The engines a part starts, by the names the report loads them under (a logitsN part gives TP N's first
     engine alone, so TP 1's row can come from a call that runs no TP 1 MTP engine)."""
     ran = []
+    for name in ("FASTCOMM_TEST_MODE", "FASTCOMM_TEST_SHARED_GPU", "FASTCOMM_CACHE_DIR"):  # run_parts sets them:
+        monkeypatch.setenv(name, "")  # restored after the test, so no later test inherits them
     monkeypatch.setattr(T, "write_models", lambda d: (d / "q.gguf", d / "bf16.gguf"))
     monkeypatch.setattr(T, "_run", lambda out, name, mode, model, *extra, env=None: ran.append((name, mode)))
     T.run_parts(tmp_path, ["ref", "logits1", "tp4", "control8", "skew4"])
