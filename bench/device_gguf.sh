@@ -43,6 +43,7 @@
 #    KQUANT_TOKENS=8,16,64,256 adds a prefill's products: the plugin's against the weights dequantized for the
 #    tensor cores (FASTCOMM_GGUF_DEQUANT_*) and fastcomm's kernels 8 tokens a call
 #    (FASTCOMM_GGUF_CHUNK_MAX_TOKENS); --suggest on the JSON says from / up to how many tokens they win.
+#    KQUANT_K="staged" runs only the tests pytest -k selects; KQUANT_SM120=0 skips the sm_120-capped table.
 #    The figures above take fastcomm's kernels by default; FASTCOMM_GGUF_KERNELS=plugin gives the plugin's.
 # 3c. A/B of kernel variants, committed revisions side by side in one call (no vLLM needed; ~90 s a tree):
 #    here, `bench/device_gguf.sh ab-prepare .gguf_stage REV...` writes each revision's tree (git archive) into the
@@ -307,9 +308,10 @@ PY
   return $rc
 }
 
-kernel_tests() {   # the tree in the current folder: its K-quant GPU tests, the log's tail into $1
+kernel_tests() {   # the tree in the current folder: its K-quant GPU tests (KQUANT_K: pytest -k), the log's tail into $1
   # every test twice: the GPU's own limits and sm_120's (the limits fixture)
-  timeout 420 python -m pytest -q -p no:cacheprovider --durations=8 tests/gguf/test_kquant_gpu.py 2>&1 \
+  timeout 420 python -m pytest -q -p no:cacheprovider --durations=8 ${KQUANT_K:+-k "$KQUANT_K"} \
+    tests/gguf/test_kquant_gpu.py 2>&1 \
     | tail -n 40 | tee "$1"
   local rc=${PIPESTATUS[0]}
   echo "== kquant GPU test exit $rc"
