@@ -91,3 +91,14 @@ def test_each_part_runs_its_engines(tmp_path, monkeypatch):
     T.run_parts(tmp_path, ["ref", "logits1", "tp4", "control8", "skew4"])
     assert ran == [("ref", "logits"), ("logits-tp1", "both"), ("logits-tp4", "both"), ("greedy-mtp-tp4", "greedy"),
                    ("greedy-tp4@mma1", "greedy"), ("control-tp8", "logits"), ("skew-tp4", "greedy")]
+
+
+def test_an_engine_not_run_is_named_and_a_failed_one_fails(tmp_path):
+    """A logitsN part (or a call whose budget ran out) leaves TP N's MTP engine unrun: the row names it, the
+    report does not fail; an engine that ran and failed (gpu_worker's exit written as ``failed``) fails it."""
+    pytest.importorskip("gguf")
+    (tmp_path / "logits-tp1.json").write_text(json.dumps(_engine([3, 4, 5])))
+    res = T.report([tmp_path])
+    assert res["tp"][1]["not_run"] == ["mtp"] and res["failures"] == []
+    (tmp_path / "greedy-mtp-tp1.json").write_text(json.dumps({"failed": 1, "seconds": 9.0, "log_tail": "x"}))
+    assert T.report([tmp_path])["failures"] == ["TP 1 mtp engine"]

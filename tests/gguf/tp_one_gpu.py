@@ -216,8 +216,10 @@ def report(dirs) -> dict:
                     if not row[name]["ok"]:
                         failures.append(f"TP {tp} {name}")
         row["start_s"] = {k: r.get("start_s") for k, r in (("plain", lg), ("mtp", gm)) if r}
-        for k, r in (("plain", lg), ("mtp", gm)):
-            if r is None or "failed" in r:
+        for k, r in (("plain", lg), ("mtp", gm)):  # absent: not run (a logitsN part, or the call's budget ran out)
+            if r is None:
+                row.setdefault("not_run", []).append(k)
+            elif "failed" in r:
                 failures.append(f"TP {tp} {k} engine")
         out["tp"][tp] = row
     for tp in (1, 2, 4, 8):
