@@ -56,7 +56,7 @@
 #    profiles the grouped MoE and o_proj at 8 tokens (NCU_OPS=op:form:kernel-regex;..., NCU_TOKENS) into
 #    $OUT/ncu-OP-FORM.txt, through python -m fastcomm_bench.kquant_profile.
 # 3d. Tensor parallel 1-8 with every rank on this one GPU (fastcomm_vllm.one_gpu; one call per part set,
-#    same carry):  TP_PARTS=ref,tp1,tp2 bash bench/device_gguf.sh tp .gguf_stage   (then tp4,skew4; tp8,control8)
+#    same carry):  TP_PARTS=ref,tp1,tp2 bash bench/device_gguf.sh tp .gguf_stage   (then logits1,tp4; tp8,control8; skew4)
 #    $OUT/tp/engines.tgz (each engine's JSON and log), $OUT/tp/report.json: logits vs bf16 and TP 1, MTP, all-reduce counts.
 # 3e. One TP 8 rank's decode step (issue 36), each one call on a warm machine, the shard written once (~55 GiB in
 #    /dev/shm or on /tmp's disk): bash bench/device_gguf.sh shard .gguf_stage write   (then plain, plugin, mtp)

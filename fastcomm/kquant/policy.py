@@ -13,8 +13,8 @@ tiles: the activations quantized by one launch, the product by another), ``stage
 quantizes the activations into shared memory) or ``unstaged`` (dp4a, quantize then product); the MoE as
 ``grouped`` (tensor cores, each routed expert read once for all its tokens), ``pairs`` (dp4a, once per
 (token, expert) pair: quantize, up, quantize-silu, down) or ``staged`` (pairs in two launches, each block
-quantizing its activations into shared memory). ``linear_form`` / ``moe_form`` choose. Past 8 tokens (a prefill) ``prefill_form`` /
-``moe_prefill_form`` choose between the weights dequantized for a GEMM on the tensor cores, these kernels called
+quantizing its activations into shared memory). ``linear_form`` / ``moe_form`` choose. Past 8 tokens (a
+prefill) ``prefill_form`` / ``moe_prefill_form`` choose between the weights dequantized for a GEMM on the tensor cores, these kernels called
 on 8 tokens at a time, and the plugin's own kernels. The launch shape (warps a tile) follows from a device's
 ``Limits`` (``resident_blocks``, ``mma_warps``), computed, so that emulated limits plan as the real GPU would.
 """
