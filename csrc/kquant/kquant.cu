@@ -137,10 +137,12 @@ __device__ void kq_moe_up(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_strid
 // Token t: out[t, r] = sum over k of topk_weights[t, k] * (row r of expert topk_ids[t, k]) . a[t * topk + k].
 // The (k, chunk) steps are dealt to the lanes as one sequence, so a short row still keeps every lane busy;
 // each lane's partials are weighted as they are made, then the warp adds them in its fixed tree.
-template <typename D, int T>
+// ``load(k, c, q, &ds)`` reads chunk c of the token's k-th activation row: from the quantize launch's rows
+// (KqXRows) or from a block's stage (KqXStaged), so the two down forms share one arithmetic.
+template <int T, typename X>
 __device__ __forceinline__ float kq_moe_down_lane(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int r,
                                                   int chunks, const int* ids, const float* weights, int topk,
-                                                  const kq_u32* xq, const float2* xds) {
+                                                  const X& load) {
   float acc = 0.f;
 #pragma unroll 2
   for (int s = threadIdx.x & 31; s < topk * chunks; s += 32) {
@@ -149,11 +151,37 @@ __device__ __forceinline__ float kq_moe_down_lane(const kq_u8* w, kq_u64 expert_
     kq_decode_chunk(T, w + (kq_u64)ids[k] * expert_stride + (kq_u64)r * row_stride, c, &ch);
     kq_u32 q[8];
     float2 ds;
-    kq_load_x(xq, xds, chunks, k, c, q, &ds);
+    load(k, c, q, &ds);
     acc += weights[k] * kq_chunk_dot(ch, q, ds.x, ds.y);
   }
   return acc;
 }
+
+template <typename X>
+__device__ __forceinline__ float kq_moe_down_any(int type, const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride,
+                                                 int r, int chunks, const int* ids, const float* weights, int topk,
+                                                 const X& load) {
+  switch (type) {  // warp-uniform
+    case FC_KQ_Q4_K:
+      return kq_moe_down_lane<FC_KQ_Q4_K>(w, expert_stride, row_stride, r, chunks, ids, weights, topk, load);
+    case FC_KQ_Q5_K:
+      return kq_moe_down_lane<FC_KQ_Q5_K>(w, expert_stride, row_stride, r, chunks, ids, weights, topk, load);
+    case FC_KQ_Q6_K:
+      return kq_moe_down_lane<FC_KQ_Q6_K>(w, expert_stride, row_stride, r, chunks, ids, weights, topk, load);
+    default:
+      return kq_moe_down_lane<FC_KQ_Q8_0>(w, expert_stride, row_stride, r, chunks, ids, weights, topk, load);
+  }
+}
+
+// The quantize launch's activation rows xq / xds (kq_load_x).
+struct KqXRows {
+  const kq_u32* xq;
+  const float2* xds;
+  int chunks;
+  __device__ __forceinline__ void operator()(int v, int c, kq_u32 q[8], float2* ds) const {
+    kq_load_x(xq, xds, chunks, v, c, q, ds);
+  }
+};
 
 template <typename D>
 __device__ void kq_moe_down(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int type, int rows, int cols,
@@ -165,24 +193,9 @@ __device__ void kq_moe_down(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_str
   const int chunks = cols / FC_KQ_CHUNK;
   const int* ids = topk_ids + (kq_u64)t * topk;
   const float* wt = topk_weights + (kq_u64)t * topk;
-  const kq_u32* a = xq + (kq_u64)t * topk * chunks * 8;  // the token's topk activation rows, in k order
-  const float2* ads = xds + (kq_u64)t * topk * chunks;
-  float acc;
-  switch (type) {
-    case FC_KQ_Q4_K:
-      acc = kq_moe_down_lane<D, FC_KQ_Q4_K>(w, expert_stride, row_stride, r, chunks, ids, wt, topk, a, ads);
-      break;
-    case FC_KQ_Q5_K:
-      acc = kq_moe_down_lane<D, FC_KQ_Q5_K>(w, expert_stride, row_stride, r, chunks, ids, wt, topk, a, ads);
-      break;
-    case FC_KQ_Q6_K:
-      acc = kq_moe_down_lane<D, FC_KQ_Q6_K>(w, expert_stride, row_stride, r, chunks, ids, wt, topk, a, ads);
-      break;
-    default:
-      acc = kq_moe_down_lane<D, FC_KQ_Q8_0>(w, expert_stride, row_stride, r, chunks, ids, wt, topk, a, ads);
-      break;
-  }
-  const float sum = kq_warp_sum(acc);
+  // the token's topk activation rows, in k order
+  const KqXRows a = {xq + (kq_u64)t * topk * chunks * 8, xds + (kq_u64)t * topk * chunks, chunks};
+  const float sum = kq_warp_sum(kq_moe_down_any(type, w, expert_stride, row_stride, r, chunks, ids, wt, topk, a));
   if ((threadIdx.x & 31) == 0) out[(kq_u64)t * rows + r] = D::from_f(sum);
 }
 
@@ -247,6 +260,14 @@ __device__ KqStage kq_stage(const typename D::raw* x, int n, int cols, kq_u64 x_
   return st;
 }
 
+// Chunk i (row v: i = v * chunks + c) of a stage.
+__device__ __forceinline__ void kq_load_s(const KqStage& x, int i, kq_u32 q[8], float2* ds) {
+  const uint4 a = x.qa[i], b = x.qb[i];
+  q[0] = a.x; q[1] = a.y; q[2] = a.z; q[3] = a.w;
+  q[4] = b.x; q[5] = b.y; q[6] = b.z; q[7] = b.w;
+  *ds = x.ds[i];
+}
+
 // One warp, one row of type T, against staged vectors v0 .. v0 + n - 1 (n <= N).
 template <int T, int N>
 __device__ __forceinline__ void kq_row_s(const kq_u8* row, const KqStage& x, int v0, int n, float acc[N]) {
@@ -257,10 +278,9 @@ __device__ __forceinline__ void kq_row_s(const kq_u8* row, const KqStage& x, int
 #pragma unroll
     for (int v = 0; v < N; ++v) {
       if (v < n) {
-        const int i = (v0 + v) * x.chunks + c;
-        const uint4 a = x.qa[i], b = x.qb[i];
-        const kq_u32 q[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-        const float2 ds = x.ds[i];
+        kq_u32 q[8];
+        float2 ds;
+        kq_load_s(x, (v0 + v) * x.chunks + c, q, &ds);
         acc[v] += kq_chunk_dot(k, q, ds.x, ds.y);
       }
     }
@@ -322,26 +342,14 @@ __device__ void kq_moe_up_s(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_str
   }
 }
 
-// kq_moe_down_lane against staged activations: pair rows v0 .. v0 + topk - 1 of the stage.
-template <int T>
-__device__ __forceinline__ float kq_moe_down_lane_s(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_stride, int r,
-                                                    const int* ids, const float* weights, int topk,
-                                                    const KqStage& a, int v0) {
-  const int chunks = a.chunks;
-  float acc = 0.f;
-#pragma unroll 2
-  for (int s = threadIdx.x & 31; s < topk * chunks; s += 32) {
-    const int k = s / chunks, c = s - k * chunks;
-    KqChunk ch;
-    kq_decode_chunk(T, w + (kq_u64)ids[k] * expert_stride + (kq_u64)r * row_stride, c, &ch);
-    const int i = (v0 + k) * chunks + c;
-    const uint4 qa = a.qa[i], qb = a.qb[i];
-    const kq_u32 q[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
-    const float2 ds = a.ds[i];
-    acc += weights[k] * kq_chunk_dot(ch, q, ds.x, ds.y);
+// A stage's rows from row v0 (kq_load_s): kq_moe_down_lane's activations in the staged form.
+struct KqXStaged {
+  KqStage s;
+  int v0;
+  __device__ __forceinline__ void operator()(int v, int c, kq_u32 q[8], float2* ds) const {
+    kq_load_s(s, (v0 + v) * s.chunks + c, q, ds);
   }
-  return acc;
-}
+};
 
 // a [tokens * topk, cols] (silu: [.., 2 cols], vLLM's silu_and_mul applied while staging), out [tokens, rows].
 template <typename D>
@@ -356,22 +364,9 @@ __device__ void kq_moe_down_s(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_s
     const int t = i / rows, r = i - t * rows;
     const int* ids = topk_ids + (kq_u64)t * topk;
     const float* wt = topk_weights + (kq_u64)t * topk;
-    float acc;
-    switch (type) {  // warp-uniform
-      case FC_KQ_Q4_K:
-        acc = kq_moe_down_lane_s<FC_KQ_Q4_K>(w, expert_stride, row_stride, r, ids, wt, topk, as, t * topk);
-        break;
-      case FC_KQ_Q5_K:
-        acc = kq_moe_down_lane_s<FC_KQ_Q5_K>(w, expert_stride, row_stride, r, ids, wt, topk, as, t * topk);
-        break;
-      case FC_KQ_Q6_K:
-        acc = kq_moe_down_lane_s<FC_KQ_Q6_K>(w, expert_stride, row_stride, r, ids, wt, topk, as, t * topk);
-        break;
-      default:
-        acc = kq_moe_down_lane_s<FC_KQ_Q8_0>(w, expert_stride, row_stride, r, ids, wt, topk, as, t * topk);
-        break;
-    }
-    const float sum = kq_warp_sum(acc);
+    const KqXStaged pairs = {as, t * topk};  // the token's pairs' rows of the stage
+    const float sum = kq_warp_sum(kq_moe_down_any(type, w, expert_stride, row_stride, r, as.chunks, ids, wt, topk,
+                                                  pairs));
     if ((threadIdx.x & 31) == 0) out[(kq_u64)t * rows + r] = D::from_f(sum);
   }
 }
