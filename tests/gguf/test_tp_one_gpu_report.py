@@ -88,9 +88,10 @@ def test_each_part_runs_its_engines(tmp_path, monkeypatch):
         monkeypatch.setenv(name, "")  # restored after the test, so no later test inherits them
     monkeypatch.setattr(T, "write_models", lambda d: (d / "q.gguf", d / "bf16.gguf"))
     monkeypatch.setattr(T, "_run", lambda out, name, mode, model, *extra, env=None: ran.append((name, mode)))
-    T.run_parts(tmp_path, ["ref", "logits1", "tp4", "control8", "skew4"])
+    T.run_parts(tmp_path, ["ref", "logits1", "tp4", "mtp8", "control8", "skew4"])
     assert ran == [("ref", "logits"), ("logits-tp1", "both"), ("logits-tp4", "both"), ("greedy-mtp-tp4", "greedy"),
-                   ("greedy-tp4@mma1", "greedy"), ("control-tp8", "logits"), ("skew-tp4", "greedy")]
+                   ("greedy-tp4@mma1", "greedy"), ("greedy-mtp-tp8", "greedy"), ("control-tp8", "logits"),
+                   ("skew-tp4", "greedy")]
 
 
 def test_an_engine_not_run_is_named_and_a_failed_one_fails(tmp_path):

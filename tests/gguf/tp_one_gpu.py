@@ -91,17 +91,16 @@ def run_parts(out: Path, parts: list[str]) -> None:
         common = tuple(o for o in ("--one-gpu", "--graphs") if o not in drop)
         if part == "ref":
             _run(out, "ref", "logits", ref, "--tp", 1, *common)
-        elif part.startswith(("tp", "mtp")):  # tpN: logits and greedy, then MTP; mtpN: MTP alone
-            tp = int(part[part.index("p") + 1:])
-            if part.startswith("tp"):
+        elif part.startswith(("tp", "mtp", "logits")):  # tpN: all three engines; mtpN, logitsN: that one alone
+            kind = part.rstrip("0123456789")
+            tp = int(part[len(kind):])
+            if kind in ("tp", "logits"):
                 _run(out, f"logits-tp{tp}{tag}", "both", first, "--tp", tp, *common, env=env)
-            _run(out, f"greedy-mtp-tp{tp}{tag}", "greedy", first, "--tp", tp, "--mtp", 1, *common, env=env)
-            if part.startswith("tp") and not tag:
+            if kind in ("tp", "mtp"):
+                _run(out, f"greedy-mtp-tp{tp}{tag}", "greedy", first, "--tp", tp, "--mtp", 1, *common, env=env)
+            if kind == "tp" and not tag:
                 _, same_tag, _, same_env = _variant(f"greedy{tp}@{SAME_FORMS}")
                 _run(out, f"greedy-tp{tp}{same_tag}", "greedy", first, "--tp", tp, *common, env=same_env)
-        elif part.startswith("logits"):
-            tp = int(part[len("logits"):])
-            _run(out, f"logits-tp{tp}{tag}", "both", first, "--tp", tp, *common, env=env)
         elif part.startswith("greedy"):
             tp = int(part[len("greedy"):])
             _run(out, f"greedy-tp{tp}{tag}", "greedy", first, "--tp", tp, *common, env=env)
