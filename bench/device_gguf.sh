@@ -43,7 +43,8 @@
 #    KQUANT_TOKENS=8,16,64,256 adds a prefill's products: the plugin's against the weights dequantized for the
 #    tensor cores (FASTCOMM_GGUF_DEQUANT_*) and fastcomm's kernels 8 tokens a call
 #    (FASTCOMM_GGUF_CHUNK_MAX_TOKENS); --suggest on the JSON says from / up to how many tokens they win.
-#    KQUANT_K="staged" runs only the tests pytest -k selects; KQUANT_SM120=0 skips the sm_120-capped table.
+#    KQUANT_K="staged" runs only the tests pytest -k selects; KQUANT_SM120=0 skips the sm_120-capped table;
+#    KQUANT_TESTS=0 skips the tests; KQUANT_TP=8 times one rank's products at TP 8 (gguf_kernels --tp).
 #    The figures above take fastcomm's kernels by default; FASTCOMM_GGUF_KERNELS=plugin gives the plugin's.
 # 3c. A/B of kernel variants, committed revisions side by side in one call (no vLLM needed; ~90 s a tree):
 #    here, `bench/device_gguf.sh ab-prepare .gguf_stage REV...` writes each revision's tree (git archive) into the
@@ -319,7 +320,8 @@ kernel_tests() {   # the tree in the current folder: its K-quant GPU tests (KQUA
 }
 
 kernel_table() {   # the tree in the current folder: the kernel table at $1 tokens, into $2.json and $2.txt
-  timeout 300 python -m fastcomm_bench.gguf_kernels --tokens "$1" --json "$2.json" > "$2.txt" 2>&1
+  timeout 300 python -m fastcomm_bench.gguf_kernels --tokens "$1" --tp "${KQUANT_TP:-1}" --json "$2.json" \
+    > "$2.txt" 2>&1
   local rc=$?
   tail -n 40 "$2.txt"
   return $rc
@@ -332,7 +334,7 @@ kquant() {   # fastcomm's K-quant decode kernels: GPU test, then plugin-vs-fastc
   install || return 1
   export FASTCOMM_CACHE_DIR=${FASTCOMM_CACHE_DIR:-/tmp/fastcomm-cache}
   local rc=0
-  kernel_tests "$out/kquant-tests.log" || rc=1
+  if [ "${KQUANT_TESTS:-1}" = 1 ]; then kernel_tests "$out/kquant-tests.log" || rc=1; fi
   kernel_table "${KQUANT_TOKENS:-1,2,4,8}" "$out/gguf-kernels" || rc=1
   # The same table with the launches planned for an RTX PRO 6000 (188 SMs, 99 KB a block): the forms and
   # warps sm_120 gets, timed on this GPU under that cap (KQUANT_SM120=0 skips it).

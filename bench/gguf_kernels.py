@@ -3,6 +3,7 @@
     python -m fastcomm_bench.gguf_kernels [--tokens 1,2,4,8] [--json OUT]
     python -m fastcomm_bench.gguf_kernels --tokens 64,256   # a prefill's products (needs the plugin)
     python -m fastcomm_bench.gguf_kernels --suggest OUT    # the token thresholds a saved run suggests
+    python -m fastcomm_bench.gguf_kernels --tp 8 --tokens 1,2   # one rank's products at tensor parallel 8
 
 Every product of one GLM-5 decoder layer at full width (the 78-layer benchmark model's shapes and UD-Q4_K_XL
 types, fastcomm_vllm/gguf/synth.py), the LM head, and the routed experts (16 experts, top 8): GPU time per call for the
@@ -23,6 +24,8 @@ the tensor cores (``dequant``: cuBLAS for the linears, vLLM's fused_experts for 
 kquant.DEQUANT_KERNEL, and by the other dequantizer as ``dequant_<it>``) and against fastcomm's kernels 8
 tokens a call, the MoE up to 32 (``chunks``, also timed launched eagerly as a prefill runs them: ``eager``);
 the form kquant.prefill_form takes marked; no LM head (a prefill's logits are its last positions').
+``--tp N``: one rank's share at tensor parallel N (``tp_shapes``: vLLM's column-parallel outputs and row-parallel
+inputs divided by N, the replicated products whole), where launches, not bytes, bound the small products.
 Needs a GPU; the plugin's rows need vllm-gguf-plugin with its CUDA extension (without it they read '-').
 """
 from __future__ import annotations
@@ -106,6 +109,32 @@ LINEARS = (  # name, [(type, rows)] shards in output order, cols, layers per ste
     ("lm_head", [("Q6_K", 154880)], 6144, 1),
 )
 MOE = ("routed experts (16, top 8; Q4_K up, Q5_K down)", 16, 8, 6144, 2048, "Q4_K", "Q5_K", 75)
+# How vLLM's GLM-5 (DSA) splits each of LINEARS at tensor parallel: "out" column-parallel (rows / TP), "in"
+# row-parallel (cols / TP), None replicated (the fused q_a/kv_a and the indexer's wq_b run whole on every rank).
+SPLIT = {"fused_qkv_a": None, "q_b": "out", "indexer wq_b": None, "o_proj": "in", "shared gate_up": "out",
+         "shared down": "in", "dense gate_up": "out", "dense down": "in", "lm_head": "out"}
+
+
+def tp_shapes(tp: int):
+    """(LINEARS, MOE) for one rank at tensor parallel ``tp``: SPLIT's products divided, the experts' intermediate
+    size divided (every rank holds every expert's slice). A split must keep whole 256-wide blocks of K and
+    whole rows, as the GGUF loader requires; a TP that breaks one is refused."""
+    if tp == 1:
+        return LINEARS, MOE
+    linears = []
+    for name, shards, cols, layers in LINEARS:
+        split = SPLIT[name.split(" (")[0]]
+        if (split == "out" and any(rows % tp for _, rows in shards)) or (split == "in" and cols % (256 * tp)):
+            raise ValueError(f"{name} does not split in whole rows and 256-wide blocks at tensor parallel {tp}")
+        if split == "out":
+            shards = [(q, rows // tp) for q, rows in shards]
+        elif split == "in":
+            cols //= tp
+        linears.append((name, shards, cols, layers))
+    name, experts, topk, hidden, inter, t13, t2, layers = MOE
+    if inter % (256 * tp):
+        raise ValueError(f"the experts' intermediate size {inter} does not split in 256-wide blocks at TP {tp}")
+    return tuple(linears), (name, experts, topk, hidden, inter // tp, t13, t2, layers)
 
 
 def _default_us(r) -> float:
@@ -486,6 +515,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m fastcomm_bench.gguf_kernels", description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="1,2,4,8")
     p.add_argument("--json", default=None)
+    p.add_argument("--tp", type=int, default=1, help="time one rank's share at this tensor parallel size")
     p.add_argument("--suggest", metavar="JSON", default=None,
                    help="print the thresholds a saved run suggests, as FASTCOMM_GGUF_* settings, and exit")
     args = p.parse_args(argv)
@@ -495,6 +525,8 @@ def main(argv=None) -> int:
         return 0
     import torch
 
+    global LINEARS, MOE  # the functions above read the shapes from here: one rank's at --tp
+    LINEARS, MOE = tp_shapes(args.tp)
     tokens = [int(t) for t in args.tokens.split(",")]
     rng = np.random.default_rng(0)
     rows = []
@@ -505,7 +537,7 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     rows += bench_moe(tokens, rng)
     lim = kquant.limits(0)
-    print(f"# {torch.cuda.get_device_name()}: GPU us per call (CUDA graphs of {CALLS_PER_GRAPH} calls, "
+    print(f"# {torch.cuda.get_device_name()}, one rank's shapes at TP {args.tp}: GPU us per call (CUDA graphs of {CALLS_PER_GRAPH} calls, "
           f"weights out of L2); launches planned for {lim.name}: {lim.sms} SMs, {lim.smem_per_block} bytes of "
           "shared memory a block")
     text, steps = report(rows, tokens)
@@ -514,7 +546,7 @@ def main(argv=None) -> int:
     print(f"# suggested on this GPU: {_settings(thresholds)}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "limits": dataclasses.asdict(kquant.limits(0)),
+            json.dump({"device": torch.cuda.get_device_name(), "tp": args.tp, "limits": dataclasses.asdict(kquant.limits(0)),
                        "rows": rows, "per_step_ms": steps,
                        "suggested": thresholds}, f, indent=1)
     return 0

@@ -247,3 +247,28 @@ def test_a_prefill_row_times_each_form_from_its_own_calls(monkeypatch):
     assert (row["plugin_us"], row["dequant_us"], row[f"dequant_{gk.OTHER_DEQUANT}_us"]) == (1.0, 2.0, 2.0)
     assert (row["chunks_us"], row["chunks_eager_us"]) == (3.0, 9.0)
     assert (row["rel_diff_vs_plugin"], row["chunks_rel_diff_vs_plugin"]) == (0.25, 0.5)
+
+
+def test_tp_shapes_are_one_rank_s_share_as_the_tp8_shard_holds_it():
+    """--tp 8 times the products at the shapes the TP 8 shard GGUF (synth.rank_shard) gives rank 0."""
+    import pytest
+
+    from fastcomm_vllm.gguf import synth
+
+    full, _ = gk.tp_shapes(1)
+    linears, moe = gk.tp_shapes(8)
+    s = synth.TP8_SHARD
+    got = {name.split(" (")[0]: (sum(r for _, r in shards), cols) for name, shards, cols, _ in linears}
+    whole = {name.split(" (")[0]: (sum(r for _, r in shards), cols) for name, shards, cols, _ in full}
+    assert got["q_b"] == (s.heads * (s.qk_nope + s.rope), s.q_lora)
+    assert got["o_proj"] == (s.hidden, s.heads * s.v_head)
+    assert got["shared gate_up"] == (2 * s.moe_ffn, s.hidden)
+    assert got["shared down"] == (s.hidden, s.moe_ffn)
+    assert got["dense gate_up"] == (2 * s.ffn, s.hidden)
+    assert got["dense down"] == (s.hidden, s.ffn)
+    assert got["lm_head"] == (s.vocab, s.hidden)
+    assert moe[4] == s.moe_ffn and moe[1:4] == gk.MOE[1:4]
+    for replicated in ("fused_qkv_a", "indexer wq_b"):
+        assert got[replicated] == whole[replicated]
+    with pytest.raises(ValueError, match="tensor parallel 3"):
+        gk.tp_shapes(3)
