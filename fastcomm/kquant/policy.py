@@ -40,8 +40,10 @@ FORMS_MOE = ("grouped", "pairs", "shared", "staged")
 PER_PAIR_FORMS = frozenset({"pairs", "staged"})  # dp4a, a warp a (pair, row): up to MAX_TOKENS a call
 # The staged form spares a layer's two quantize launches (3.5 + 5.2 us of a ~40-node layer on an H100:
 # bench/results/2026-12-06-h100x1-shard-tp8-profile-92412e6.json) and equals pairs bit for bit; it serves in
-# place of pairs where FASTCOMM_GGUF_MOE_STAGED allows it. Off until bench/gguf_kernels.py times it faster.
-MOE_STAGED = False
+# place of pairs where FASTCOMM_GGUF_MOE_STAGED allows it and its stage fits a block. On an H100 (gguf_kernels,
+# bench/results/2026-12-07-h100x1-kquant-kernels-{tp8-7ba2134,staged-942061b}.json): at TP 8's shapes 20.1 / 27.9
+# us against pairs' 24.1 / 32.2 at 1 / 2 tokens; at TP 1's level (89.1 / 151.8 against 89.1 / 150.6).
+MOE_STAGED = True
 # The shared form (grouped, a block's warps sharing each unit's activations: kq_mma_tile_shared) takes this many
 # warps a block, a tile each. Not the policy's form until a run shows it faster (bench/gguf_kernels.py times it).
 MOE_SHARED_WARPS = 4
@@ -127,7 +129,7 @@ def moe_form(tokens: int, topk: int, hidden: int, inter: int, tensor_cores: bool
              min_tokens: int = MOE_GROUPED_MIN_TOKENS, staged: bool = False) -> str:
     """``grouped`` where allowed (from ``min_tokens``: FASTCOMM_GGUF_GROUPED_MIN_TOKENS; past MAX_TOKENS: never,
     for any number of tokens) and its tiles and route table hold the shapes, else ``staged`` where ``staged``
-    (allowed, and ``moe_stage_bytes`` fit a block), else ``pairs``."""
+    (allowed: ops.moe keeps ``pairs`` where ``moe_stage_bytes`` do not fit a block), else ``pairs``."""
     allowed = tensor_cores and min_tokens <= MAX_TOKENS and tokens >= min_tokens
     if allowed and moe_form_error("grouped", tokens, topk, hidden, inter) is None:
         return "grouped"

@@ -36,7 +36,8 @@ VARIABLES: tuple[Var, ...] = (
         _decode_tokens),
     Var("FASTCOMM_GGUF_MOE_STAGED", "moe_staged", "1" if policy.MOE_STAGED else "0", "1: a GGUF MoE layer's "
         "experts below the grouped form's tokens run staged (two launches, each block quantizing its activations "
-        "into shared memory; the same sums bit for bit) instead of per pair in four launches; 0: per pair.",
+        "into shared memory; the same sums bit for bit) instead of per pair in four launches, where the stage fits "
+        "a block; 0: per pair.",
         boolean),
     Var("FASTCOMM_GGUF_DEQUANT_MIN_TOKENS", "dequant_min_tokens", "16", "Tokens from which a GGUF linear "
         "layer's product past fastcomm's 1-8 (a prefill) dequantizes its weight to bf16 and multiplies on the tensor "
