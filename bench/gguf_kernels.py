@@ -177,6 +177,13 @@ def pdl_setting() -> bool:
     return Settings.from_env().pdl
 
 
+def moe_staged() -> bool:
+    """FASTCOMM_GGUF_MOE_STAGED, which marks the policy's form of the routed experts at 1-2 tokens."""
+    from fastcomm.kquant.settings import Settings
+
+    return Settings.from_env().moe_staged
+
+
 def prefill_settings() -> tuple[int, int, int]:
     """FASTCOMM_GGUF_DEQUANT_MIN_TOKENS / _DEQUANT_MOE_MIN / _CHUNK_MAX_TOKENS, which mark the policy's form of a
     prefill's rows."""
@@ -340,7 +347,8 @@ def bench_moe(tokens, rng):
             continue
         row = {"op": name, "tokens": n, "weight_MB_read": round(nbytes * distinct / experts / 1e6, 1),
                "plugin_us": round(_graph_time_us(plugin), 2) if pmoe else None,
-               "default": kquant.moe_form(n, topk, hidden, inter),
+               "default": kquant.moe_form(n, topk, hidden, inter, staged=moe_staged() and kquant.moe_stage_bytes(
+                   n, topk, hidden, inter) <= kquant.limits(0).smem_per_block),  # as ops.moe decides it
                "mma_entry": "/".join(kquant.mma_variant([q], moe=True) or "any" for q in (q13, q2))}
         for form in kquant.FORMS_MOE:
             staged_out = form == "staged" and \
