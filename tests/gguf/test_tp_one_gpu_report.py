@@ -103,3 +103,17 @@ def test_an_engine_not_run_is_named_and_a_failed_one_fails(tmp_path):
     assert res["tp"][1]["not_run"] == ["mtp"] and res["failures"] == []
     (tmp_path / "greedy-mtp-tp1.json").write_text(json.dumps({"failed": 1, "seconds": 9.0, "log_tail": "x"}))
     assert T.report([tmp_path])["failures"] == ["TP 1 mtp engine"]
+
+
+def test_an_engine_stopped_with_the_harness_is_cut_off_not_unrun(tmp_path):
+    """An engine's log with no result beside it (the harness stopped mid-engine by its budget or a kill) fails
+    the report as cut off, naming the engine, instead of reading as not run."""
+    pytest.importorskip("gguf")
+    (tmp_path / "logits-tp1.json").write_text(json.dumps(_engine([3, 4, 5])))
+    (tmp_path / "logits-tp1.log").write_text("engine log\n")
+    (tmp_path / "ref.log").write_text("half an engine log\n")
+    res = T.report([tmp_path])
+    assert res["cut_off"] == ["ref"]
+    assert res["failures"] == ["ref engine cut off mid-run (a log, no result)"]
+    (tmp_path / "ref.log").unlink()
+    assert "cut_off" not in T.report([tmp_path]) and T.report([tmp_path])["failures"] == []

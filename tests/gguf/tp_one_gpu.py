@@ -115,6 +115,14 @@ def run_parts(out: Path, parts: list[str]) -> None:
             raise SystemExit(f"unknown part {part!r}")
 
 
+def cut_off(dirs) -> list[str]:
+    """Engines whose log exists with no result beside it in any folder: ``_run`` writes the result, or a
+    ``failed`` entry, whenever the engine exits, so these were stopped with the harness (its call's budget,
+    TP_BUDGET_S, or a kill): neither run nor failed, and not to be read as "not run"."""
+    logs = {p.name[:-len(".log")] for d in dirs for p in Path(d).glob("*.log")}
+    return sorted(n for n in logs if _load(dirs, n) is None)
+
+
 def _load(dirs, name):
     for d in dirs:
         p = Path(d) / f"{name}.json"
@@ -215,7 +223,7 @@ def report(dirs) -> dict:
                     if not row[name]["ok"]:
                         failures.append(f"TP {tp} {name}")
         row["start_s"] = {k: r.get("start_s") for k, r in (("plain", lg), ("mtp", gm)) if r}
-        for k, r in (("plain", lg), ("mtp", gm)):  # absent: not run (a logitsN part, or the call's budget ran out)
+        for k, r in (("plain", lg), ("mtp", gm)):  # absent: not run (a logitsN part; cut off: ``cut_off``)
             if r is None:
                 row.setdefault("not_run", []).append(k)
             elif "failed" in r:
@@ -254,6 +262,10 @@ def report(dirs) -> dict:
             out[f"skew_tp{tp}"] = {"started": "tokens" in s, "start_s": s.get("start_s")}
             if "tokens" not in s:
                 failures.append(f"skew TP {tp}")
+    stopped = cut_off(dirs)
+    if stopped:
+        out["cut_off"] = stopped
+        failures += [f"{n} engine cut off mid-run (a log, no result)" for n in stopped]
     out["failures"] = failures
     return out
 
