@@ -347,8 +347,8 @@ def bench_moe(tokens, rng):
             continue
         row = {"op": name, "tokens": n, "weight_MB_read": round(nbytes * distinct / experts / 1e6, 1),
                "plugin_us": round(_graph_time_us(plugin), 2) if pmoe else None,
-               "default": kquant.moe_form(n, topk, hidden, inter, staged=moe_staged() and kquant.moe_stage_bytes(
-                   n, topk, hidden, inter) <= kquant.limits(0).smem_per_block),  # as ops.moe decides it
+               "default": kquant.moe_form(n, topk, hidden, inter, staged=moe_staged(),
+                                          smem_per_block=kquant.limits(0).smem_per_block),
                "mma_entry": "/".join(kquant.mma_variant([q], moe=True) or "any" for q in (q13, q2))}
         for form in kquant.FORMS_MOE:
             staged_out = form == "staged" and \
@@ -545,8 +545,8 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     rows += bench_moe(tokens, rng)
     lim = kquant.limits(0)
-    print(f"# {torch.cuda.get_device_name()}, one rank's shapes at TP {args.tp}: GPU us per call (CUDA graphs of {CALLS_PER_GRAPH} calls, "
-          f"weights out of L2); launches planned for {lim.name}: {lim.sms} SMs, {lim.smem_per_block} bytes of "
+    print(f"# {torch.cuda.get_device_name()}, one rank's shapes at TP {args.tp}: GPU us per call (CUDA graphs of "
+          f"{CALLS_PER_GRAPH} calls, weights out of L2); launches planned for {lim.name}: {lim.sms} SMs, {lim.smem_per_block} bytes of "
           "shared memory a block")
     text, steps = report(rows, tokens)
     print(text)
@@ -554,8 +554,8 @@ def main(argv=None) -> int:
     print(f"# suggested on this GPU: {_settings(thresholds)}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "tp": args.tp, "limits": dataclasses.asdict(kquant.limits(0)),
-                       "rows": rows, "per_step_ms": steps,
+            json.dump({"device": torch.cuda.get_device_name(), "tp": args.tp,
+                       "limits": dataclasses.asdict(kquant.limits(0)), "rows": rows, "per_step_ms": steps,
                        "suggested": thresholds}, f, indent=1)
     return 0
 

@@ -282,12 +282,9 @@ def moe(x, w13, w2, topk_weights, topk_ids, t13: int, t2: int, activation, silu:
     experts, rows13 = w13.shape[0], w13.shape[1]
     inter = rows13 // 2
     dev, stage = x.device.index, moe_stage_bytes(tokens, topk, hidden, inter)
-    if form is None:
-        form = moe_form(tokens, topk, hidden, inter, tensor_cores, grouped_min, staged)
-        # the policy's staged form falls back to pairs where its stage does not fit a block; past MAX_TOKENS the
-        # refusal below names pairs, before the device is asked anything
-        if form == "staged" and (tokens > MAX_TOKENS or stage > _device(dev).smem_per_block):
-            form = "pairs"
+    if form is None:  # past MAX_TOKENS the refusal below comes before the device is asked anything
+        smem = _device(dev).smem_per_block if staged and tokens <= MAX_TOKENS else None
+        form = moe_form(tokens, topk, hidden, inter, tensor_cores, grouped_min, staged, smem)
     if tokens < 1 or (tokens > MAX_TOKENS and form in PER_PAIR_FORMS):
         raise ValueError(f"moe takes 1-{MAX_TOKENS} tokens in the {form} form (got {tokens}; moe_chunks takes any)")
     error = moe_form_error(form, tokens, topk, hidden, inter)

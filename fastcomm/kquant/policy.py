@@ -126,14 +126,17 @@ def moe_types_ok(t13: int, t2: int, hidden: int, inter: int, row13: int, row2: i
 
 
 def moe_form(tokens: int, topk: int, hidden: int, inter: int, tensor_cores: bool = True,
-             min_tokens: int = MOE_GROUPED_MIN_TOKENS, staged: bool = False) -> str:
+             min_tokens: int = MOE_GROUPED_MIN_TOKENS, staged: bool = False,
+             smem_per_block: int | None = None) -> str:
     """``grouped`` where allowed (from ``min_tokens``: FASTCOMM_GGUF_GROUPED_MIN_TOKENS; past MAX_TOKENS: never,
     for any number of tokens) and its tiles and route table hold the shapes, else ``staged`` where ``staged``
-    (allowed: ops.moe keeps ``pairs`` where ``moe_stage_bytes`` do not fit a block), else ``pairs``."""
+    (FASTCOMM_GGUF_MOE_STAGED), at most MAX_TOKENS tokens and ``moe_stage_bytes`` within ``smem_per_block`` (the
+    device's; None: unbounded), else ``pairs``."""
     allowed = tensor_cores and min_tokens <= MAX_TOKENS and tokens >= min_tokens
     if allowed and moe_form_error("grouped", tokens, topk, hidden, inter) is None:
         return "grouped"
-    return "staged" if staged else "pairs"
+    fits = smem_per_block is None or moe_stage_bytes(tokens, topk, hidden, inter) <= smem_per_block
+    return "staged" if staged and tokens <= MAX_TOKENS and fits else "pairs"
 
 
 def moe_form_error(form: str, tokens: int, topk: int, hidden: int, inter: int) -> str | None:

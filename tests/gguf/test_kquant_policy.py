@@ -107,6 +107,14 @@ def test_form_choice():
     assert kquant.moe_form(1, 8, 6144, 2048, staged=True) == "staged"
     assert kquant.moe_form(8, 8, 6144, 2048, staged=True) == "grouped"
     assert kquant.moe_form(8, 8, 6144, 2048, tensor_cores=False, staged=True) == "staged"
+    # ... and keeps pairs where its stage exceeds the device's block (8 tokens of 8 pairs at 2048: 160 KB against
+    # sm_120's 99 KB) or the tokens exceed a per-pair call's
+    stage = kquant.moe_stage_bytes(8, 8, 6144, 2048)
+    assert kquant.moe_form(8, 8, 6144, 2048, tensor_cores=False, staged=True,
+                           smem_per_block=kquant.SM120.smem_per_block) == "pairs"
+    assert kquant.moe_form(8, 8, 6144, 2048, tensor_cores=False, staged=True, smem_per_block=stage) == "staged"
+    assert kquant.moe_form(8, 8, 6144, 2048, tensor_cores=False, staged=True, smem_per_block=stage - 1) == "pairs"
+    assert kquant.moe_form(kquant.MAX_TOKENS + 1, 8, 6144, 2048, tensor_cores=False, staged=True) == "pairs"
 
 
 def test_a_prefill_dequantizes_from_its_threshold_else_chunks_up_to_its_limit_else_the_plugin():
