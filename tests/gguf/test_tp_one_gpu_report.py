@@ -117,3 +117,6 @@ def test_an_engine_stopped_with_the_harness_is_cut_off_not_unrun(tmp_path):
     assert res["failures"] == ["ref engine cut off mid-run (a log, no result)"]
     (tmp_path / "ref.log").unlink()
     assert "cut_off" not in T.report([tmp_path]) and T.report([tmp_path])["failures"] == []
+    (tmp_path / "greedy-mtp-tp1.log").write_text("half an engine log\n")  # TP 1's MTP engine: cut, not unrun
+    res = T.report([tmp_path])
+    assert res["cut_off"] == ["greedy-mtp-tp1"] and "not_run" not in res["tp"][1]

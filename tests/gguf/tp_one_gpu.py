@@ -190,6 +190,7 @@ def report(dirs) -> dict:
     ref = _load(dirs, "ref")
     tp1 = _load(dirs, "logits-tp1")
     out, failures = {"tolerance": TOL, "control_min": CONTROL_MIN, "tp": {}}, []
+    stopped = cut_off(dirs)
     for tp in (1, 2, 4, 8):
         lg, gm = (_load(dirs, f"{k}-tp{tp}") for k in ("logits", "greedy-mtp"))
         g = lg
@@ -223,9 +224,10 @@ def report(dirs) -> dict:
                     if not row[name]["ok"]:
                         failures.append(f"TP {tp} {name}")
         row["start_s"] = {k: r.get("start_s") for k, r in (("plain", lg), ("mtp", gm)) if r}
-        for k, r in (("plain", lg), ("mtp", gm)):  # absent: not run (a logitsN part; cut off: ``cut_off``)
-            if r is None:
-                row.setdefault("not_run", []).append(k)
+        for k, r, name in (("plain", lg, f"logits-tp{tp}"), ("mtp", gm, f"greedy-mtp-tp{tp}")):
+            if r is None:  # not run (a logitsN part), unless cut off: that one fails below
+                if name not in stopped:
+                    row.setdefault("not_run", []).append(k)
             elif "failed" in r:
                 failures.append(f"TP {tp} {k} engine")
         out["tp"][tp] = row
@@ -262,7 +264,6 @@ def report(dirs) -> dict:
             out[f"skew_tp{tp}"] = {"started": "tokens" in s, "start_s": s.get("start_s")}
             if "tokens" not in s:
                 failures.append(f"skew TP {tp}")
-    stopped = cut_off(dirs)
     if stopped:
         out["cut_off"] = stopped
         failures += [f"{n} engine cut off mid-run (a log, no result)" for n in stopped]
