@@ -264,7 +264,8 @@ def bench_linear(name, shards, cols, tokens, rng):
                    "bf16_cublas_us": round(_graph_time_us([lambda d=d: x @ d.T for d in dense]), 2)}
             rowsout.append(row)
             continue
-        default = kquant.linear_form(n, kquant.mma_ok(segs, cols), kquant.staged_fits(x.device.index, n, cols))
+        default = kquant.linear_form(n, kquant.mma_ok(segs, cols), kquant.staged_fits(x.device.index, n, cols),
+                                     cols=cols)
         row = {"op": name, "tokens": n, "weight_MB": round(nbytes / 1e6, 2),
                "plugin_us": round(_graph_time_us([plugin(w) for w in ws]), 2) if plin else None, "default": default,
                "mma_entry": kquant.mma_variant(types, moe=False) or "any",  # the kernel entry the mma form runs

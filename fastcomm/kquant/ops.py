@@ -239,7 +239,7 @@ def linear(x, qweight, segments: tuple[Segment, ...], form: str | None = None, t
     total = table.total_rows
     out = _out(out, n, total, x)
     fits = staged_fits(dev, n, cols)
-    form = form or linear_form(n, tensor_cores and mma_ok(segments, cols), fits, mma_min)
+    form = form or linear_form(n, tensor_cores and mma_ok(segments, cols), fits, mma_min, cols)
     if form == "mma":
         if not mma_ok(segments, cols):
             raise ValueError(f"the mma form cannot read these segments ({segments}, {cols} columns)")

@@ -108,10 +108,22 @@ def mma_ok(segments: tuple[Segment, ...], cols: int) -> bool:
     return True
 
 
-def linear_form(tokens: int, mma: bool, staged_fits: bool, min_tokens: int = MMA_MIN_TOKENS) -> str:
+# Rows this short (at most 6 units of 256 values) take the tensor-core form from 1 token: the staged form's warp
+# a row has too little to read for its reduction and launch, and the mma form's 16-row tiles win by 1.9-2.5 us at
+# 1 and 2 tokens (H100, TP 8's shapes: shared down, K 256, 3.49 against 5.45 us staged; dense down, K 1536, 9.36
+# against 11.59; bench/results/2026-12-07-h100x1-kquant-kernels-tp8-7ba2134.json). From 2048 the staged form led
+# at 1 token in every run (o_proj at TP 8, K 2048: 7.13 against 7.72).
+MMA_SHORT_ROW_COLS = 1536
+
+
+def linear_form(tokens: int, mma: bool, staged_fits: bool, min_tokens: int = MMA_MIN_TOKENS,
+                cols: int | None = None) -> str:
     """``mma``: the tensor-core form can read the weight and is allowed (FASTCOMM_GGUF_KERNELS=dp4a forbids it);
-    ``min_tokens``: from how many tokens it serves (FASTCOMM_GGUF_MMA_MIN_TOKENS)."""
-    if mma and tokens >= min_tokens:
+    ``min_tokens``: from how many tokens it serves (FASTCOMM_GGUF_MMA_MIN_TOKENS); ``cols``: the input features,
+    at most MMA_SHORT_ROW_COLS of which take it from 1 token unless ``min_tokens`` is past MAX_TOKENS (never)
+    (None: not known, the token rule alone)."""
+    short = cols is not None and cols <= MMA_SHORT_ROW_COLS and min_tokens <= MAX_TOKENS
+    if mma and (tokens >= min_tokens or short):
         return "mma"
     return "staged" if staged_fits else "unstaged"
 

@@ -4,6 +4,7 @@ import pytest
 
 from fastcomm.kquant import abi
 from fastcomm import kquant
+from fastcomm.kquant import policy
 
 
 def test_glm5_fused_qkv_a_as_the_plugin_stores_it():
@@ -94,6 +95,20 @@ def test_form_choice():
     assert kquant.linear_form(8, False, False) == "unstaged"
     if kquant.MMA_MIN_TOKENS > 1:
         assert kquant.linear_form(1, True, True) == "staged"
+        assert kquant.linear_form(1, True, True, cols=2048) == "staged"
+
+
+def test_short_rows_take_mma_from_one_token():
+    """TP 8's shared down (K 256) and dense down (K 1536) read rows too short for the staged form's warp a row:
+    the tensor-core form serves them from 1 token, where it can read them and is allowed."""
+    short = policy.MMA_SHORT_ROW_COLS
+    assert kquant.linear_form(1, True, True, cols=256) == "mma"
+    assert kquant.linear_form(1, True, True, cols=short) == "mma"
+    assert kquant.linear_form(1, True, True, cols=short + 256) == ("mma" if kquant.MMA_MIN_TOKENS <= 1 else "staged")
+    assert kquant.linear_form(1, False, True, cols=256) == "staged"      # FASTCOMM_GGUF_KERNELS=dp4a, or unreadable
+    assert kquant.linear_form(1, False, False, cols=256) == "unstaged"
+    assert kquant.linear_form(1, True, True, min_tokens=4, cols=256) == "mma"  # the token threshold: long rows
+    assert kquant.linear_form(8, True, True, min_tokens=9, cols=256) == "staged"  # 9: never, short rows too
     assert kquant.moe_form(8, 8, 6144, 2048) == "grouped"
     assert kquant.moe_form(8, 8, 6144, 2048 + 32) == "pairs"           # the grouped tiles step 256 values
     assert kquant.moe_form(8, abi.KQ_MAX_PAIRS // 8 + 1, 6144, 2048) == "pairs"  # more pairs than its route table
