@@ -57,6 +57,12 @@ MOE_SHARED_WARPS = 4
 # FASTCOMM_GGUF_MMA_MIN_TOKENS / _GROUPED_MIN_TOKENS move them per GPU.
 MMA_MIN_TOKENS = 2          # linears: the tensor-core form from this many tokens, below it the staged dp4a
 MOE_GROUPED_MIN_TOKENS = 3  # MoE: grouped by expert from this many tokens, below it per pair
+# Rows this short (at most 6 units of 256 values) take the tensor-core form from 1 token: the staged form's warp
+# a row has too little to read for its reduction and launch, and the mma form's 16-row tiles win by 1.9-2.5 us at
+# 1 and 2 tokens (H100, TP 8's shapes: shared down, K 256, 3.49 against 5.45 us staged; dense down, K 1536, 9.36
+# against 11.59; bench/results/2026-12-07-h100x1-kquant-kernels-tp8-7ba2134.json). From 2048 the staged form led
+# at 1 token in every run (o_proj at TP 8, K 2048: 7.13 against 7.72).
+MMA_SHORT_ROW_COLS = 1536
 # The mma kernels come built for one weight type each, beside one for any type (a switch on the type, its
 # registers the widest type's). Which serves, from bench/gguf_kernels.py on an H200 (bench/RESULTS.md, 2026-12-02,
 # 2026-12-02 run s9): built for their type, the grouped MoE took 179 against 200 us at 8 tokens (161 / 176 at 4) and
@@ -106,14 +112,6 @@ def mma_ok(segments: tuple[Segment, ...], cols: int) -> bool:
             return False
         out_row += s.rows
     return True
-
-
-# Rows this short (at most 6 units of 256 values) take the tensor-core form from 1 token: the staged form's warp
-# a row has too little to read for its reduction and launch, and the mma form's 16-row tiles win by 1.9-2.5 us at
-# 1 and 2 tokens (H100, TP 8's shapes: shared down, K 256, 3.49 against 5.45 us staged; dense down, K 1536, 9.36
-# against 11.59; bench/results/2026-12-07-h100x1-kquant-kernels-tp8-7ba2134.json). From 2048 the staged form led
-# at 1 token in every run (o_proj at TP 8, K 2048: 7.13 against 7.72).
-MMA_SHORT_ROW_COLS = 1536
 
 
 def linear_form(tokens: int, mma: bool, staged_fits: bool, min_tokens: int = MMA_MIN_TOKENS,

@@ -29,7 +29,8 @@ VARIABLES: tuple[Var, ...] = (
         "FASTCOMM_GGUF_CHUNK_MAX_TOKENS); dp4a: fastcomm's without "
         "the tensor-core forms; plugin: all through the plugin's.", choice(*policy.KERNEL_SETTINGS)),
     Var("FASTCOMM_GGUF_MMA_MIN_TOKENS", "mma_min_tokens", str(policy.MMA_MIN_TOKENS), "Tokens from which a GGUF linear layer's product "
-        "takes fastcomm's tensor-core form (the default from an H200; rows of at most 1536 inputs from 1 token; 9: never). "
+        f"takes fastcomm's tensor-core form (the default from an H200; rows of at most {policy.MMA_SHORT_ROW_COLS} inputs "
+        "from 1 token; 9: never). "
         "`python -m fastcomm_bench.gguf_kernels` suggests it for the GPU at hand.", _decode_tokens),
     Var("FASTCOMM_GGUF_GROUPED_MIN_TOKENS", "grouped_min_tokens", str(policy.MOE_GROUPED_MIN_TOKENS), "Tokens from which a GGUF MoE layer's "
         "experts take the tensor-core form grouped by expert (the default from an H200; 9: never).",
