@@ -196,6 +196,10 @@ def test_floor_options_go_together(tmp_path, capsys):
     # seen in the TP 8 shard's profile (2026-12-06-h100x1-shard-tp8-profile-92412e6.txt), once counted as all-reduce:
     ("fc_kq_gemvs1_bf16", "fastcomm K-quant"), ("fc_kq_moe_mma_down_q5k", "fastcomm K-quant"),
     ("fc_kq_quantize_silu_bf16", "fastcomm K-quant"), ("triton_poi_fused_add_all_reduce_mul_1", "other"),
+    # 2026-12-07-h100x1-shard-tp8-profile-f893d0e.txt: FlashAttention 3 once counted as GEMM (its cutlass template)
+    ("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<flash::Col", "attention"),
+    ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>", "GEMM"),
+    ("std::enable_if<!(false), void>::type internal::gemvx::kernel<int, int, float, float, float", "GEMM"),
 ])
 def test_kernel_families_by_name(name, fam):
     assert P.family(name) == fam
