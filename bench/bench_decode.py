@@ -96,6 +96,12 @@ def parse_fastcomm_env(items: list[str]) -> dict:
     return env
 
 
+def backend_timeout(timeout: float, deadline: float | None, now: float) -> float:
+    """Seconds a backend may run: ``timeout``, or less where ``deadline`` (epoch seconds) comes sooner; at least 1,
+    so a backend past the deadline is started and cut at once and its row says it timed out."""
+    return timeout if deadline is None else max(1.0, min(timeout, deadline - now))
+
+
 def check_numbers(args) -> None:
     """The counts and fractions every backend would be started with, checked once before any starts (a bad one
     would otherwise fail each backend after its start-up, its reason only in that backend's log)."""
@@ -187,6 +193,9 @@ def parse_args(argv):
     p.add_argument("--rounds", type=int, default=1,
                    help="run the configs round-robin this many times; rows are medians (takes run order out)")
     p.add_argument("--timeout", type=float, default=1500, help="seconds per backend (start-up included)")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="seconds since the epoch no backend runs past (a device call's end: the time its caller "
+                        "spent before bench-decode started is then not the caller's to guess)")
     p.add_argument("--out", default=None,
                    help="JSON results (default: ./decode-<model>-<time>.json); the vLLM logs go in a folder beside it")
     p.add_argument("--compare", nargs="+", default=None, metavar="JSON", help="print merged earlier results and exit")
@@ -306,7 +315,8 @@ def _main(argv) -> int:
         for name in names:
             print(f"bench-decode: {name}: {BACKENDS[name].about}"
                   + (f" (round {k + 1}/{args.rounds})" if args.rounds > 1 else "") + " ...", flush=True)
-            runs[name].append(run_backend(BACKENDS[name], spec, log_dir, args.timeout,
+            runs[name].append(run_backend(BACKENDS[name], spec, log_dir,
+                                          backend_timeout(args.timeout, args.deadline, time.time()),
                                           f"-r{k + 1}" if args.rounds > 1 else ""))
             results[name] = combine_rounds(runs[name])
             out.write_text(json.dumps({"meta": meta, "results": results, "tokens": compare_tokens(results)}, indent=1))

@@ -63,8 +63,9 @@
 #    /dev/shm or on /tmp's disk): bash bench/device_gguf.sh shard .gguf_stage write   (then plain, plugin, mtp)
 #    SHARD_STANDIN_US (0,5,10,20,60): the stand-in all-reduce's times; the step at each, in one engine; plain
 #    profiles one request's step at the first time after them. The engine's run is bounded by SHARD_BUDGET_S
-#    (560 s from the call's start), so a call cut short still brings back what it measured. SHARD_PROFILE=0: no
-#    profile (a sweep under the caller's FASTCOMM_GGUF_* settings).
+#    (560 s from the call's start: a deadline bench-decode holds after its own set-up too), so a call cut short
+#    still brings back what it measured. SHARD_PROFILE=0: no profile (a sweep under the caller's FASTCOMM_GGUF_*
+#    settings).
 # 4. `fastcomm-serve` itself, end to end (one call, same carry; ~2-4 min, bounded at 540 s):
 #        eval "$(bash .stage/install.sh)" && bash bench/device_gguf.sh serve .gguf_stage
 #    tests/gguf/serve_gpu.py: the tiny GLM-5 GGUF (3 shards + MTP block) through `fastcomm-serve --dry-run`
@@ -182,7 +183,8 @@ shard() {
   local left=$(( ${SHARD_BUDGET_S:-560} - (SECONDS - t_call) ))
   # Three timed runs a point: their median drops one slow run (f893d0e's single request: 0.93 and 1.03 s).
   local common=(--tp 1 --max-tokens "${SHARD_TOKENS:-64}" --capture-sizes default --repeats "${SHARD_REPEATS:-3}"
-    --max-model-len 2048 --max-num-batched-tokens 2048 --sweep-temperature 1 --timeout "$left")
+    --max-model-len 2048 --max-num-batched-tokens 2048 --sweep-temperature 1 --timeout "$left"
+    --deadline "$(( $(date +%s) + left ))")
   case "$what" in
     plain)
       # The floor: the weight bytes one request's step reads (synth.step_read_bytes: 8 of 256 experts, no

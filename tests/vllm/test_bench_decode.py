@@ -660,3 +660,13 @@ def test_standin_us_reaches_the_spec_and_every_rows_environment(tmp_path, monkey
     # A stand-in run is another measurement: --compare never pools it with a plain run as rounds of one row.
     plain, standin = (json.loads((tmp_path / f).read_text())["meta"] for f in ("s.json", "r.json"))
     assert decode_merge._setup(plain) != decode_merge._setup(standin)
+
+
+def test_deadline_bounds_each_backend():
+    # shard runs pass the device call's end: a backend started late gets what is left, never more than --timeout
+    assert B.parse_args(["--deadline", "1000.5"]).deadline == 1000.5
+    assert B.parse_args([]).deadline is None
+    assert B.backend_timeout(1500, None, 10.0) == 1500
+    assert B.backend_timeout(1500, 400.0, 100.0) == 300.0
+    assert B.backend_timeout(200, 400.0, 100.0) == 200
+    assert B.backend_timeout(1500, 400.0, 500.0) == 1.0   # past it: cut at once, the row says timed out
