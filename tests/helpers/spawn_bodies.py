@@ -18,6 +18,11 @@ def hang_on_rank_1(rank, world, group):
 
 
 def raise_on_rank_0(rank, world, group):
+    # Both ranks past the group's set-up first, as in hang_on_rank_1: else rank 1 may return and exit while rank
+    # 0's gloo still connects, and rank 0 reports "connectFullMesh failed" instead of its own error.
+    import torch.distributed as dist
+
+    dist.barrier(group)
     if rank == 0:
         raise ValueError("boom")
     return "fine"
