@@ -47,11 +47,9 @@ FAMILIES = (
     ("activation quantize", re.compile(r"quantize_q8_1|quant.*fp8|fp8.*quant", re.IGNORECASE)),
     ("dequantize", re.compile(r"dequantize_block")),
     ("fused MoE", re.compile(r"fused_moe|moe_align|moe_sum|topk", re.IGNORECASE)),  # topk: grouped_topk too
-    # FlashAttention 3's kernels are cutlass templates (cutlass::device_kernel<flash::FlashAttnFwdSm90...>):
-    # named here before "cutlass" takes them for GEMMs.
-    ("attention", re.compile(r"flash::|flashattn|fmha", re.IGNORECASE)),
-    ("GEMM", re.compile(r"gemm|cutlass|xmma|nvjet|scaled_mm|cublas|gemv", re.IGNORECASE)),
+    # Before GEMM: FlashAttention 3's kernels are cutlass templates (cutlass::device_kernel<flash::FlashAttnFwdSm90>).
     ("attention", re.compile(r"flash|fmha|mla|attn|attention|indexer|rotary|rope", re.IGNORECASE)),
+    ("GEMM", re.compile(r"gemm|cutlass|xmma|nvjet|scaled_mm|cublas|gemv", re.IGNORECASE)),
     ("norm", re.compile(r"rms|norm", re.IGNORECASE)),
 )
 
