@@ -182,8 +182,10 @@ def parse_args(argv):
     p.add_argument("--profile-dir", default=None,
                    help="also profile decode steps per backend with vLLM's torch profiler (traces per backend)")
     p.add_argument("--profile-tokens", type=int, default=16, help="tokens generated while profiling")
-    p.add_argument("--profile-concurrency", type=int, default=1,
-                   help="requests decoded together while profiling (e.g. 8: the all-reduce share at 8 concurrent)")
+    p.add_argument("--profile-concurrency", default="1", metavar="N,...",
+                   help="requests decoded together while profiling, one profile each (e.g. 8: the all-reduce share "
+                        "at 8 concurrent; 1,2,4: a verify step of 0, 1 and 3 drafts). 1's traces go to the "
+                        "backend's folder, N's to BACKEND-cN beside it")
     p.add_argument("--standin-us", default=None, metavar="US,...",
                    help="TP 1 only: a stand-in kernel where TP > 1 would all-reduce, timed at each of these "
                         "microseconds in one engine (fastcomm_vllm.standin; e.g. 0,5,10,20,60 for a TP 8 shard)")
@@ -263,9 +265,10 @@ def _main(argv) -> int:
                          f"prompts ({max(conc)} x {args.prompt_len} tokens): they would prefill over several steps")
     if not 0 <= args.sweep_temperature < float("inf"):
         raise UsageError(f"--sweep-temperature {args.sweep_temperature}: a temperature is a finite number >= 0")
-    if not 1 <= args.profile_concurrency <= max(conc):
-        raise UsageError(f"--profile-concurrency {args.profile_concurrency} must be between 1 and the largest "
-                         f"concurrency {max(conc)} (the prompts and max_num_seqs are sized by it)")
+    prof_conc = _int_list("--profile-concurrency", args.profile_concurrency)
+    if max(prof_conc) > max(conc) or len(set(prof_conc)) != len(prof_conc):
+        raise UsageError(f"--profile-concurrency {args.profile_concurrency}: each must be between 1 and the largest "
+                         f"concurrency {max(conc)} (the prompts and max_num_seqs are sized by it), each once")
     check_numbers(args)
     standin = None
     if args.standin_us is not None:
@@ -300,7 +303,7 @@ def _main(argv) -> int:
                 prompt_len=args.prompt_len, prompts=PROMPTS,
                 repeats=args.repeats, max_model_len=args.max_model_len, seed=args.seed, mtp=model.mtp,
                 gpu_memory_utilization=args.gpu_memory_utilization, profile_dir=args.profile_dir,
-                profile_tokens=args.profile_tokens, profile_concurrency=args.profile_concurrency,
+                profile_tokens=args.profile_tokens, profile_concurrency=prof_conc,
                 fastcomm_env=fastcomm_env or None, quantization=model.engine.get("quantization"),
                 spread_routing=args.spread_routing, sweep_temperature=args.sweep_temperature, standin_us=standin)
     # The record names the model as given (no absolute path of this machine) and the commit it ran.

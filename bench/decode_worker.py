@@ -194,20 +194,54 @@ def run(spec: dict, backend: Backend, save) -> dict:
     return result
 
 
-def profile_step(llm, spec: dict, batch_prompts, name: str) -> str:
-    """One profiled generate into ``spec["profile_dir"]/name`` (the folder, or why it failed)."""
+def profile_folder(name: str, concurrency: int) -> str:
+    """The folder of a backend's profile at ``concurrency`` requests under the profile dir: the backend's own
+    for 1 (where vLLM's profiler writes), BACKEND-cN beside it for N."""
+    return name if concurrency == 1 else f"{name}-c{concurrency}"
+
+
+def stamps(folder: Path) -> dict[Path, int]:
+    """The files of ``folder`` with their modification times (none where it does not exist)."""
+    return {f: f.stat().st_mtime_ns for f in folder.iterdir() if f.is_file()} if folder.is_dir() else {}
+
+
+def move_session(written: Path, folder: Path, before: dict[Path, int]) -> None:
+    """Move the files a profiler session wrote or rewrote in ``written`` (``before``: its ``stamps`` at the
+    session's start) into ``folder``; nothing where they are the same folder."""
+    if folder == written:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    for f, stamp in stamps(written).items():
+        if before.get(f) != stamp:
+            f.rename(folder / f.name)
+
+
+def profile_step(llm, spec: dict, batch_prompts, name: str) -> dict[str, str]:
+    """One profiled generate per concurrency of ``spec["profile_concurrency"]``; {concurrency: its folder under
+    ``spec["profile_dir"]``, or why it failed}. vLLM's profiler writes every session into the backend's folder
+    (fixed at the engine's start), so a session's new or rewritten files (its traces; the CUDA-time table, which
+    each session rewrites) move to its concurrency's folder after it stops."""
     from vllm import SamplingParams
 
-    try:
-        llm.start_profile()
-        batch = spec.get("profile_concurrency", 1)
-        params = sweep_params(SamplingParams, batch, spec.get("profile_tokens", 16),
-                              spec.get("sweep_temperature", 0.0), spec["seed"])
-        llm.generate([{"prompt_token_ids": p} for p in batch_prompts[:batch]], params, use_tqdm=False)
-        llm.stop_profile()
-        return str(Path(spec["profile_dir"]) / name)
-    except Exception as e:  # the row stands without a profile
-        return f"failed: {type(e).__name__}: {e}"
+    root = Path(spec["profile_dir"])
+    written = root / name
+    out = {}
+    for batch in spec.get("profile_concurrency", [1]):
+        try:
+            before = stamps(written)
+            params = sweep_params(SamplingParams, batch, spec.get("profile_tokens", 16),
+                                  spec.get("sweep_temperature", 0.0), spec["seed"])
+            llm.start_profile()
+            try:
+                llm.generate([{"prompt_token_ids": p} for p in batch_prompts[:batch]], params, use_tqdm=False)
+            finally:  # a session left open would make the next start a no-op
+                llm.stop_profile()
+            folder = root / profile_folder(name, batch)
+            move_session(written, folder, before)
+            out[str(batch)] = str(folder)
+        except Exception as e:  # the row stands without this profile
+            out[str(batch)] = f"failed: {type(e).__name__}: {e}"
+    return out
 
 
 def measure(llm, spec: dict, batch_prompts, counters, result: dict, save, *, profile_name: str | None = None) -> None:

@@ -34,11 +34,17 @@ for cfg in ${configs//,/ }; do
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   kill $sampler 2>/dev/null; wait $sampler 2>/dev/null
   cp "$work/$cfg.json" "$OUT/decode-$tag-$cfg.json" 2>/dev/null
-  if [ -n "$prof" ] && [ -d "$prof/$cfg" ]; then
-    # PROFILE_SUMMARY_ARGS: e.g. the weight-read floor's --weight-bytes / --copy-gbps (device_gguf.sh shard).
-    python3 -m fastcomm_bench.profile_summary "$prof" --backend "$cfg" --json "$OUT/profile-$tag-$cfg.json" \
-      ${PROFILE_SUMMARY_ARGS:-} >"$OUT/profile-$tag-$cfg.txt"
-  fi
+  # One summary per profile folder: the backend's (1 request) and BACKEND-cN (--profile-concurrency N).
+  # PROFILE_SUMMARY_ARGS: e.g. the weight-read floor's --weight-bytes / --copy-gbps (device_gguf.sh shard);
+  # PROFILE_SUMMARY_ARGS_CN for the profile at N requests (whose step reads more experts).
+  for d in ${prof:+"$prof/$cfg" "$prof/$cfg"-c[0-9]*}; do
+    [ -d "$d" ] || continue
+    name=$(basename "$d") n=${d##*-c}
+    args_var=PROFILE_SUMMARY_ARGS
+    [ "$name" != "$cfg" ] && args_var=PROFILE_SUMMARY_ARGS_C$n
+    python3 -m fastcomm_bench.profile_summary "$prof" --backend "$name" --json "$OUT/profile-$tag-$name.json" \
+      ${!args_var:-} >"$OUT/profile-$tag-$name.txt"
+  done
 done
 {
   fastcomm bench-decode --compare "$work"/*.json

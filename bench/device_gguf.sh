@@ -165,7 +165,8 @@ SHARD_FIRST_NAME=GLM-5-TP8-rank0-UD-Q4_K_XL-00001-of-00008.gguf
 # kernel at each of the step's all-reduce sites (fastcomm_vllm.standin) timed at SHARD_STANDIN_US in one engine.
 #   shard write: the shard file only (a call of its own: ~60 GB written)
 #   shard plain: one request and 2-4 (the verify steps' token counts), CUDA graphs at vLLM's default sizes, then
-#                the profile of one request's step (profile_summary), stand-in at the first time
+#                the profiles of 1, 2 and 4 requests' steps (SHARD_PROFILE_CONCURRENCY; profile_summary), stand-in
+#                at the first time
 #   shard plugin: one request with vllm-gguf-plugin's kernels (as the user's NCCL figures ran), stand-in 0 and 20
 #   shard mtp:   one request with 3 MTP drafts (random weights accept none: the drafts' cost)
 shard() {
@@ -197,10 +198,19 @@ for _ in range(10): y.copy_(x)
 e.record(); e.synchronize(); print(round(2 * 10 * x.numel() / (s.elapsed_time(e) * 1e6), 1))')
       wbytes=$(python -c 'from fastcomm_vllm.gguf import synth; print(synth.step_read_bytes(synth.TP8_SHARD))')
       echo "== copy bandwidth ${gbps} GB/s; shard weights ${wbytes} B"
+      # The profiles at N requests (a verify step of N - 1 drafts) against their own floor: top 8 of 256
+      # experts a token, distinct across the step's tokens (synth's routers), so 8 N experts read.
+      local pc=${SHARD_PROFILE_CONCURRENCY:-1,2,4} n nbytes
+      for n in ${pc//,/ }; do
+        [ "$n" = 1 ] && continue
+        nbytes=$(python -c 'import sys; from fastcomm_vllm.gguf import synth; s = synth.TP8_SHARD
+print(synth.step_read_bytes(s, min(s.experts, s.top_k * int(sys.argv[1]))))' "$n")
+        export "PROFILE_SUMMARY_ARGS_C$n=--weight-bytes $nbytes --copy-gbps $gbps"
+      done
       # The floor's inputs as a record of their own (predict_mtp reads them beside the step's record).
       python -c 'import json, sys, torch; print(json.dumps({"device": torch.cuda.get_device_name(), "copy_gbps": float(sys.argv[1]), "weight_bytes": int(sys.argv[2])}))' \
         "$gbps" "$wbytes" > "$out/shard-floor.json"
-      local prof=(--profile-dir /tmp/prof-shard --profile-concurrency 1 --profile-tokens 16)
+      local prof=(--profile-dir /tmp/prof-shard --profile-concurrency "$pc" --profile-tokens 16)
       [ "${SHARD_PROFILE:-1}" = 0 ] && prof=()   # a policy's sweep only (e.g. FASTCOMM_GGUF_* set by the caller)
       PROFILE_SUMMARY_ARGS="--weight-bytes $wbytes --copy-gbps $gbps" bash bench/device_decode.sh shard-tp8 "$sdir/$SHARD_FIRST_NAME" vllm "${common[@]}" --no-mtp \
              --concurrency "${SHARD_CONCURRENCY:-1,2,3,4}" --standin-us "$us" "${prof[@]}" ;;

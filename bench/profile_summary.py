@@ -105,6 +105,7 @@ def graph_steps(events: list[dict], gpu: list[dict], top_kernels: int = 4) -> di
     # steps', so two backends' totals can differ where their steps do not.
     others: list[dict[str, float]] = []
     fams: list[dict[str, float]] = []
+    every: list[dict[str, list[float]]] = []  # every kernel's calls in a step, the all-reduce's too
     for kernels in full:
         spans.append(max(float(e["ts"]) + float(e["dur"]) for e in kernels) - min(float(e["ts"]) for e in kernels))
         # Nodes and the GPU's idle time between them: a step of thousands of small kernels loses time to the
@@ -115,11 +116,13 @@ def graph_steps(events: list[dict], gpu: list[dict], top_kernels: int = 4) -> di
         gaps.append(idle[-1] / max(1, len(kernels) - 1))
         per_name: dict[str, float] = defaultdict(float)
         per_family: dict[str, float] = defaultdict(float)
+        calls: dict[str, list[float]] = defaultdict(list)
         ar = []
         for e in kernels:
             name, dur = str(e.get("name", "?")), float(e["dur"])
             fam = family(name)  # the all-reduce test included: one regex pass per kernel
             per_family[fam] += dur
+            calls[name[:90]].append(dur)
             if fam == "all-reduce":
                 ar.append(dur)
             else:
@@ -128,6 +131,7 @@ def graph_steps(events: list[dict], gpu: list[dict], top_kernels: int = 4) -> di
         counts.append(len(ar))
         others.append(per_name)
         fams.append(per_family)
+        every.append(calls)
     span, ar = statistics.median(spans), statistics.median(ars)
     names = {n for per_name in others for n in per_name}
     medians = {n: statistics.median(per_name.get(n, 0.0) for per_name in others) for n in names}
@@ -141,7 +145,22 @@ def graph_steps(events: list[dict], gpu: list[dict], top_kernels: int = 4) -> di
             "nodes_per_step": statistics.median(nodes), "median_idle_us": round(statistics.median(idle), 1),
             "median_gap_us": round(statistics.median(gaps), 3),
             "top_other_kernels_us": [{"name": n, "median_us": round(m, 1)} for n, m in top],
-            "families_us": dict(sorted(fam_medians.items(), key=lambda fm: -fm[1]))}
+            "families_us": dict(sorted(fam_medians.items(), key=lambda fm: -fm[1])),
+            "kernels": step_kernels(every)}
+
+
+def step_kernels(steps: list[dict[str, list[float]]]) -> list[dict]:
+    """Every kernel of a graph step, by name: its family, its calls a step and its GPU time a step (medians over
+    the steps; a kernel a step lacks counts 0 there), the busiest first. The whole table goes on record, so a
+    lever (a kernel's calls x its time a call) can be read off a committed profile without its trace."""
+    names = {n for calls in steps for n in calls}
+    rows = []
+    for n in names:
+        us = statistics.median(sum(calls.get(n, ())) for calls in steps)
+        count = statistics.median(len(calls.get(n, ())) for calls in steps)
+        rows.append({"name": n, "family": family(n), "calls": count, "us": round(us, 1),
+                     "us_a_call": round(us / count, 2) if count else None})
+    return sorted(rows, key=lambda r: (-r["us"], r["name"]))
 
 
 def summarize_events(events: list[dict], top: int = 8) -> dict:
@@ -199,8 +218,10 @@ def floor_ms(weight_bytes: float, copy_gbps: float) -> float:
     return weight_bytes / (copy_gbps * 1e9) * 1e3
 
 
-def print_summary(summary: dict, file=None, *, layers: int = 78, floor: float | None = None) -> None:
-    """``floor``: the weight-read floor (ms, ``floor_ms``) each graph step is set against."""
+def print_summary(summary: dict, file=None, *, layers: int = 78, floor: float | None = None,
+                  kernel_rows: int = 20) -> None:
+    """``floor``: the weight-read floor (ms, ``floor_ms``) each graph step is set against; ``kernel_rows``: the
+    step's busiest kernels printed (the JSON holds every one)."""
     file = file or sys.stdout
     print(f"{'backend':<16} {'trace':<28} {'window ms':>9} {'busy':>5} {'AR calls':>8} {'AR ms':>7} "
           f"{'AR share':>8} {'AR med us':>9} {'graphs':>6} {'kernels':>7}", file=file)
@@ -231,8 +252,17 @@ def print_summary(summary: dict, file=None, *, layers: int = 78, floor: float | 
                 if fams:
                     print(f"{'':<16}   step by kernel family (ms): "
                           + ", ".join(f"{f} {us / 1e3:.3f}" for f, us in fams.items()), file=file)
-                for k in st.get("top_other_kernels_us", []):
-                    print(f"{'':<16}   step {k['median_us'] / 1e3:>7.3f} ms  {k['name']}", file=file)
+                rows = st.get("kernels")
+                if rows is None:  # a summary written before the per-step table
+                    for k in st.get("top_other_kernels_us", []):
+                        print(f"{'':<16}   step {k['median_us'] / 1e3:>7.3f} ms  {k['name']}", file=file)
+                for k in (rows or [])[:kernel_rows]:
+                    print(f"{'':<16}   step {k['us'] / 1e3:>7.3f} ms = {k['calls']:>5g} x {k['us_a_call'] or 0:>6.2f} us  "
+                          f"{k['family']:<19} {k['name']}", file=file)
+                if rows and len(rows) > kernel_rows:
+                    rest = rows[kernel_rows:]
+                    print(f"{'':<16}   step {sum(k['us'] for k in rest) / 1e3:>7.3f} ms = {sum(k['calls'] for k in rest):>5g} "
+                          f"calls of {len(rest)} other kernels (the JSON lists them)", file=file)
             for n, k in ar["kernels"].items():
                 print(f"{'':<16}   AR  {k['calls']:>5} x {k['median_us']:>7.2f} us  {n}", file=file)
             for k in s["top_other_kernels"][:4]:
@@ -246,6 +276,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write the summary here too")
     p.add_argument("--print", nargs="+", default=None, metavar="JSON", help="print summaries written earlier")
     p.add_argument("--layers", type=int, default=78, help="decoder layers a step runs (nodes a layer)")
+    p.add_argument("--kernels", type=int, default=20, help="a graph step's busiest kernels printed (the JSON: all)")
     p.add_argument("--weight-bytes", type=float, default=None,
                    help="bytes of weights a step reads (e.g. the TP 8 shard's, from synth.plan) for the floor")
     p.add_argument("--copy-gbps", type=float, default=None,
@@ -253,6 +284,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if (args.weight_bytes is None) != (args.copy_gbps is None):
         return _error("--weight-bytes and --copy-gbps go together (the floor needs both)")
+    if args.kernels < 0:
+        return _error("--kernels must be 0 or more")
     if args.layers < 1 or (args.weight_bytes is not None and not (args.weight_bytes > 0 and args.copy_gbps > 0)):
         return _error("--layers, --weight-bytes and --copy-gbps must be positive")
     floor = floor_ms(args.weight_bytes, args.copy_gbps) if args.weight_bytes is not None else None
@@ -265,7 +298,7 @@ def main(argv=None) -> int:
                 return _error(f"--print {f}: {e.strerror or e}")
             except ValueError as e:
                 return _error(f"--print {f}: not JSON ({e})")
-        print_summary(summary, layers=args.layers, floor=floor)
+        print_summary(summary, layers=args.layers, floor=floor, kernel_rows=args.kernels)
         return 0
     if not args.profile_dir:
         return _error("name a PROFILE_DIR (what bench-decode --profile-dir wrote) or --print saved summaries")
@@ -275,7 +308,7 @@ def main(argv=None) -> int:
     if not summary:
         print(f"{PROG}: no traces under {args.profile_dir}", file=sys.stderr)
         return 1
-    print_summary(summary, layers=args.layers, floor=floor)
+    print_summary(summary, layers=args.layers, floor=floor, kernel_rows=args.kernels)
     if args.json:
         try:
             Path(args.json).write_text(json.dumps(summary, indent=1))

@@ -107,6 +107,34 @@ def test_graph_steps_other_kernels_per_step_median():
     assert st["top_other_kernels_us"] == [{"name": "moe", "median_us": 50.0}, {"name": "gemv", "median_us": 10.0}]
 
 
+def test_graph_steps_table_every_kernel_with_its_calls_and_time_a_step(capsys):
+    # Three steps: moe twice in step 2 only, gemv absent from step 2, the stand-in in each.
+    events = [launch(0, 1), k("moe", 1, 40, 1), k("gemv", 41, 10, 1), k("fastcomm_standin", 51, 5, 1),
+              launch(100, 2), k("moe", 101, 60, 2), k("fastcomm_standin", 161, 5, 2), k("moe", 166, 10, 2),
+              launch(200, 3), k("moe", 201, 50, 3), k("gemv", 251, 30, 3), k("fastcomm_standin", 281, 7, 3)]
+    st = P.summarize_events(events)["graph_steps"]
+    rows = {r["name"]: r for r in st["kernels"]}
+    # moe: 40, 70, 50 us in 1, 2, 1 calls -> 50 us, 1 call; gemv: 10, 0, 30 in 1, 0, 1 -> 10 us, 1 call.
+    assert rows["moe"] == {"name": "moe", "family": "other", "calls": 1, "us": 50.0, "us_a_call": 50.0}
+    assert rows["gemv"]["us"] == 10.0 and rows["gemv"]["calls"] == 1 and rows["gemv"]["family"] == "GEMM"
+    assert rows["fastcomm_standin"]["family"] == "all-reduce" and rows["fastcomm_standin"]["us"] == 5.0
+    assert [r["name"] for r in st["kernels"]] == ["moe", "gemv", "fastcomm_standin"]  # busiest first
+    P.print_summary({"b": {"t": P.summarize_events(events)}}, kernel_rows=2)
+    out = capsys.readouterr().out
+    assert "step   0.050 ms =     1 x  50.00 us  other" in out and "moe" in out, out
+    assert "step   0.005 ms =     1 calls of 1 other kernels" in out, out
+
+
+def test_a_summary_from_before_the_kernel_table_prints_its_top_kernels(capsys):
+    st = {"steps": 1, "median_span_us": 100.0, "median_all_reduce_us": 1.0, "all_reduce_calls_per_step": 1,
+          "all_reduce_share": 0.01, "top_other_kernels_us": [{"name": "gemv", "median_us": 75.0}]}
+    old = {"gpu_events": 2, "window_us": 100.0, "busy_share": 1.0, "launches": {"graph": 1, "kernel": 0},
+           "all_reduce": {"calls": 1, "total_us": 1.0, "share_of_window": 0.01, "median_us": 1.0, "kernels": {}},
+           "top_other_kernels": [], "graph_steps": st}
+    P.print_summary({"b": {"t": old}})
+    assert "step   0.075 ms  gemv" in capsys.readouterr().out
+
+
 def test_graph_steps_by_kernel_family_read_gguf_and_fp8_side_by_side(capsys):
     # Kernel names as vllm-gguf-plugin's and vLLM's FP8 path launch them (templated names abbreviated).
     gguf = ["void mul_mat_vec_q<c10::BFloat16, 256, 32, block_q4_K>(...)", "void quantize_q8_1<c10::BFloat16>(...)",
