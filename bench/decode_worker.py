@@ -205,9 +205,9 @@ def stamps(folder: Path) -> dict[Path, int]:
     return {f: f.stat().st_mtime_ns for f in folder.iterdir() if f.is_file()} if folder.is_dir() else {}
 
 
-def move_session(written: Path, folder: Path, before: dict[Path, int]) -> None:
-    """Move the files a profiler session wrote or rewrote in ``written`` (``before``: its ``stamps`` at the
-    session's start) into ``folder``; nothing where they are the same folder."""
+def move_profile(written: Path, folder: Path, before: dict[Path, int]) -> None:
+    """Move the files a profiled run wrote or rewrote in ``written`` (``before``: its ``stamps`` at the
+    run's start) into ``folder``; nothing where they are the same folder."""
     if folder == written:
         return
     folder.mkdir(parents=True, exist_ok=True)
@@ -218,9 +218,9 @@ def move_session(written: Path, folder: Path, before: dict[Path, int]) -> None:
 
 def profile_step(llm, spec: dict, batch_prompts, name: str) -> dict[str, str]:
     """One profiled generate per concurrency of ``spec["profile_concurrency"]``; {concurrency: its folder under
-    ``spec["profile_dir"]``, or why it failed}. vLLM's profiler writes every session into the backend's folder
-    (fixed at the engine's start), so a session's new or rewritten files (its traces; the CUDA-time table, which
-    each session rewrites) move to its concurrency's folder after it stops."""
+    ``spec["profile_dir"]``, or why it failed}. vLLM's profiler writes every profiled run into the backend's folder
+    (fixed at the engine's start), so a run's new or rewritten files (its traces; the CUDA-time table, which
+    each run rewrites) move to its concurrency's folder after it stops."""
     from vllm import SamplingParams
 
     root = Path(spec["profile_dir"])
@@ -234,10 +234,10 @@ def profile_step(llm, spec: dict, batch_prompts, name: str) -> dict[str, str]:
             llm.start_profile()
             try:
                 llm.generate([{"prompt_token_ids": p} for p in batch_prompts[:batch]], params, use_tqdm=False)
-            finally:  # a session left open would make the next start a no-op
+            finally:  # a profile left running would make the next start a no-op
                 llm.stop_profile()
             folder = root / profile_folder(name, batch)
-            move_session(written, folder, before)
+            move_profile(written, folder, before)
             out[str(batch)] = str(folder)
         except Exception as e:  # the row stands without this profile
             out[str(batch)] = f"failed: {type(e).__name__}: {e}"

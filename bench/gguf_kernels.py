@@ -4,6 +4,8 @@
     python -m fastcomm_bench.gguf_kernels --tokens 64,256   # a prefill's products (needs the plugin)
     python -m fastcomm_bench.gguf_kernels --suggest OUT    # the token thresholds a saved run suggests
     python -m fastcomm_bench.gguf_kernels --tp 8 --tokens 1,2   # one rank's products at tensor parallel 8
+    python -m fastcomm_bench.gguf_kernels --tp 8 --tokens 1,2,3,4,5,6,7,8 --forms-out FILE   # this GPU's forms
+    python -m fastcomm_bench.gguf_kernels --forms-from RUN.json --forms-out FILE   # a saved run's forms
 
 Every product of one GLM-5 decoder layer at full width (the 78-layer benchmark model's shapes and UD-Q4_K_XL
 types, fastcomm_vllm/gguf/synth.py), the LM head, and the routed experts (16 experts, top 8): GPU time per call for the
@@ -26,6 +28,8 @@ tokens a call, the MoE up to 32 (``chunks``, also timed launched eagerly as a pr
 the form kquant.prefill_form takes marked; no LM head (a prefill's logits are its last positions').
 ``--tp N``: one rank's share at tensor parallel N (``tp_shapes``: vLLM's column-parallel outputs and row-parallel
 inputs divided by N, the replicated products whole), where launches, not bytes, bound the small products.
+``--forms-out FILE``: the run's fastest form of each product at each decode token count as a forms table
+(fastcomm.kquant.forms, which FASTCOMM_GGUF_FORMS=FILE serves; a table for a GPU goes in fastcomm/kquant/tables/).
 Needs a GPU; the plugin's rows need vllm-gguf-plugin with its CUDA extension (without it they read '-').
 """
 from __future__ import annotations
@@ -135,6 +139,27 @@ def tp_shapes(tp: int):
     if inter % (256 * tp):
         raise ValueError(f"the experts' intermediate size {inter} does not split in 256-wide blocks at TP {tp}")
     return tuple(linears), (name, experts, topk, hidden, inter // tp, t13, t2, layers)
+
+
+def forms_shapes(tp: int) -> dict:
+    """Each op of a run at tensor parallel ``tp`` (its rows' ``op``) as the forms table keys it: the shape a
+    vLLM layer of one rank has (kquant.forms.LinearShape / MoeShape)."""
+    from fastcomm.kquant import forms
+
+    by_name = {v: k for k, v in kquant.NAMES.items()}
+    linears, moe = tp_shapes(tp)
+    out = {name: forms.LinearShape(tuple(by_name[t] for t, _ in shards), tuple(r for _, r in shards), cols)
+           for name, shards, cols, _ in linears}
+    name, _, topk, hidden, inter, t13, t2, _ = moe
+    out[name] = forms.MoeShape(by_name[t13], by_name[t2], hidden, inter, topk)
+    return out
+
+
+def forms_table(run: dict, source: str):
+    """The forms table of a run (``--json``'s record: its device, tp and rows)."""
+    from fastcomm.kquant import forms
+
+    return forms.from_rows(run["rows"], forms_shapes(run.get("tp", 1)), run["device"], source)
 
 
 def _default_us(r) -> float:
@@ -527,7 +552,28 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, default=1, help="time one rank's share at this tensor parallel size")
     p.add_argument("--suggest", metavar="JSON", default=None,
                    help="print the thresholds a saved run suggests, as FASTCOMM_GGUF_* settings, and exit")
+    p.add_argument("--forms-out", metavar="FILE", default=None,
+                   help="write the run's fastest forms as a table FASTCOMM_GGUF_FORMS serves (fastcomm.kquant.forms)")
+    p.add_argument("--forms-from", metavar="JSON", default=None,
+                   help="with --forms-out: the table of a run saved earlier (--json), without a GPU")
     args = p.parse_args(argv)
+    if args.forms_from:
+        if not args.forms_out:
+            print("gguf_kernels: error: --forms-from needs --forms-out", file=sys.stderr)
+            return 2
+        from fastcomm.kquant import forms
+        from pathlib import Path
+
+        try:
+            with open(args.forms_from) as f:
+                run = json.load(f)
+        except (OSError, ValueError) as e:
+            print(f"gguf_kernels: error: --forms-from {args.forms_from}: {e}", file=sys.stderr)
+            return 2
+        table = forms_table(run, f"bench/gguf_kernels.py at TP {run.get('tp', 1)}: {Path(args.forms_from).name}")
+        forms.dump(table, args.forms_out)
+        print(forms_summary(table))
+        return 0
     if args.suggest:
         with open(args.suggest) as f:
             print(_settings(suggest(json.load(f)["rows"])))
@@ -553,12 +599,33 @@ def main(argv=None) -> int:
     print(text)
     thresholds = suggest(rows)
     print(f"# suggested on this GPU: {_settings(thresholds)}")
+    run = {"device": torch.cuda.get_device_name(), "tp": args.tp, "limits": dataclasses.asdict(kquant.limits(0)),
+           "rows": rows, "per_step_ms": steps, "suggested": thresholds}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "tp": args.tp,
-                       "limits": dataclasses.asdict(kquant.limits(0)), "rows": rows, "per_step_ms": steps,
-                       "suggested": thresholds}, f, indent=1)
+            json.dump(run, f, indent=1)
+    if args.forms_out:
+        from fastcomm.kquant import forms
+        from fastcomm.measure import source_commit
+        import os
+
+        commit = source_commit(os.environ.get("FASTCOMM_COMMIT"))
+        table = forms_table(run, f"python -m fastcomm_bench.gguf_kernels --tp {args.tp} --tokens {args.tokens}"
+                                 + (f" at commit {commit}" if commit else ""))
+        forms.dump(table, args.forms_out)
+        print(forms_summary(table))
     return 0
+
+
+def forms_summary(table) -> str:
+    """Where a forms table leaves the policy's rule: one line a product and token count."""
+    lines = [f"# forms table for {table.device} ({table.source}): where it leaves the policy's form"]
+    for e in table.entries:
+        for n, us in enumerate(e.us, start=1):
+            if us is not None and us[0] < us[1]:
+                lines.append(f"#   {e.op} at {n} token(s): {e.forms[n - 1]} {us[0]} us against the policy's "
+                             f"{us[1]}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

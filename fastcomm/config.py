@@ -158,11 +158,12 @@ class Var:
     default: str                    # as text, the way a user would write it
     meaning: str
     parse: Callable[[str], Any] = dataclasses.field(repr=False, compare=False)
+    names_file: bool = False        # its value may be a file's path (beside words, as FASTCOMM_GGUF_FORMS)
 
 
 def is_path(var: Var) -> bool:
     """Whether ``var`` names a file or folder (a record of the settings keeps its name, not a machine's path)."""
-    return var.parse is _path
+    return var.parse is _path or var.names_file
 
 
 # The choices of the variables that take one (parsed, validated and read by policy from here).

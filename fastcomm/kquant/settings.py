@@ -12,6 +12,7 @@ from typing import Mapping
 
 from ..config import ConfigError, Var, boolean, choice, count, read, read_fields
 from . import policy
+from .forms import AUTO as FORMS_AUTO, OFF as FORMS_OFF, FormsError, load as load_forms
 
 
 def _decode_tokens(text: str) -> int:
@@ -21,6 +22,20 @@ def _decode_tokens(text: str) -> int:
                          f"{policy.MAX_TOKENS + 1}: never)")
     return v
 
+
+def _forms(text: str) -> str:
+    """auto, none, or a forms table's file, read here so that a bad one is named before any model loads."""
+    if text in (FORMS_AUTO, FORMS_OFF):
+        return text
+    try:
+        load_forms(text)
+    except FormsError as e:
+        raise ValueError(str(e).removeprefix(f"{text}: ")) from None
+    return text
+
+
+# Set, these thresholds say how the user wants the products to run: the shipped table then stands aside.
+THRESHOLDS = ("mma_min_tokens", "grouped_min_tokens")
 
 VARIABLES: tuple[Var, ...] = (
     Var("FASTCOMM_GGUF_KERNELS", "kernels", "auto", "auto | dp4a | plugin: GGUF products of 1-8 tokens "
@@ -40,6 +55,12 @@ VARIABLES: tuple[Var, ...] = (
         "into shared memory; the same sums bit for bit) instead of per pair in four launches, where the stage fits "
         "a block; 0: per pair.",
         boolean),
+    Var("FASTCOMM_GGUF_FORMS", "forms", FORMS_AUTO, "auto | none | FILE: which form each GGUF product of 1-8 "
+        "tokens takes where a table measured it fastest on this GPU (fastcomm.kquant.forms; per product shape and "
+        "token count, in place of the MMA / GROUPED thresholds there): auto, the table fastcomm ships for a GPU of "
+        "this name (fastcomm/kquant/tables/), unless FASTCOMM_GGUF_MMA_MIN_TOKENS or _GROUPED_MIN_TOKENS is set; "
+        "none, the thresholds alone; FILE, the table `python -m fastcomm_bench.gguf_kernels --forms-out FILE` "
+        "wrote (on whatever GPU it serves).", _forms, names_file=True),
     Var("FASTCOMM_GGUF_DEQUANT_MIN_TOKENS", "dequant_min_tokens", "16", "Tokens from which a GGUF linear "
         "layer's product past fastcomm's 1-8 (a prefill) dequantizes its weight to bf16 and multiplies on the tensor "
         "cores (cuBLAS) instead of the plugin's dp4a MMQ kernel; 0: never. 16 from an H200 (bench/RESULTS.md); "
@@ -77,6 +98,7 @@ class Settings:
     mma_min_tokens: int = policy.MMA_MIN_TOKENS               # FASTCOMM_GGUF_MMA_MIN_TOKENS (policy.linear_form)
     grouped_min_tokens: int = policy.MOE_GROUPED_MIN_TOKENS   # FASTCOMM_GGUF_GROUPED_MIN_TOKENS (policy.moe_form)
     moe_staged: bool = policy.MOE_STAGED                     # FASTCOMM_GGUF_MOE_STAGED (policy.moe_form)
+    forms: str = FORMS_AUTO                                   # FASTCOMM_GGUF_FORMS (fastcomm.kquant.forms)
     dequant_min_tokens: int = 16                              # FASTCOMM_GGUF_DEQUANT_MIN_TOKENS (policy.prefill_form)
     dequant_moe_min: int = 0                                  # FASTCOMM_GGUF_DEQUANT_MOE_MIN (moe_prefill_form)
     chunk_max_tokens: int = 256                               # FASTCOMM_GGUF_CHUNK_MAX_TOKENS (prefill_form)
@@ -117,6 +139,8 @@ class Settings:
         if unknown:
             raise TypeError(f"unknown K-quant setting(s): {', '.join(sorted(unknown))}")
         values = read_fields(VARIABLES, env, overrides)
+        if "forms" not in values and any(f in values for f in THRESHOLDS):
+            values["forms"] = FORMS_OFF
         if values.get("device_limits") and not read("FASTCOMM_TEST_MODE", env):
             raise ConfigError("FASTCOMM_TEST_DEVICE_LIMITS (device_limits) is a test switch: it needs "
                               "FASTCOMM_TEST_MODE=1")

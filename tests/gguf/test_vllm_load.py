@@ -26,10 +26,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _load(first, config_dir, out, swap=False):
+def _load(first, config_dir, out, swap=False, env=None):
     import json
 
-    env = {**os.environ, "PORT": str(_free_port()), "VLLM_LOGGING_LEVEL": "WARNING"}
+    env = {**os.environ, "PORT": str(_free_port()), "VLLM_LOGGING_LEVEL": "WARNING", **(env or {})}
     argv = [sys.executable, str(WORKER), str(first), str(config_dir), str(out)] + (["swap"] if swap else [])
     r = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-4000:]
@@ -43,7 +43,40 @@ def loaded(tiny, tmp_path_factory):
     first, truth, shape = tiny
     plan = fg.plan(str(first))
     d = tmp_path_factory.mktemp("load")
-    return _load(first, plan.config_dir, d / "ok.json"), _load(first, plan.config_dir, d / "swap.json", swap=True)
+    # The load also serves a forms table (FASTCOMM_GGUF_FORMS) for two of the file's shapes: test_measured_forms_*.
+    table = d / "forms.json"
+    _dump_forms(first, shape, table)
+    return (_load(first, plan.config_dir, d / "ok.json", env={"FASTCOMM_GGUF_FORMS": str(table)}),
+            _load(first, plan.config_dir, d / "swap.json", swap=True))
+
+
+# The forms the table above gives o_proj and the routed experts at each token count ("": the rule's). Forms every
+# layer may take (no tensor-core form: whether the tiny shapes allow one is the pure policy's, test_kquant_forms).
+O_PROJ_FORMS = ["unstaged", "staged", "", "unstaged", "", "", "", "staged"]
+EXPERT_FORMS = ["pairs", "", "staged", "", "", "", "", "pairs"]
+
+
+def _dump_forms(first, shape, path):
+    """A forms table keyed by the file's own o_proj and routed experts (types and sizes as the GGUF holds them)."""
+    import gguf
+
+    from fastcomm.kquant import forms
+    from fastcomm_vllm.gguf import files
+
+    tensors = {t.name: t for p in files.discover(str(first)).shards for t in gguf.GGUFReader(p).tensors}
+    layer = shape.dense  # the first MoE layer, whose o_proj is like every other's
+    out = tensors[f"blk.{layer}.attn_output.weight"]
+    cols, rows = (int(n) for n in out.shape[:2])  # ggml's order: the row's length first
+    up, down = tensors[f"blk.{layer}.ffn_up_exps.weight"], tensors[f"blk.{layer}.ffn_down_exps.weight"]
+
+    def entry(shape_, names):
+        return forms.Entry(shape_, tuple(names))
+
+    table = forms.Table("any GPU", "tests/gguf/test_vllm_load.py", (
+        entry(forms.LinearShape((int(out.tensor_type),), (rows,), cols), O_PROJ_FORMS),
+        entry(forms.MoeShape(int(up.tensor_type), int(down.tensor_type), shape.hidden, shape.moe_ffn, shape.top_k),
+              EXPERT_FORMS)))
+    forms.dump(table, path)
 
 
 def _row_sums(first, gguf_names):
@@ -219,6 +252,24 @@ def test_hooks_for_vllm_025_mtp_over_a_gguf(tiny):
     assert got["plain"] != "AttributeError"  # a plain embedding still goes through vLLM's own method
 
 
+def test_measured_forms_reach_the_layers_of_their_shape(loaded, tiny):
+    """FASTCOMM_GGUF_FORMS=FILE: each layer whose shape (its segments' types and rows, its columns; a MoE's types,
+    sizes and top-k, as vLLM's real model built them from the file) the table holds takes the table's forms,
+    every other layer the rule's at every token count; the MTP block's o_proj, of the same shape, too."""
+    report, swapped = loaded
+    first, _, shape = tiny
+    for tag in ("main", "mtp"):
+        got = report["models"][tag]["kq_forms"]
+        o_proj = {k: v for k, v in got.items() if k.endswith("self_attn.o_proj")}
+        experts = {k: v for k, v in got.items() if ".mlp.experts" in k}
+        assert o_proj and all(v == O_PROJ_FORMS for v in o_proj.values()), (tag, o_proj)
+        assert experts and all(v == EXPERT_FORMS for v in experts.values()), (tag, experts)
+        rest = {k: v for k, v in got.items() if k not in o_proj and k not in experts}
+        assert rest and all(v == [""] * 8 for v in rest.values()), (tag, rest)
+    # Without the setting (the swapped control's load) no layer has a measured form: no table ships for a CPU.
+    assert all(v == [""] * 8 for v in swapped["models"]["main"]["kq_forms"].values())
+
+
 def test_the_dp4a_setting_keeps_the_products_off_the_tensor_cores(monkeypatch):
     """FASTCOMM_GGUF_KERNELS=dp4a: the plugin hook installs fastcomm's kernels with the tensor-core forms off
     (the form each product then takes is kquant's pure policy, tested in test_kquant_policy.py)."""
@@ -296,6 +347,38 @@ def test_the_prefill_dequantized_forms_find_what_they_call():
     assert MoEActivation.from_str("silu") is not None
 
 
+def test_a_measured_form_reaches_the_kernels_at_its_token_count(monkeypatch):
+    """A layer's measured forms (its plan's, one a token count) reach the decode kernels as their ``form``; a
+    count without one leaves the choice to the policy (form None)."""
+    import torch
+
+    from fastcomm import kquant
+    from fastcomm.kquant.settings import Settings
+    from fastcomm_vllm.gguf import kquant_vllm
+
+    seen = []
+
+    def record(*args, **kwargs):
+        seen.append(kwargs.get("form"))
+
+    monkeypatch.setattr(kquant, "linear", record)
+    monkeypatch.setattr(kquant, "moe", record)
+    monkeypatch.setattr(kquant_vllm, "_activation", lambda name: None)
+    measured = ["unstaged", "", "mma", "", "", "", "", "staged"]
+    moe_measured = ["pairs", "staged", "", "", "", "grouped", "", ""]
+    s = Settings()
+    w = torch.zeros(16, 144, dtype=torch.uint8)
+    w13, w2 = torch.zeros(16, 32, 144, dtype=torch.uint8), torch.zeros(16, 256, 144, dtype=torch.uint8)
+    for n in range(1, kquant.MAX_TOKENS + 1):
+        seen.clear()
+        kquant_vllm._linear_fn(torch.zeros(n, 256), w, [kquant.Q4_K], [0], [16], *kquant_vllm.linear_args(s),
+                               kquant_vllm.forms_arg(measured))
+        kquant_vllm._moe_fn(torch.zeros(n, 256), w13, w2, torch.ones(n, 8), torch.zeros(n, 8, dtype=torch.int32),
+                            kquant.Q4_K, kquant.Q4_K, "silu", *kquant_vllm.moe_args(s),
+                            kquant_vllm.forms_arg(moe_measured))
+        assert seen == [measured[n - 1] or None, moe_measured[n - 1] or None], n
+
+
 def test_each_token_count_reaches_the_form_the_policy_names(monkeypatch):
     """The custom ops' routing (kquant_vllm._linear_fn / _moe_fn) on CPU tensors, every kernel replaced by a
     recorder: 1-8 tokens to the decode kernels, past them dequant / chunks / the plugin's as kquant.prefill_form
@@ -323,7 +406,8 @@ def test_each_token_count_reaches_the_form_the_policy_names(monkeypatch):
     settings = Settings(dequant_min_tokens=64, dequant_moe_min=64, chunk_max_tokens=256)  # MoE: from 128 tokens
 
     def run_linear(x, w):
-        kquant_vllm._linear_fn(x, w, [kquant.Q4_K], [0], [16], *kquant_vllm.linear_args(settings))
+        kquant_vllm._linear_fn(x, w, [kquant.Q4_K], [0], [16], *kquant_vllm.linear_args(settings),
+                               kquant_vllm.forms_arg(kquant_vllm.NO_FORMS))
 
     w = torch.zeros(16, 144, dtype=torch.uint8)
     w13, w2 = torch.zeros(16, 32, 144, dtype=torch.uint8), torch.zeros(16, 256, 144, dtype=torch.uint8)
@@ -334,7 +418,8 @@ def test_each_token_count_reaches_the_form_the_policy_names(monkeypatch):
         seen.clear()
         run_linear(torch.zeros(n, 256), w)
         kquant_vllm._moe_fn(torch.zeros(n, 256), w13, w2, torch.ones(n, 8), torch.zeros(n, 8, dtype=torch.int32),
-                            kquant.Q4_K, kquant.Q4_K, "silu", *kquant_vllm.moe_args(settings))
+                            kquant.Q4_K, kquant.Q4_K, "silu", *kquant_vllm.moe_args(settings),
+                            kquant_vllm.forms_arg(kquant_vllm.NO_FORMS))
         assert [s for s, _ in seen] == [linear, moe], n
         # the dequantizer the settings name (FASTCOMM_GGUF_DEQUANT_KERNEL) writes an aligned weight
         assert all(k == settings.dequant_kernel for s, k in seen if s.startswith("dequant")), n

@@ -91,7 +91,7 @@ def main(gguf_path: str, config_dir: str, out: str, swap: bool) -> None:
                     yield n, t
 
             loaded = model.load_weights(stream())
-            fused, kq_plans = {}, {}
+            fused, kq_plans, kq_forms = {}, {}, {}
             for mname, module in model.named_modules():
                 method = getattr(module, "quant_method", None)
                 if method is not None and (hasattr(module, "qweight") or hasattr(module, "w13_qweight")):
@@ -99,6 +99,8 @@ def main(gguf_path: str, config_dir: str, out: str, swap: bool) -> None:
                     plan = kquant_vllm.layer_plan(module, "absent")
                     kq_plans[mname] = plan if plan in (None, "absent") else True if plan.segments is None else [
                         [s.type, s.start, s.rows] for s in plan.segments]
+                    if plan not in (None, "absent"):
+                        kq_forms[mname] = list(plan.forms)
                 if mname.endswith(("fused_qkv_a_proj", "gate_up_proj")) and hasattr(module, "qweight"):
                     q = module.qweight
                     fused[mname] = {"shard_id": [str(s) for s in q.shard_id],
@@ -108,6 +110,7 @@ def main(gguf_path: str, config_dir: str, out: str, swap: bool) -> None:
                      for n, p in model.named_parameters() if p.dtype in (torch.bfloat16, torch.float32)}
             report["models"][tag] = {"arch": arch, "params": sorted(params), "loaded": sorted(loaded),
                                      "fed": fed, "fused": fused, "dense": dense, "kq_plans": kq_plans,
+                                     "kq_forms": kq_forms,
                                      "qtypes": {m: int(getattr(mod.qweight_type, "weight_type", -1))
                                                 for m, mod in model.named_modules() if hasattr(mod, "qweight_type")}}
     report["stream"] = stream_names

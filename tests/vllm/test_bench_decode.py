@@ -315,25 +315,25 @@ def test_profile_concurrency_option(capsys):
                        "--profile-concurrency")
 
 
-def test_a_profile_session_moves_what_it_wrote_to_its_concurrencys_folder(tmp_path):
-    # vLLM's profiler writes each session's trace (a new file) and its CUDA-time table (the same file, rewritten)
-    # into the backend's folder: a session at 4 requests must take both, and leave the 1-request trace alone.
+def test_a_profiled_run_moves_what_it_wrote_to_its_concurrencys_folder(tmp_path):
+    # vLLM's profiler writes each profiled run's trace (a new file) and its CUDA-time table (the same file, rewritten)
+    # into the backend's folder: the run at 4 requests must take both, and leave the 1-request trace alone.
     written = tmp_path / "vllm"
     written.mkdir()
     (written / "w.1.pt.trace.json.gz").write_text("c1")
     table = written / "profiler_out_0.txt"
     table.write_text("c1 table")
     before = decode_worker.stamps(written)
-    table.write_text("c4 table")  # rewritten by the next session (a second later: coarse clocks tie)
+    table.write_text("c4 table")  # rewritten by the next run (a second later: coarse clocks tie)
     os.utime(table, ns=(before[table] + 10**9, before[table] + 10**9))
     (written / "w.2.pt.trace.json.gz").write_text("c4")
     assert decode_worker.profile_folder("vllm", 1) == "vllm" and decode_worker.profile_folder("vllm", 4) == "vllm-c4"
     folder = tmp_path / decode_worker.profile_folder("vllm", 4)
-    decode_worker.move_session(written, folder, before)
+    decode_worker.move_profile(written, folder, before)
     assert sorted(f.name for f in written.iterdir()) == ["w.1.pt.trace.json.gz"]
     assert sorted(f.name for f in folder.iterdir()) == ["profiler_out_0.txt", "w.2.pt.trace.json.gz"]
     assert (folder / "profiler_out_0.txt").read_text() == "c4 table"
-    decode_worker.move_session(written, written, {})  # the 1-request session stays where vLLM wrote it
+    decode_worker.move_profile(written, written, {})  # the 1-request run stays where vLLM wrote it
     assert sorted(f.name for f in written.iterdir()) == ["w.1.pt.trace.json.gz"]
 
 

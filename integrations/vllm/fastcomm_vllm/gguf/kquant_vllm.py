@@ -11,17 +11,24 @@ kquant.prefill_form / moe_prefill_form choose: the weights dequantized to bf16 f
 
 ``install(settings)`` takes one ``kquant.settings.Settings``; each layer's plan holds it from its loading on,
 and the custom ops receive the fields they decide by as arguments, so nothing reads a module global at run
-time. Installing again (other settings) rewraps the plugin's original methods.
+time. Installing again (other settings) rewraps the plugin's original methods. A layer's plan also holds its
+measured forms (fastcomm.kquant.forms: the table FASTCOMM_GGUF_FORMS names for this GPU, looked up by the
+layer's shape once, at its loading), which its op receives as one form a token count.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import torch
 
 from fastcomm import kquant
+from fastcomm.kquant import forms as measured
 from fastcomm.kquant.settings import Settings
+
+log = logging.getLogger("fastcomm")
+NO_FORMS = (measured.NONE,) * kquant.MAX_TOKENS  # every token count by the policy's rule
 
 _PLAN = "_fastcomm_kq_plan"  # per layer: a LayerPlan, or None (the plugin's path)
 _ORIGINAL = "_fastcomm_original"  # on a wrapped method: the plugin's own
@@ -31,9 +38,10 @@ _SETTINGS = "_fastcomm_settings"  # on the wrapped loading method: the settings 
 @dataclasses.dataclass(frozen=True)
 class LayerPlan:
     """What a layer's products run with, decided once at its loading: the weight's segments (a linear; None
-    for a MoE) and the settings."""
+    for a MoE), the settings, and the measured form of each token count 1..MAX_TOKENS (NONE: the rule's)."""
     segments: tuple[kquant.Segment, ...] | None
     settings: Settings
+    forms: tuple[str, ...] = NO_FORMS
 
 
 def layer_plan(layer, missing=None):
@@ -92,16 +100,28 @@ def dequant_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weigh
                          activation=MoEActivation.from_str(activation))
 
 
+def forms_arg(forms: tuple[str, ...]) -> str:
+    """A plan's measured forms as its custom op takes them: one string, comma-separated (a torch op schema has
+    no list of strings)."""
+    return ",".join(forms)
+
+
+def _measured(forms: str, tokens: int) -> str | None:
+    """The measured form at ``tokens`` (1..MAX_TOKENS) in a ``forms_arg`` string, None where the rule serves."""
+    found = forms.split(",")
+    return (found[tokens - 1] or None) if tokens <= len(found) else None
+
+
 def _linear_fn(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts: list[int], rows: list[int],
                tensor_cores: bool, mma_min: int, pdl: bool, chunk_max: int, dequant_min: int,
-               dequant_kernel: str) -> torch.Tensor:
+               dequant_kernel: str, measured_forms: str) -> torch.Tensor:
     from vllm_gguf_plugin.quantization import linear as plin
 
     aligned = kquant.weights_aligned(qweight.data_ptr())
     segs = tuple(kquant.Segment(t, s, r) for t, s, r in zip(types, starts, rows))
     forms = {"tensor_cores": tensor_cores, "mma_min": mma_min, "pdl": pdl}
     if kquant.decode_tokens_ok(x.shape[0]) and aligned:
-        return kquant.linear(x, qweight, segs, **forms)
+        return kquant.linear(x, qweight, segs, form=_measured(measured_forms, x.shape[0]), **forms)
     # eager (no graph capture), a chunked linear's host time exceeds its GPU time: kquant.prefill_form
     prefill = kquant.prefill_form(x.shape[0], chunk_max if aligned else 0, dequant_min,
                                   host_bound=not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
@@ -120,7 +140,7 @@ def _linear_fn(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts:
 
 def _linear_fake(x: torch.Tensor, qweight: torch.Tensor, types: list[int], starts: list[int], rows: list[int],
                  tensor_cores: bool, mma_min: int, pdl: bool, chunk_max: int, dequant_min: int,
-                 dequant_kernel: str) -> torch.Tensor:
+                 dequant_kernel: str, measured_forms: str) -> torch.Tensor:
     return torch.empty(x.shape[0], sum(rows), dtype=x.dtype, device=x.device)
 
 
@@ -140,14 +160,16 @@ def _activation(name: str):
 
 def _moe_fn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
             topk_ids: torch.Tensor, t13: int, t2: int, activation: str, tensor_cores: bool, grouped_min: int,
-            staged: bool, chunk_max: int, dequant_moe_min: int, dequant_kernel: str) -> torch.Tensor:
+            staged: bool, chunk_max: int, dequant_moe_min: int, dequant_kernel: str,
+            measured_forms: str) -> torch.Tensor:
     from vllm_gguf_plugin.quantization import fused_moe as pmoe
 
     aligned = kquant.weights_aligned(w13.data_ptr(), w2.data_ptr())
     forms = {"silu": activation == "silu", "tensor_cores": tensor_cores, "grouped_min": grouped_min,
              "staged": staged}
     if kquant.decode_tokens_ok(x.shape[0]) and aligned:
-        return kquant.moe(x, w13, w2, topk_weights, topk_ids, t13, t2, _activation(activation), **forms)
+        return kquant.moe(x, w13, w2, topk_weights, topk_ids, t13, t2, _activation(activation),
+                          form=_measured(measured_forms, x.shape[0]), **forms)
     prefill = kquant.moe_prefill_form(x.shape[0], topk_ids.shape[1], w13.shape[0], chunk_max if aligned else 0,
                                       dequant_moe_min)
     if prefill == "dequant":
@@ -160,7 +182,8 @@ def _moe_fn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: 
 
 def _moe_fake(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, t13: int, t2: int, activation: str, tensor_cores: bool, grouped_min: int,
-              staged: bool, chunk_max: int, dequant_moe_min: int, dequant_kernel: str) -> torch.Tensor:
+              staged: bool, chunk_max: int, dequant_moe_min: int, dequant_kernel: str,
+              measured_forms: str) -> torch.Tensor:
     return torch.empty_like(x)
 
 
@@ -172,8 +195,9 @@ def register_ops() -> None:
     direct_register_custom_op(op_name="fastcomm_gguf_moe", op_func=_moe_fn, fake_impl=_moe_fake)
 
 
-def linear_plan(layer) -> tuple[kquant.Segment, ...] | None:
-    """The plugin's stored weight of ``layer`` as kernel segments, in the order its ``apply`` concatenates."""
+def linear_plan(layer, settings: Settings) -> LayerPlan | None:
+    """The plugin's stored weight of ``layer`` as kernel segments, in the order its ``apply`` concatenates, with
+    the measured forms of its shape (None: the plugin's path)."""
     qweight, qtype = layer.qweight, layer.qweight_type
     if isinstance(qweight, torch.nn.parameter.UninitializedParameter) or qweight.dim() != 2:
         return None
@@ -193,20 +217,63 @@ def linear_plan(layer) -> tuple[kquant.Segment, ...] | None:
         return None
     values, nbytes = kquant.BLOCKS[first]
     cols = offsets[0][2] // nbytes * values  # every shard has the layer's input features
-    return kquant.plan_linear(types, offsets, row_stride, cols)
+    segs = kquant.plan_linear(types, offsets, row_stride, cols)
+    if segs is None:
+        return None
+    found = measured.forms_for(_table(settings.forms, _device_name(qweight)), measured.LinearShape.of(segs, cols),
+                               tensor_cores=settings.tensor_cores, mma=kquant.mma_ok(segs, cols))
+    return LayerPlan(segs, settings, found)
 
 
-def moe_plan(layer) -> bool:
+def moe_plan(layer, settings: Settings) -> LayerPlan | None:
     w13, w2 = layer.w13_qweight, layer.w2_qweight
     if any(isinstance(w, torch.nn.parameter.UninitializedParameter) for w in (w13, w2)):
-        return False
+        return None
     if layer.apply_router_weight_on_input or w13.dim() != 3 or w2.dim() != 3:
-        return False
+        return None
     t13, t2 = layer.w13_qweight_type.weight_type, layer.w2_qweight_type.weight_type
     if t13 not in kquant.BLOCKS:
-        return False
-    hidden = w13.shape[2] // kquant.BLOCKS[t13][1] * kquant.BLOCKS[t13][0]
-    return kquant.moe_types_ok(t13, t2, hidden, w13.shape[1] // 2, w13.shape[2], w2.shape[2]) and w2.shape[1] == hidden
+        return None
+    hidden, inter = w13.shape[2] // kquant.BLOCKS[t13][1] * kquant.BLOCKS[t13][0], w13.shape[1] // 2
+    if not kquant.moe_types_ok(t13, t2, hidden, inter, w13.shape[2], w2.shape[2]) or w2.shape[1] != hidden:
+        return None
+    topk = _top_k(layer)
+    if topk is None:  # no shape to look up: the rule serves every token count
+        return LayerPlan(None, settings)
+    fits = None
+    if w13.is_cuda:  # the staged form's stage against this GPU's (or the emulated one's) shared memory
+        block = kquant.limits(w13.device.index).smem_per_block
+        fits = lambda n: kquant.moe_stage_bytes(n, topk, hidden, inter) <= block  # noqa: E731
+    found = measured.forms_for(_table(settings.forms, _device_name(w13)), measured.MoeShape(t13, t2, hidden, inter, topk),
+                               tensor_cores=settings.tensor_cores, staged_fits=fits)
+    return LayerPlan(None, settings, found)
+
+
+def _top_k(layer) -> int | None:
+    """Experts a token of ``layer`` (vLLM's FusedMoE: ``top_k``; 0.3x's routed experts: their moe_config's)."""
+    k = getattr(layer, "top_k", None)
+    if k is None:
+        k = getattr(getattr(layer, "moe_config", None), "experts_per_token", None)
+    return int(k) if isinstance(k, int) and k > 0 else None
+
+
+def _device_name(weight: torch.Tensor) -> str | None:
+    """The GPU a weight serves on as the forms tables name it: its limits' name (a test's emulated GPU's under
+    FASTCOMM_TEST_DEVICE_LIMITS, so another GPU's measured forms do not serve there); None on a CPU."""
+    return kquant.limits(weight.device.index).name if weight.is_cuda else None
+
+
+@functools.lru_cache(maxsize=None)
+def _table(setting: str, device: str | None) -> measured.Table | None:
+    """The forms table for FASTCOMM_GGUF_FORMS=``setting`` on ``device``, read once a process."""
+    if setting == measured.AUTO and device is None:  # a CPU rank: no GPU's table (it runs none of the kernels)
+        return None
+    table = measured.resolve(setting, device)
+    if table is not None:
+        where = "" if device is None or table.device == device else f", measured on {table.device}"
+        log.info("fastcomm: K-quant forms of %d product shapes from %s (%s%s)", len(table.entries),
+                 "the shipped table" if setting == measured.AUTO else setting, table.source, where)
+    return table
 
 
 def _after_loading(original, plan, settings: Settings):
@@ -214,9 +281,7 @@ def _after_loading(original, plan, settings: Settings):
     def process(self, layer):
         original(self, layer)
         # Decided here, once, outside any torch.compile trace: apply only reads it.
-        found = plan(layer)
-        setattr(layer, _PLAN, None if not found else
-                LayerPlan(found if isinstance(found, tuple) else None, settings))
+        setattr(layer, _PLAN, plan(layer, settings))
     setattr(process, _ORIGINAL, original)
     setattr(process, _SETTINGS, settings)
     return process
@@ -244,7 +309,8 @@ def install(settings: Settings) -> bool:
             return linear_apply(self, layer, x, bias)
         segs = plan.segments
         out = torch.ops.vllm.fastcomm_gguf_linear(x, layer.qweight, [s.type for s in segs], [s.start for s in segs],
-                                                  [s.rows for s in segs], *linear_args(plan.settings))
+                                                  [s.rows for s in segs], *linear_args(plan.settings),
+                                                  forms_arg(plan.forms))
         if bias is not None:
             out.add_(bias)
         return out
@@ -256,7 +322,8 @@ def install(settings: Settings) -> bool:
             return moe_apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
         return torch.ops.vllm.fastcomm_gguf_moe(x, layer.w13_qweight, layer.w2_qweight, topk_weights, topk_ids,
                                                 layer.w13_qweight_type.weight_type, layer.w2_qweight_type.weight_type,
-                                                layer.activation.value, *moe_args(plan.settings))
+                                                layer.activation.value, *moe_args(plan.settings),
+                                                forms_arg(plan.forms))
 
     setattr(apply_linear, _ORIGINAL, linear_apply)
     setattr(apply_moe, _ORIGINAL, moe_apply)
