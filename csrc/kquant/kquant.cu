@@ -302,10 +302,14 @@ template <typename D, int N>
 __device__ void kq_gemv_s(const KqSegs& segs, const typename D::raw* x, int n, int cols, kq_u64 x_stride,
                           typename D::raw* out, kq_u64 out_stride) {
   extern __shared__ uint4 kq_smem[];
+  const int warps = blockDim.x >> 5, first = blockIdx.x * warps + (threadIdx.x >> 5);
+  if (first < segs.total_rows) {  // this warp's first row on its way from DRAM while the block stages x
+    const KqSeg sg = kq_segment(segs, first);
+    kq_prefetch_row(sg.w + (kq_u64)(first - sg.row0) * sg.row_stride, kq_row_bytes(sg.type, cols));
+  }
   kq_grid_enter();
   const KqStage xs = kq_stage<D>(x, n, cols, x_stride, kq_smem);
-  const int warps = blockDim.x >> 5;
-  for (int r = blockIdx.x * warps + (threadIdx.x >> 5); r < segs.total_rows; r += gridDim.x * warps) {
+  for (int r = first; r < segs.total_rows; r += gridDim.x * warps) {
     const KqSeg sg = kq_segment(segs, r);
     float acc[N];
 #pragma unroll
@@ -330,10 +334,13 @@ __device__ void kq_moe_up_s(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_str
                             const int* topk_ids, int topk, int tokens, const typename D::raw* x, kq_u64 x_stride,
                             typename D::raw* out) {
   extern __shared__ uint4 kq_smem[];
-  kq_grid_enter();
+  const int warps = blockDim.x >> 5, items = tokens * topk * rows, first = blockIdx.x * warps + (threadIdx.x >> 5);
+  kq_grid_enter();  // before the routes are read: a kernel wrote them
+  if (first < items)  // this warp's first (pair, row) on its way while the block stages x (kq_prefetch_row)
+    kq_prefetch_row(w + (kq_u64)topk_ids[first / rows] * expert_stride + (kq_u64)(first % rows) * row_stride,
+                    kq_row_bytes(type, cols));
   const KqStage xs = kq_stage<D>(x, tokens, cols, x_stride, kq_smem);
-  const int warps = blockDim.x >> 5, items = tokens * topk * rows;
-  for (int i = blockIdx.x * warps + (threadIdx.x >> 5); i < items; i += gridDim.x * warps) {
+  for (int i = first; i < items; i += gridDim.x * warps) {
     const int p = i / rows, r = i - p * rows;
     float acc[1] = {0.f};
     kq_row_s_any<1>(type, w + (kq_u64)topk_ids[p] * expert_stride + (kq_u64)r * row_stride, xs, p / topk, 1, acc);
@@ -357,10 +364,16 @@ __device__ void kq_moe_down_s(const kq_u8* w, kq_u64 expert_stride, kq_u64 row_s
                               const int* topk_ids, const float* topk_weights, int topk, int tokens,
                               const typename D::raw* a, kq_u64 a_stride, int silu, typename D::raw* out) {
   extern __shared__ uint4 kq_smem[];
-  kq_grid_enter();
+  const int warps = blockDim.x >> 5, items = tokens * rows, first = blockIdx.x * warps + (threadIdx.x >> 5);
+  kq_grid_enter();  // before the routes are read: a kernel wrote them
+  if (first < items) {  // row r of each of this warp's first token's experts, while the block stages a
+    const int t = first / rows, r = first - t * rows;
+    for (int k = 0; k < topk; ++k)
+      kq_prefetch_row(w + (kq_u64)topk_ids[(kq_u64)t * topk + k] * expert_stride + (kq_u64)r * row_stride,
+                      kq_row_bytes(type, cols));
+  }
   const KqStage as = kq_stage<D>(a, tokens * topk, cols, a_stride, kq_smem, silu != 0);
-  const int warps = blockDim.x >> 5, items = tokens * rows;
-  for (int i = blockIdx.x * warps + (threadIdx.x >> 5); i < items; i += gridDim.x * warps) {
+  for (int i = first; i < items; i += gridDim.x * warps) {
     const int t = i / rows, r = i - t * rows;
     const int* ids = topk_ids + (kq_u64)t * topk;
     const float* wt = topk_weights + (kq_u64)t * topk;

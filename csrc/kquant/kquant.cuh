@@ -49,6 +49,18 @@ FC_KQ_HD constexpr int kq_block_bytes(int type) {
   return type == FC_KQ_Q4_K ? 144 : type == FC_KQ_Q5_K ? 176 : type == FC_KQ_Q6_K ? 210 : type == FC_KQ_Q8_0 ? 34 : 0;
 }
 FC_KQ_HD constexpr int kq_block_values(int type) { return type == FC_KQ_Q8_0 ? 32 : 256; }
+FC_KQ_HD constexpr kq_u64 kq_row_bytes(int type, int cols) {
+  return (kq_u64)(cols / kq_block_values(type)) * kq_block_bytes(type);
+}
+
+// Line m of the bytes [p, p + n) for an L2 prefetch (kq_prefetch_row): p itself for m = 0, else the m-th
+// 128-byte line after the one holding p; 0 past the last line. Every address lies inside [p, p + n), so a
+// prefetch never names a byte outside the row (the first line's base may lie before p).
+#define FC_KQ_LINE 128
+FC_KQ_HD kq_u64 kq_row_line(kq_u64 p, kq_u64 n, int m) {
+  const kq_u64 a = m == 0 ? p : (p & ~(kq_u64)(FC_KQ_LINE - 1)) + (kq_u64)m * FC_KQ_LINE;
+  return n > 0 && a < p + n ? a : 0;
+}
 
 // Row segments of one weight: rows [row0, row0 + rows) of the launch read `w` (row i at w + i * row_stride,
 // so a plugin's padded multi-shard tensor is read in place) as `type`, into output columns from out_col.
@@ -103,6 +115,18 @@ __device__ __forceinline__ void kq_grid_launch_dependents() {
 __device__ __forceinline__ void kq_grid_enter() {
   kq_grid_launch_dependents();
   kq_grid_wait();
+}
+
+// Ask L2 for a weight row, lines lane, lane + 32, ... (a warp's call: each lane its lines). Why: a staged
+// kernel quantizes the activations into shared memory before its warps read a weight, so without this its
+// first weights' DRAM round trip starts only after that prologue; issued first, it runs under it. A hint: it
+// changes no result, and no kernel writes weights, so it may go before kq_grid_wait.
+__device__ __forceinline__ void kq_prefetch_row(const kq_u8* row, kq_u64 bytes) {
+  for (int m = threadIdx.x & 31;; m += 32) {
+    const kq_u64 a = kq_row_line((kq_u64)row, bytes, m);
+    if (!a) break;
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+  }
 }
 #endif
 
