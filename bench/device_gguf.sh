@@ -45,6 +45,8 @@
 #    (FASTCOMM_GGUF_CHUNK_MAX_TOKENS); --suggest on the JSON says from / up to how many tokens they win.
 #    KQUANT_K="staged" runs only the tests pytest -k selects; KQUANT_SM120=0 skips the sm_120-capped table;
 #    KQUANT_TESTS=0 skips the tests; KQUANT_TP=8 times one rank's products at TP 8 (gguf_kernels --tp).
+#    Each table's forms table beside it ($OUT/gguf-kernels-forms.json; fastcomm.kquant.forms): a GPU's, timed
+#    at KQUANT_TP=8 KQUANT_TOKENS=1,2,3,4,5,6,7,8 (KQUANT_TABLE_TIMEOUT_S=540), goes to fastcomm/kquant/tables/.
 #    The figures above take fastcomm's kernels by default; FASTCOMM_GGUF_KERNELS=plugin gives the plugin's.
 # 3c. A/B of kernel variants, committed revisions side by side in one call (no vLLM needed; ~90 s a tree):
 #    here, `bench/device_gguf.sh ab-prepare .gguf_stage REV...` writes each revision's tree (git archive) into the
@@ -332,9 +334,10 @@ kernel_tests() {   # the tree in the current folder: its K-quant GPU tests (KQUA
   return "$rc"
 }
 
-kernel_table() {   # the tree in the current folder: the kernel table at $1 tokens, into $2.json and $2.txt
-  timeout 300 python -m fastcomm_bench.gguf_kernels --tokens "$1" --tp "${KQUANT_TP:-1}" --json "$2.json" \
-    > "$2.txt" 2>&1
+kernel_table() {   # the tree in the current folder: the kernel table at $1 tokens, into $2.json and $2.txt, and
+  # its forms table into $2-forms.json (fastcomm.kquant.forms: a GPU's goes to fastcomm/kquant/tables/)
+  timeout "${KQUANT_TABLE_TIMEOUT_S:-300}" python -m fastcomm_bench.gguf_kernels --tokens "$1" --tp "${KQUANT_TP:-1}" \
+    --json "$2.json" --forms-out "$2-forms.json" > "$2.txt" 2>&1
   local rc=$?
   tail -n 40 "$2.txt"
   return $rc

@@ -156,10 +156,13 @@ def forms_shapes(tp: int) -> dict:
 
 
 def forms_table(run: dict, source: str):
-    """The forms table of a run (``--json``'s record: its device, tp and rows)."""
+    """The forms table of a run (``--json``'s record: its device, tp and rows), named for the GPU its launches
+    planned for (kquant.limits' name: under FASTCOMM_TEST_DEVICE_LIMITS the emulated one's, which is not the
+    GPU that timed it, so no table of the GPU at hand comes of an emulated run)."""
     from fastcomm.kquant import forms
 
-    return forms.from_rows(run["rows"], forms_shapes(run.get("tp", 1)), run["device"], source)
+    device = run.get("limits", {}).get("name") or run["device"]
+    return forms.from_rows(run["rows"], forms_shapes(run.get("tp", 1)), device, source)
 
 
 def _default_us(r) -> float:
