@@ -316,29 +316,29 @@ def linear_shapes() -> dict[str, tuple[list, int]]:
     return {name.split(" (")[0]: (shards, cols) for name, shards, cols, _ in LINEARS}
 
 
-def moe_weights(rng):
-    """The routed experts as the plugin stores them, at MOE's shapes and types: (w13, w2) uint8 arrays and
-    their ggml type ids (q13, q2)."""
+def moe_weights(rng, moe=MOE):
+    """The routed experts as the plugin stores them, at ``moe``'s shapes and types (MOE, or one rank's:
+    tp_shapes): (w13, w2) uint8 arrays and their ggml type ids (q13, q2)."""
     import gguf
 
-    _, experts, _, hidden, inter, t13, t2, _ = MOE
+    _, experts, _, hidden, inter, t13, t2, _ = moe
     w13 = _blocks(rng, t13, (experts, 2 * inter), hidden)
     w2 = _blocks(rng, t2, (experts, hidden), inter)
     return w13, w2, int(gguf.GGMLQuantizationType[t13]), int(gguf.GGMLQuantizationType[t2])
 
 
-def moe_inputs(n: int):
-    """n tokens for MOE on the GPU: activations (bf16), routes (topk distinct experts a token, int32) and router
-    weights."""
+def moe_inputs(n: int, moe=MOE):
+    """n tokens for ``moe`` on the GPU: activations (bf16), routes (topk distinct experts a token, int32) and
+    router weights."""
     import torch
 
-    _, experts, topk, hidden, *_ = MOE
+    _, experts, topk, hidden, *_ = moe
     x = torch.randn(n, hidden, dtype=torch.bfloat16, device="cuda") * 0.1
     ids = torch.stack([torch.randperm(experts)[:topk] for _ in range(n)]).to(torch.int32).cuda()
     return x, ids, torch.rand(n, topk, device="cuda")
 
 
-def bench_moe(tokens, rng):
+def bench_moe(tokens, rng, moe=MOE):
     """Rows of the routed experts at each of ``tokens``, as bench_linear's (past kquant.MAX_TOKENS: the
     plugin's path and every expert dequantized for vLLM's fused_experts, kquant_vllm.dequant_moe)."""
     import torch
@@ -347,8 +347,8 @@ def bench_moe(tokens, rng):
 
     pmoe = _plugin("fused_moe")
 
-    name, experts, topk, hidden, inter, *_ = MOE
-    w13, w2, q13, q2 = moe_weights(rng)
+    name, experts, topk, hidden, inter, *_ = moe
+    w13, w2, q13, q2 = moe_weights(rng, moe)
     nbytes = w13.nbytes + w2.nbytes
     copies = max(1, min(4, math.ceil(L2_CLEAR_BYTES / nbytes)))
     w13s = [torch.from_numpy(w13).cuda() for _ in range(copies)]
@@ -356,7 +356,7 @@ def bench_moe(tokens, rng):
     act = None  # silu=True: the quantize launch applies silu(gate) * up itself
     out = []
     for n in tokens:
-        x, ids, wts = moe_inputs(n)
+        x, ids, wts = moe_inputs(n, moe)
         plugin = [lambda a=a, b=b: pmoe._fused_moe_gguf(x, a, b, wts, ids, q13, q2, "silu") for a, b in zip(w13s, w2s)]
         # the bytes of the distinct experts this routing reads (the grouped form reads each once)
         distinct = len(set(ids.flatten().tolist()))
@@ -583,17 +583,16 @@ def main(argv=None) -> int:
         return 0
     import torch
 
-    global LINEARS, MOE  # the functions above read the shapes from here: one rank's at --tp
-    LINEARS, MOE = tp_shapes(args.tp)
+    linears, moe = tp_shapes(args.tp)  # one rank's shapes (the names and layers a step runs are TP 1's)
     tokens = [int(t) for t in args.tokens.split(",")]
     rng = np.random.default_rng(0)
     rows = []
-    for name, shards, cols, _ in LINEARS:
+    for name, shards, cols, _ in linears:
         # A prefill's logits are only its requests' last positions': the LM head never sees a prefill's tokens.
         counts = [n for n in tokens if n <= MAX_DECODE] if name == "lm_head" else tokens
         rows += bench_linear(name, shards, cols, counts, rng)
         torch.cuda.empty_cache()
-    rows += bench_moe(tokens, rng)
+    rows += bench_moe(tokens, rng, moe)
     lim = kquant.limits(0)
     print(f"# {torch.cuda.get_device_name()}, one rank's shapes at TP {args.tp}: GPU us per call (CUDA graphs of "
           f"{CALLS_PER_GRAPH} calls, weights out of L2); launches planned for {lim.name}: {lim.sms} SMs, {lim.smem_per_block} bytes of "

@@ -155,6 +155,10 @@ def test_the_shipped_table_is_the_committed_runs_and_keyed_as_the_tp8_shards_lay
              forms.MoeShape(int(tensors[up][0]), int(tensors[down][0]), synth.TP8_SHARD.hidden, cols(down),
                             synth.TP8_SHARD.top_k)}
     assert {e.shape for e in shipped[H100].entries} == shard
+    # gguf_kernels' own split of its products at TP 8 (tp_shapes, SPLIT) is the shard's, so the next table is too
+    from fastcomm_bench import gguf_kernels
+
+    assert set(gguf_kernels.forms_shapes(8).values()) == shard
 
 
 def test_the_setting_reads_and_names_a_bad_table(tmp_path):
