@@ -573,6 +573,10 @@ def main(argv=None) -> int:
         except (OSError, ValueError) as e:
             print(f"gguf_kernels: error: --forms-from {args.forms_from}: {e}", file=sys.stderr)
             return 2
+        if not (isinstance(run, dict) and isinstance(run.get("rows"), list) and "device" in run):
+            print(f"gguf_kernels: error: --forms-from {args.forms_from}: not a gguf_kernels --json record (no "
+                  "device and rows)", file=sys.stderr)
+            return 2
         table = forms_table(run, f"bench/gguf_kernels.py at TP {run.get('tp', 1)}: {Path(args.forms_from).name}")
         forms.dump(table, args.forms_out)
         print(forms_summary(table))

@@ -188,3 +188,7 @@ def test_gguf_kernels_writes_the_table_of_a_saved_run(tmp_path, capsys):
     assert "q_b at 2 token(s): staged 3.71 us against the policy's 4.75" in text, text
     assert gguf_kernels.main(["--forms-from", str(RUN)]) == 2
     assert "needs --forms-out" in capsys.readouterr().err
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"format": forms.FORMAT}))
+    assert gguf_kernels.main(["--forms-from", str(other), "--forms-out", str(out)]) == 2
+    assert "not a gguf_kernels --json record" in capsys.readouterr().err
