@@ -163,6 +163,19 @@ def resolve(setting: str, device: str, tables: Iterable[Table] | None = None) ->
     return load(setting)
 
 
+def describe(setting: str, tables: Iterable[Table] | None = None) -> str:
+    """One line on which forms serve for FASTCOMM_GGUF_FORMS=``setting``, on whatever GPU (the launcher of a
+    server asks no GPU: the workers pick the table by theirs)."""
+    if setting == OFF:
+        return "the token thresholds alone (FASTCOMM_GGUF_FORMS=none)"
+    if setting != AUTO:
+        return f"the forms table {setting} where it measured, the thresholds elsewhere"
+    names = ", ".join(t.device for t in (shipped() if tables is None else tables)) or "none"
+    return (f"the forms table shipped for the GPU's name where it measured (shipped: {names}), else the token "
+            "thresholds (`python -m fastcomm_bench.gguf_kernels --forms-out FILE` makes a table for a GPU; "
+            "FASTCOMM_GGUF_FORMS=FILE serves it)")
+
+
 def shipped() -> tuple[Table, ...]:
     """The tables in fastcomm/kquant/tables/ (a malformed one raises FormsError: it ships with the code)."""
     return tuple(load(p) for p in sorted(TABLES.glob("*.json")))

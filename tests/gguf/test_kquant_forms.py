@@ -161,6 +161,13 @@ def test_the_shipped_table_is_the_committed_runs_and_keyed_as_the_tp8_shards_lay
     assert set(gguf_kernels.forms_shapes(8).values()) == shard
 
 
+def test_the_one_line_on_which_forms_serve():
+    assert "(shipped: NVIDIA H100 80GB HBM3)" in forms.describe("auto")
+    assert "(shipped: none)" in forms.describe("auto", [])
+    assert forms.describe("none") == "the token thresholds alone (FASTCOMM_GGUF_FORMS=none)"
+    assert forms.describe("/x/t.json").startswith("the forms table /x/t.json where it measured")
+
+
 def test_the_setting_reads_and_names_a_bad_table(tmp_path):
     assert Settings.from_env({}).forms == "auto"
     # a threshold set by hand says how the products should run: the shipped table stands aside

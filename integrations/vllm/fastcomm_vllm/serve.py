@@ -451,19 +451,21 @@ def _user_attention(args: Sequence[str]):
 def _decode_kernels_note() -> str:
     """Which kernels the workers' GGUF products take (fastcomm_vllm.gguf.plugin reads the same setting)."""
     from fastcomm import kquant
+    from fastcomm.kquant import forms as measured
     from fastcomm.kquant.settings import Settings
 
     try:
-        setting = Settings.from_env().kernels
+        settings = Settings.from_env()
     except ConfigError as e:
         raise ServeError(str(e)) from None
+    setting = settings.kernels
     if setting == "plugin":
         return "GGUF products: vllm-gguf-plugin's kernels at every token count (FASTCOMM_GGUF_KERNELS=plugin)"
     types = "/".join(kquant.NAMES[t] for t in sorted(kquant.NAMES))
     forms = " (dp4a forms only: FASTCOMM_GGUF_KERNELS=dp4a)" if setting == "dp4a" else ""
     return (f"GGUF products of 1-{kquant.MAX_TOKENS} tokens (decode, MTP verify) of {types} weights: fastcomm's "
-            f"K-quant kernels{forms}; prefill and other types: the plugin's (FASTCOMM_GGUF_KERNELS=plugin: all the "
-            "plugin's)")
+            f"K-quant kernels{forms}, their forms by {measured.describe(settings.forms)}; prefill and "
+            "other types: the plugin's (FASTCOMM_GGUF_KERNELS=plugin: all the plugin's)")
 
 
 def _entry_points() -> list[str]:
