@@ -223,7 +223,8 @@ def _bodies(text: str) -> dict[str, str]:
 def test_every_kernel_lets_the_next_launch_and_waits_before_it_reads():
     """A dependent launch is only correct if every kernel waits (kq_grid_wait) before it reads what a kernel
     before it wrote: each extern "C" entry of kquant.cu calls a device function that starts with kq_grid_enter
-    (or, the dense mma form, lets the next launch first and waits in kq_mma_tile after its first weight copies)."""
+    (or, the dense mma form, lets the next launch first and waits in kq_mma_tile after its first weight copies).
+    Only weights may be asked for before the wait: the staged dense form's L2 prefetch of its first row."""
     import pathlib
     import re
 
@@ -237,9 +238,12 @@ def test_every_kernel_lets_the_next_launch_and_waits_before_it_reads():
         body = bodies[name]
         assert "kq_grid_" in body, f"{name} neither lets the next kernel launch nor waits"
         first = body.index("kq_grid_")
-        reads = [body.find(s) for s in ("__ldg", "kq_route", "kq_stage", "kq_row", "kq_mma_tile", "y[", "x +",
-                                         "kq_dequant_chunk")]
+        reads = [body.find(s) for s in ("__ldg", "kq_route", "kq_stage", "kq_row_s", "kq_row_any", "kq_row<",
+                                         "kq_mma_tile", "y[", "x +", "topk_ids", "kq_dequant_chunk")]
         assert all(r < 0 or r > first for r in reads), name
+        before = re.sub(r"//[^\n]*", "", body[:first])  # code only
+        if "kq_prefetch_row" in before:  # a weight row (the segment table's address), nothing a kernel wrote
+            assert name == "kq_gemv_s" and "sg.w +" in before and not re.search(r"(?<![.\w])(x|out)\b", before), name
         if "kq_grid_enter();" not in body:
             assert "kq_grid_launch_dependents();" in body and "kq_mma_tile_any" in body, name
     tile = bodies["kq_mma_tile"]
