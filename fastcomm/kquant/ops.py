@@ -77,6 +77,21 @@ def _resident(device: int, symbol: str, ring: int) -> tuple[int, ...]:
                  for w in range(1, abi.KQ_MMA_WARPS + 1))
 
 
+@functools.lru_cache(maxsize=None)
+def _staged_resident(device: int, symbol: str, smem: int) -> int:
+    """Blocks of a staged kernel (KQ_STAGED_THREADS, ``smem`` bytes of stage) one SM of ``device`` holds, from
+    its limits (``_device``: an emulated GPU's under the test switch) and the kernel's registers."""
+    from cupy_backends.cuda.api import driver
+
+    fn = _smem_function(device, symbol)
+    regs = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_NUM_REGS, fn)
+    return resident_blocks(_device(device), abi.KQ_STAGED_THREADS // 32, smem, _static_smem(fn), regs)
+
+
+def _staged_grid(device: int, kernel: abi.Kernel, dtype: str, items: int, smem: int, variant: str = "") -> int:
+    return staged_grid(items, _device(device).sms, _staged_resident(device, kernel.symbol(dtype, variant), smem))
+
+
 def _fits(device: int, what: str, smem: int) -> None:
     """Refuse a launch whose block needs more shared memory than the device (or the emulated one) gives."""
     limits = _device(device)
@@ -146,7 +161,7 @@ def limits(device: int) -> Limits:
 
 def forget_limits() -> None:
     """Read the limits again at the next launch (a test that switches FASTCOMM_TEST_DEVICE_LIMITS)."""
-    for cached in (_device, _resident, _smem_function):
+    for cached in (_device, _resident, _staged_resident, _smem_function):
         cached.cache_clear()
 
 
@@ -249,9 +264,10 @@ def linear(x, qweight, segments: tuple[Segment, ...], form: str | None = None, t
         return out
     variant = str(gemv_variant(n))
     if form == "staged" and fits:
-        _launch(dev, abi.KQ_GEMVS, dt, (staged_grid(total, _device(dev).sms), 1), abi.KQ_STAGED_THREADS, stream,
-                (table, x.data_ptr(), n, cols, x.stride(0), out.data_ptr(), total), variant=variant,
-                smem=stage_bytes(n, cols))
+        smem = stage_bytes(n, cols)
+        _launch(dev, abi.KQ_GEMVS, dt, (_staged_grid(dev, abi.KQ_GEMVS, dt, total, smem, variant), 1),
+                abi.KQ_STAGED_THREADS, stream, (table, x.data_ptr(), n, cols, x.stride(0), out.data_ptr(), total),
+                variant=variant, smem=smem)
         return out
     xq, xds = quantize(x)
     _launch(dev, abi.KQ_GEMV, dt, ((total + abi.KQ_ROWS_PER_BLOCK - 1) // abi.KQ_ROWS_PER_BLOCK, 1),
@@ -343,16 +359,18 @@ def _moe_staged(x, w13, w2, weights, ids, t13: int, t2: int, activation, silu: b
     inter, pairs = rows13 // 2, tokens * ids.shape[1]
     e13, r13, e2, r2 = strides
     dt, dev, stream = _dt(x), x.device.index, _stream(x)
-    sms = _device(dev).sms
     up = torch.empty(pairs, rows13, dtype=x.dtype, device=x.device)
-    _launch(dev, abi.KQ_MOE_UP_S, dt, (staged_grid(pairs * rows13, sms), 1), abi.KQ_STAGED_THREADS, stream,
-            (w13.data_ptr(), e13, r13, t13, rows13, hidden, ids.data_ptr(), topk, tokens, x.data_ptr(), x.stride(0),
-             up.data_ptr()), smem=stage_bytes(tokens, hidden))
+    smem = stage_bytes(tokens, hidden)
+    _launch(dev, abi.KQ_MOE_UP_S, dt, (_staged_grid(dev, abi.KQ_MOE_UP_S, dt, pairs * rows13, smem), 1),
+            abi.KQ_STAGED_THREADS, stream, (w13.data_ptr(), e13, r13, t13, rows13, hidden, ids.data_ptr(), topk,
+                                            tokens, x.data_ptr(), x.stride(0), up.data_ptr()), smem=smem)
     a = up if silu else _aligned(activation(up))
     out = _out(out, tokens, hidden, x)
-    _launch(dev, abi.KQ_MOE_DOWN_S, dt, (staged_grid(tokens * hidden, sms), 1), abi.KQ_STAGED_THREADS, stream,
-            (w2.data_ptr(), e2, r2, t2, hidden, inter, ids.data_ptr(), weights.data_ptr(), topk, tokens,
-             a.data_ptr(), a.stride(0), int(silu), out.data_ptr()), smem=stage_bytes(pairs, inter))
+    smem = stage_bytes(pairs, inter)
+    _launch(dev, abi.KQ_MOE_DOWN_S, dt, (_staged_grid(dev, abi.KQ_MOE_DOWN_S, dt, tokens * hidden, smem), 1),
+            abi.KQ_STAGED_THREADS, stream, (w2.data_ptr(), e2, r2, t2, hidden, inter, ids.data_ptr(),
+                                            weights.data_ptr(), topk, tokens, a.data_ptr(), a.stride(0), int(silu),
+                                            out.data_ptr()), smem=smem)
     return out
 
 

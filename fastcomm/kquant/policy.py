@@ -272,11 +272,16 @@ def moe_stage_bytes(tokens: int, topk: int, hidden: int, inter: int) -> int:
     return max(stage_bytes(tokens, hidden), stage_bytes(tokens * topk, inter))
 
 
-def staged_grid(items: int, sms: int) -> int:
+def staged_grid(items: int, sms: int, resident: int = STAGED_BLOCKS_PER_SM) -> int:
     """Blocks of a staged launch: enough for every item's warp, at most STAGED_BLOCKS_PER_SM per SM (each
-    block quantizes the activations again, so more blocks cost L2 reads and gain nothing)."""
+    block quantizes the activations again, so more blocks cost L2 reads and gain nothing), and no more per SM
+    than ``resident`` (the kernel's blocks one SM holds: ``resident_blocks``). Past that the grid runs in two
+    waves, the second staging the activations again after the first drains for the same rows an SM reads in
+    one wave (its warps' grid-stride loop takes the rest): on sm_120 a 2-token launch (95 registers a thread,
+    512 threads) fits once an SM, as do 4-8 tokens on an H100 (94 registers)."""
     warps = abi.KQ_STAGED_THREADS // 32
-    return max(1, min((items + warps - 1) // warps, sms * STAGED_BLOCKS_PER_SM))
+    per_sm = max(1, min(STAGED_BLOCKS_PER_SM, resident))
+    return max(1, min((items + warps - 1) // warps, sms * per_sm))
 
 
 def weights_aligned(*addresses: int) -> bool:

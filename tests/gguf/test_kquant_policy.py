@@ -41,6 +41,25 @@ def test_staged_launch_shape():
     assert kquant.staged_grid(0, 132) == 1
 
 
+def test_a_staged_grid_is_one_wave_where_an_sm_holds_one_block():
+    """Two blocks an SM only where two fit (a second wave would stage the activations again for rows the
+    first wave's warps could have taken). Registers a thread of fc_kq_gemvs<N>_bf16 as `fastcomm compile` read
+    them off the cubins at 5f97c25: sm_120 64 (1 token) and 95 (2), sm_90 62 (1) and 94 (4 and 8)."""
+    h100 = kquant.Limits("H100", sms=132, smem_per_block=232448, smem_per_sm=233472, regs_per_sm=65536,
+                         threads_per_sm=2048, blocks_per_sm=32, major=9)
+    warps = kquant.abi.KQ_STAGED_THREADS // 32
+    one = kquant.stage_bytes(1, 6144)
+    assert kquant.resident_blocks(kquant.SM120, warps, one, 0, 64) == 2
+    assert kquant.resident_blocks(kquant.SM120, warps, kquant.stage_bytes(2, 6144), 0, 95) == 1
+    assert kquant.resident_blocks(h100, warps, one, 0, 62) == 2
+    assert kquant.resident_blocks(h100, warps, kquant.stage_bytes(4, 6144), 0, 94) == 1
+    assert kquant.staged_grid(6144, 188, resident=1) == 188   # one wave, each warp two rows or so
+    assert kquant.staged_grid(6144, 188, resident=2) == 376
+    assert kquant.staged_grid(6144, 188, resident=4) == 376   # never past STAGED_BLOCKS_PER_SM
+    assert kquant.staged_grid(6144, 188, resident=0) == 188   # a block that does not fit: the launch says so
+    assert kquant.staged_grid(100, 188, resident=1) == 7
+
+
 def test_the_mma_form_reads_whole_units_and_tiles_of_one_type():
     glm5 = kquant.plan_linear([kquant.Q5_K, kquant.Q8_0], [(0, 2048, 4224), (2048, 2624, 6528)], 6528, 6144)
     assert kquant.mma_ok(glm5, 6144)                                   # 2048 rows: the Q8_0 tiles start at 128
