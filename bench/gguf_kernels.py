@@ -8,7 +8,8 @@
     python -m fastcomm_bench.gguf_kernels --forms-from RUN.json --forms-out FILE   # a saved run's forms
 
 Every product of one GLM-5 decoder layer at full width (the 78-layer benchmark model's shapes and UD-Q4_K_XL
-types, fastcomm_vllm/gguf/synth.py), the LM head, and the routed experts (16 experts, top 8): GPU time per call for the
+types, fastcomm_vllm/gguf/synth.py), the LM head, and the routed experts (16 experts, top 8; at ``--tp`` GLM-5's 256,
+routed as the TP 8 shard's routers spread a step's tokens, none shared): GPU time per call for the
 plugin's path (as its ``apply`` runs it: per-shard copies for a mixed-type fused weight, GEMV up to its
 ``mmvq_safe`` batch, else its MMQ GEMM; MoE through ``ggml_moe_a8_vec``), fastcomm's in every form (linears:
 ``mma`` on the tensor cores, ``staged`` and ``unstaged`` dp4a; MoE: ``grouped`` by expert on the tensor cores,
@@ -18,8 +19,8 @@ exceeds a block's shared memory); kquant.FORMS_*), the form its policy takes mar
 moe_form, whose thresholds come from this table), and a bf16 cuBLAS matmul of the same shape for scale. Each
 timing is a CUDA graph of 16 calls replayed (launch overhead out, as in vLLM's decode graphs; each call after
 a one-element torch add, whose own time is taken off, as another library's kernel stands between two products
-in a decode step), over enough copies of the weight that no call finds it in L2. Also checks that fastcomm's
-result matches the plugin's (relative error), and prints a per-step sum: 75 MoE layers, 3 dense layers and the
+in a decode step), over enough copies of the weight (of 256 experts: routes) that no call finds it in L2.
+Also checks that fastcomm's result matches the plugin's (relative error), and prints a per-step sum: 75 MoE layers, 3 dense layers and the
 LM head, as in one decode step of the 78-layer model. FASTCOMM_GGUF_PDL=0 times the mma form launched plainly.
 Token counts past fastcomm's 1-8 are a prefill's: the plugin's path against the weights dequantized to bf16 on
 the tensor cores (``dequant``: cuBLAS for the linears, vLLM's fused_experts for the MoE; the weights written by
@@ -112,7 +113,17 @@ LINEARS = (  # name, [(type, rows)] shards in output order, cols, layers per ste
     ("dense down", [("Q6_K", 6144)], 12288, 3),
     ("lm_head", [("Q6_K", 154880)], 6144, 1),
 )
-MOE = ("routed experts (16, top 8; Q4_K up, Q5_K down)", 16, 8, 6144, 2048, "Q4_K", "Q5_K", 75)
+MOE_OP = "routed experts"  # the MoE row's op, before its parenthesis (which says its experts, top-k and types)
+
+
+def moe_op(experts: int, topk: int, t13: str, t2: str) -> str:
+    return f"{MOE_OP} ({experts}, top {topk}; {t13} up, {t2} down)"
+
+
+MOE = (moe_op(16, 8, "Q4_K", "Q5_K"), 16, 8, 6144, 2048, "Q4_K", "Q5_K", 75)
+# One TP 8 rank (tp_shapes) holds every one of GLM-5's 256 experts (a slice of each), as the TP 8 shard does: its
+# verify steps read 8 distinct experts a token (synth's routers), which 16 cannot give past 2 tokens.
+TP_EXPERTS = 256
 # How vLLM's GLM-5 (DSA) splits each of LINEARS at tensor parallel: "out" column-parallel (rows / TP), "in"
 # row-parallel (cols / TP), None replicated (the fused q_a/kv_a and the indexer's wq_b run whole on every rank).
 SPLIT = {"fused_qkv_a": None, "q_b": "out", "indexer wq_b": None, "o_proj": "in", "shared gate_up": "out",
@@ -135,10 +146,15 @@ def tp_shapes(tp: int):
         elif split == "in":
             cols //= tp
         linears.append((name, shards, cols, layers))
-    name, experts, topk, hidden, inter, t13, t2, layers = MOE
+    _, _, topk, hidden, inter, t13, t2, layers = MOE
     if inter % (256 * tp):
         raise ValueError(f"the experts' intermediate size {inter} does not split in 256-wide blocks at TP {tp}")
-    return tuple(linears), (name, experts, topk, hidden, inter // tp, t13, t2, layers)
+    return tuple(linears), (moe_op(TP_EXPERTS, topk, t13, t2), TP_EXPERTS, topk, hidden, inter // tp, t13, t2, layers)
+
+
+def op_name(op: str) -> str:
+    """A row's product by its short name (the name before any parenthesis): one name at every TP."""
+    return op.split(" (")[0]
 
 
 def forms_shapes(tp: int) -> dict:
@@ -148,10 +164,10 @@ def forms_shapes(tp: int) -> dict:
 
     by_name = {v: k for k, v in kquant.NAMES.items()}
     linears, moe = tp_shapes(tp)
-    out = {name: forms.LinearShape(tuple(by_name[t] for t, _ in shards), tuple(r for _, r in shards), cols)
+    out = {op_name(name): forms.LinearShape(tuple(by_name[t] for t, _ in shards), tuple(r for _, r in shards), cols)
            for name, shards, cols, _ in linears}
-    name, _, topk, hidden, inter, t13, t2, _ = moe
-    out[name] = forms.MoeShape(by_name[t13], by_name[t2], hidden, inter, topk)
+    _, _, topk, hidden, inter, t13, t2, _ = moe
+    out[MOE_OP] = forms.MoeShape(by_name[t13], by_name[t2], hidden, inter, topk)
     return out
 
 
@@ -162,7 +178,9 @@ def forms_table(run: dict, source: str):
     from fastcomm.kquant import forms
 
     device = run.get("limits", {}).get("name") or run["device"]
-    return forms.from_rows(run["rows"], forms_shapes(run.get("tp", 1)), device, source)
+    shapes = forms_shapes(run.get("tp", 1))
+    by_op = {r["op"]: shapes[op_name(r["op"])] for r in run["rows"] if op_name(r["op"]) in shapes}
+    return forms.from_rows(run["rows"], by_op, device, source)
 
 
 def _default_us(r) -> float:
@@ -318,24 +336,37 @@ def linear_shapes() -> dict[str, tuple[list, int]]:
 
 def moe_weights(rng, moe=MOE):
     """The routed experts as the plugin stores them, at ``moe``'s shapes and types (MOE, or one rank's:
-    tp_shapes): (w13, w2) uint8 arrays and their ggml type ids (q13, q2)."""
+    tp_shapes): (w13, w2) uint8 arrays and their ggml type ids (q13, q2). Past 16 experts, 16 made and repeated:
+    what a call reads is distinct memory all the same, and making 256 (with their float truth) takes minutes."""
     import gguf
 
     _, experts, _, hidden, inter, t13, t2, _ = moe
-    w13 = _blocks(rng, t13, (experts, 2 * inter), hidden)
-    w2 = _blocks(rng, t2, (experts, hidden), inter)
+    made = min(experts, 16)
+    w13 = _blocks(rng, t13, (made, 2 * inter), hidden)
+    w2 = _blocks(rng, t2, (made, hidden), inter)
+    reps = -(-experts // made)
+    w13, w2 = (np.ascontiguousarray(np.tile(w, (reps, 1, 1))[:experts]) for w in (w13, w2))
     return w13, w2, int(gguf.GGMLQuantizationType[t13]), int(gguf.GGMLQuantizationType[t2])
 
 
-def moe_inputs(n: int, moe=MOE):
-    """n tokens for ``moe`` on the GPU: activations (bf16), routes (topk distinct experts a token, int32) and
-    router weights."""
+def moe_inputs(n: int, moe=MOE, rng=None):
+    """n tokens for ``moe`` on the GPU: activations (bf16), routes (int32) and router weights. The routes are
+    ``route_ids``'."""
     import torch
 
     _, experts, topk, hidden, *_ = moe
     x = torch.randn(n, hidden, dtype=torch.bfloat16, device="cuda") * 0.1
-    ids = torch.stack([torch.randperm(experts)[:topk] for _ in range(n)]).to(torch.int32).cuda()
+    ids = torch.from_numpy(route_ids(n, experts, topk, rng or np.random.default_rng(n))).cuda()
     return x, ids, torch.rand(n, topk, device="cuda")
+
+
+def route_ids(n: int, experts: int, topk: int, rng) -> np.ndarray:
+    """[n, topk] int32 routes: topk distinct experts a token, and distinct across the tokens where the experts
+    allow it (n x topk of them), as the TP 8 shard's routers spread a verify step's tokens; else each token's
+    own draw."""
+    if n * topk <= experts:
+        return rng.permutation(experts)[:n * topk].reshape(n, topk).astype(np.int32)
+    return np.stack([rng.permutation(experts)[:topk] for _ in range(n)]).astype(np.int32)
 
 
 def bench_moe(tokens, rng, moe=MOE):
@@ -357,9 +388,17 @@ def bench_moe(tokens, rng, moe=MOE):
     out = []
     for n in tokens:
         x, ids, wts = moe_inputs(n, moe)
-        plugin = [lambda a=a, b=b: pmoe._fused_moe_gguf(x, a, b, wts, ids, q13, q2, "silu") for a, b in zip(w13s, w2s)]
         # the bytes of the distinct experts this routing reads (the grouped form reads each once)
         distinct = len(set(ids.flatten().tolist()))
+        # Where the experts outnumber a call's routes (the TP 8 shard's 256), the graph's calls take different
+        # routes, as a step's layers do, so that no call finds in L2 what the one before it read; with few
+        # experts (16) the weights' copies do that.
+        read = nbytes * distinct / experts * copies
+        sets = max(1, min(CALLS_PER_GRAPH, math.ceil(L2_CLEAR_BYTES / read))) if experts >= 2 * n * topk else 1
+        routes = [ids] + [torch.from_numpy(route_ids(n, experts, topk, np.random.default_rng(1000 * n + k))).cuda()
+                          for k in range(1, sets)]
+        calls = [(a, b, r) for a, b in zip(w13s, w2s) for r in routes]
+        plugin = [lambda a=a, b=b, r=r: pmoe._fused_moe_gguf(x, a, b, wts, r, q13, q2, "silu") for a, b, r in calls]
         if n > MAX_DECODE:
             if not pmoe:
                 continue
@@ -370,25 +409,25 @@ def bench_moe(tokens, rng, moe=MOE):
                        for a, b in zip(w13s, w2s)]
             _, dequant_moe_min, chunk_max = prefill_settings()
             row = {"op": name, "tokens": n, "weight_MB_read": round(nbytes * distinct / experts / 1e6, 1),
-                   "default": kquant.moe_prefill_form(n, topk, experts, chunk_max, dequant_moe_min),
-                   **_prefill_times(plugin, dequant, list(zip(w13s, w2s)), chunked)}
+                   "experts": experts, "default": kquant.moe_prefill_form(n, topk, experts, chunk_max, dequant_moe_min),
+                   **_prefill_times(plugin[::len(routes)], dequant, list(zip(w13s, w2s)), chunked)}
             out.append(row)
             continue
         row = {"op": name, "tokens": n, "weight_MB_read": round(nbytes * distinct / experts / 1e6, 1),
-               "plugin_us": round(_graph_time_us(plugin), 2) if pmoe else None,
+               "experts": experts, "route_sets": sets, "plugin_us": round(_graph_time_us(plugin), 2) if pmoe else None,
                "default": kquant.moe_form(n, topk, hidden, inter, staged=moe_staged(),
                                           smem_per_block=kquant.limits(0).smem_per_block),
                "mma_entry": "/".join(kquant.mma_variant([q], moe=True) or "any" for q in (q13, q2))}
         for form in kquant.FORMS_MOE:
             staged_out = form == "staged" and \
                 kquant.moe_stage_bytes(n, topk, hidden, inter) > kquant.limits(0).smem_per_block
-            row[f"{form}_us"] = None if staged_out else round(_graph_time_us([lambda a=a, b=b, f=form: kquant.moe(
-                x, a, b, wts, ids, q13, q2, act, silu=True, form=f) for a, b in zip(w13s, w2s)]), 2)
+            row[f"{form}_us"] = None if staged_out else round(_graph_time_us([lambda a=a, b=b, r=r, f=form: kquant.moe(
+                x, a, b, wts, r, q13, q2, act, silu=True, form=f) for a, b, r in calls]), 2)
         for w in SHARED_WARPS:  # the shared form at other block sizes than its default (columns shared_wN)
             fits = max(kquant.moe_shared_smem([q], w) for q in (q13, q2)) <= kquant.limits(0).smem_per_block
-            row[f"shared_w{w}_us"] = round(_graph_time_us([lambda a=a, b=b: kquant.moe(
-                x, a, b, wts, ids, q13, q2, act, silu=True, form="shared", shared_warps=w)
-                for a, b in zip(w13s, w2s)]), 2) if fits else None  # None: its block does not fit the GPU
+            row[f"shared_w{w}_us"] = round(_graph_time_us([lambda a=a, b=b, r=r: kquant.moe(
+                x, a, b, wts, r, q13, q2, act, silu=True, form="shared", shared_warps=w)
+                for a, b, r in calls]), 2) if fits else None  # None: its block does not fit the GPU
         busy = min(experts, n * topk)
         row["grouped_warps"] = [kquant.launch_warps(0, kquant.abi.KQ_MOE_MMA_UP, "bfloat16", [q13], hidden,
                                                     kquant.tiles(2 * inter) * busy, moe=True),
@@ -397,7 +436,7 @@ def bench_moe(tokens, rng, moe=MOE):
         row["rel_diff_vs_plugin"] = None
         if pmoe:
             mine = kquant.moe(x, w13s[0], w2s[0], wts, ids, q13, q2, act, silu=True)
-            theirs = plugin[0]()
+            theirs = plugin[0]()  # calls[0]: the first copy and ids
             row["rel_diff_vs_plugin"] = _rel_diff(mine, theirs)
         out.append(row)
     return out
@@ -414,9 +453,14 @@ def _best_us(r) -> float:
     return min(r[f"{f}_us"] for f in _forms(r))
 
 
+def _moe_experts(rows: list[dict]) -> int:
+    """The experts of a run's MoE rows (runs before the rows said: MOE's 16)."""
+    return next((r["experts"] for r in rows if op_name(r["op"]) == MOE_OP and "experts" in r), MOE[1])
+
+
 def _layers() -> dict[str, int]:
-    """Layers of one decode step that run each product."""
-    return {**{name: layers for name, _, _, layers in LINEARS}, MOE[0]: MOE[-1]}
+    """Layers of one decode step that run each product, by ``op_name``."""
+    return {**{op_name(name): layers for name, _, _, layers in LINEARS}, MOE_OP: MOE[-1]}
 
 
 def report(rows: list[dict], tokens: list[int]) -> tuple[str, dict]:
@@ -439,7 +483,7 @@ def report(rows: list[dict], tokens: list[int]) -> tuple[str, dict]:
         sel = [r for r in rows if r["tokens"] == n]
         if not sel:  # a prefill's count without the plugin: no rows
             continue
-        weigh = lambda us: round(sum(us(r) * per_layer[r["op"]] for r in sel) / 1000, 2)  # noqa: E731
+        weigh = lambda us: round(sum(us(r) * per_layer[op_name(r["op"])] for r in sel) / 1000, 2)  # noqa: E731
         plugin = all(r["plugin_us"] for r in sel)
         steps[n] = {"plugin_us": weigh(lambda r: r["plugin_us"]) if plugin else None,
                     "fastcomm_default_us": weigh(_default_us),
@@ -463,9 +507,10 @@ def suggest(rows: list[dict]) -> dict[str, int]:
     per_layer = _layers()
 
     def threshold(rows, tensor, dp4a, ops, never) -> int:
-        tokens = sorted({r["tokens"] for r in rows if r["op"] in ops})
-        wins = {n: sum(tensor(r) * per_layer[r["op"]] for r in rows if r["op"] in ops and r["tokens"] == n)
-                < sum(dp4a(r) * per_layer[r["op"]] for r in rows if r["op"] in ops and r["tokens"] == n)
+        mine = [r for r in rows if op_name(r["op"]) in ops]
+        tokens = sorted({r["tokens"] for r in mine})
+        wins = {n: sum(tensor(r) * per_layer[op_name(r["op"])] for r in mine if r["tokens"] == n)
+                < sum(dp4a(r) * per_layer[op_name(r["op"])] for r in mine if r["tokens"] == n)
                 for n in tokens}
         best = never
         for n in reversed(tokens):
@@ -474,11 +519,11 @@ def suggest(rows: list[dict]) -> dict[str, int]:
             best = n
         return best
 
-    linears = {name for name, _, _, _ in LINEARS}
+    linears = {op_name(name) for name, _, _, _ in LINEARS}
     decode = [r for r in rows if r["tokens"] <= MAX_DECODE]
     out = {"mma_min_tokens": threshold(decode, lambda r: r["mma_us"], lambda r: min(r["staged_us"], r["unstaged_us"]),
                                        linears, NEVER),
-           "grouped_min_tokens": threshold(decode, lambda r: r["grouped_us"], lambda r: r["pairs_us"], {MOE[0]},
+           "grouped_min_tokens": threshold(decode, lambda r: r["grouped_us"], lambda r: r["pairs_us"], {MOE_OP},
                                            NEVER)}
     prefill = [r for r in rows if r["tokens"] > MAX_DECODE]
     if prefill:
@@ -486,11 +531,12 @@ def suggest(rows: list[dict]) -> dict[str, int]:
         # the chunks (a linear's eager chunks are host-bound: kquant.prefill_form; runs before chunks_us existed:
         # the plugin's).
         def other(r):
-            return min(r["plugin_us"], _chunks_us(r)) if "chunks_us" in r and r["op"] == MOE[0] else r["plugin_us"]
+            return (min(r["plugin_us"], _chunks_us(r)) if "chunks_us" in r and op_name(r["op"]) == MOE_OP
+                    else r["plugin_us"])
 
         out["dequant_min_tokens"] = threshold(prefill, dequant_us, other, linears, 0)
-        n = threshold(prefill, dequant_us, other, {MOE[0]}, 0)
-        _, experts, topk, *_ = MOE
+        n = threshold(prefill, dequant_us, other, {MOE_OP}, 0)
+        experts, topk = _moe_experts(rows), MOE[2]
         out["dequant_moe_min"] = -(-n * topk // experts)  # the same tokens as routed pairs an expert
         if all("chunks_us" in r for r in prefill):
             out["chunk_max_tokens"] = chunk_limit(prefill, out["dequant_min_tokens"], out["dequant_moe_min"])
@@ -519,19 +565,20 @@ def chunk_limit(prefill: list[dict], dequant_min: int, dequant_moe_min: int) -> 
     A count where the dequantized forms take every such product extends a limit the chunks reached (the policy
     tries the dequantized form first, so the chunks serve every count below it), and starts none."""
     per_layer = _layers()
-    _, experts, topk, *_ = MOE
+    experts, topk = _moe_experts(prefill), MOE[2]
     limit = 0
     for n in sorted({r["tokens"] for r in prefill}):
         sel = [r for r in prefill if r["tokens"] == n]
-        forms = {r["op"]: kquant.moe_prefill_form(n, topk, experts, n, dequant_moe_min) if r["op"] == MOE[0]
-                 else kquant.prefill_form(n, n, dequant_min, host_bound=True) for r in sel}
+        forms = {r["op"]: kquant.moe_prefill_form(n, topk, experts, n, dequant_moe_min)
+                 if op_name(r["op"]) == MOE_OP else kquant.prefill_form(n, n, dequant_min, host_bound=True)
+                 for r in sel}
         chunked = [r for r in sel if forms[r["op"]] == "chunks"]
         if not chunked:  # the dequantized forms take every product at n: chunks that started serve up to it
             if limit:
                 limit = n
             continue
-        if sum(_chunks_us(r) * per_layer[r["op"]] for r in chunked) > sum(r["plugin_us"] * per_layer[r["op"]]
-                                                                          for r in chunked):
+        if sum(_chunks_us(r) * per_layer[op_name(r["op"])] for r in chunked) > \
+                sum(r["plugin_us"] * per_layer[op_name(r["op"])] for r in chunked):
             break
         limit = n
     return limit

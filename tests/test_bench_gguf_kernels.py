@@ -268,8 +268,22 @@ def test_tp_shapes_are_one_rank_s_share_as_the_tp8_shard_holds_it():
     assert got["dense gate_up"] == (2 * s.ffn, s.hidden)
     assert got["dense down"] == (s.hidden, s.ffn)
     assert got["lm_head"] == (s.vocab, s.hidden)
-    assert moe[4] == s.moe_ffn and moe[1:4] == gk.MOE[1:4]
+    assert moe[4] == s.moe_ffn and moe[2:4] == gk.MOE[2:4]
+    assert moe[1] == s.experts == 256 and moe[0].startswith("routed experts (256, top 8;")  # every expert a slice
     for replicated in ("fused_qkv_a", "indexer wq_b"):
         assert got[replicated] == whole[replicated]
     with pytest.raises(ValueError, match="tensor parallel 3"):
         gk.tp_shapes(3)
+
+
+def test_routes_are_distinct_across_a_steps_tokens_where_the_experts_allow():
+    """The benchmark's routes as the TP 8 shard's routers spread a verify step: 8 distinct experts a token and
+    none shared between tokens while 256 experts allow it; 16 experts share past 2 tokens."""
+    import numpy as np
+
+    for n in (1, 2, 4, 8):
+        ids = gk.route_ids(n, 256, 8, np.random.default_rng(n))
+        assert ids.shape == (n, 8) and ids.dtype == np.int32 and len(set(ids.flatten())) == 8 * n
+    assert len(set(gk.route_ids(2, 16, 8, np.random.default_rng(0)).flatten())) == 16
+    ids = gk.route_ids(4, 16, 8, np.random.default_rng(0))
+    assert all(len(set(row)) == 8 for row in ids) and ids.max() < 16
