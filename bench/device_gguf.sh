@@ -64,7 +64,9 @@
 # 3e. One TP 8 rank's decode step (issue 36), each one call on a warm machine, the shard written once (~55 GiB in
 #    /dev/shm or on /tmp's disk): bash bench/device_gguf.sh shard .gguf_stage write   (then plain, plugin, mtp)
 #    SHARD_STANDIN_US (0,5,10,20,60): the stand-in all-reduce's times; the step at each, in one engine; plain
-#    profiles one request's step at the first time after them. The engine's run is bounded by SHARD_BUDGET_S
+#    profiles the steps of 1, 2 and 4 requests (SHARD_PROFILE_CONCURRENCY) at the first time after them. On an
+#    H100 the products take the shipped forms table (fastcomm/kquant/tables/; FASTCOMM_GGUF_FORMS=none for the
+#    thresholds alone, the A/B of a table). The engine's run is bounded by SHARD_BUDGET_S
 #    (560 s from the call's start: a deadline bench-decode holds after its own set-up too), so a call cut short
 #    still brings back what it measured. SHARD_PROFILE=0: no profile (a sweep under the caller's FASTCOMM_GGUF_*
 #    settings).
