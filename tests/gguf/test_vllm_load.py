@@ -268,6 +268,9 @@ def test_measured_forms_reach_the_layers_of_their_shape(loaded, tiny):
         assert rest and all(v == [""] * 8 for v in rest.values()), (tag, rest)
     # Without the setting (the swapped control's load) no layer has a measured form: no table ships for a CPU.
     assert all(v == [""] * 8 for v in swapped["models"]["main"]["kq_forms"].values())
+    # and the worker says how many layers took the table's forms (a run's record carries it: worker_status)
+    took = sum(1 for m in report["models"].values() for v in m["kq_forms"].values() if any(v))
+    assert report["forms_served"] == {"tests/gguf/test_vllm_load.py": took} and swapped["forms_served"] == {}
 
 
 def test_the_dp4a_setting_keeps_the_products_off_the_tensor_cores(monkeypatch):

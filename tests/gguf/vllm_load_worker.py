@@ -114,6 +114,7 @@ def main(gguf_path: str, config_dir: str, out: str, swap: bool) -> None:
                                      "qtypes": {m: int(getattr(mod.qweight_type, "weight_type", -1))
                                                 for m, mod in model.named_modules() if hasattr(mod, "qweight_type")}}
     report["stream"] = stream_names
+    report["forms_served"] = kquant_vllm.forms_served()
     Path(out).write_text(json.dumps(report))
 
 

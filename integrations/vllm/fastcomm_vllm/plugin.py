@@ -136,6 +136,7 @@ def worker_status(worker=None) -> dict:
     comm = get_tp_group().device_communicator
     ws = getattr(comm, "fastcomm_workspace", None)
     passes = sys.modules.get(f"{__package__}.compile_pass")  # not imported: no pass ran in this worker
+    kq = sys.modules.get(f"{__package__}.gguf.kquant_vllm")  # not imported: no GGUF layer here
     return {
         "communicator": None if comm is None else type(comm).__name__,
         "fastcomm": ws is not None,
@@ -143,4 +144,5 @@ def worker_status(worker=None) -> dict:
         "why_not": getattr(comm, "fastcomm_why_not", None),
         "helper_routed": helper_route.helper_routed(),
         "compile_pass_rewrites": passes.FastcommFusionPass.total_rewrites if passes else 0,
+        "kquant_forms": kq.forms_served() if kq else {},  # layers on a measured form, by table
     }

@@ -29,6 +29,9 @@ from fastcomm.kquant.settings import Settings
 
 log = logging.getLogger("fastcomm")
 NO_FORMS = (measured.NONE,) * kquant.MAX_TOKENS  # every token count by the policy's rule
+# This process's layers that took a measured form, by the table's source: what a run's record says served
+# (fastcomm_vllm.plugin.worker_status reads it through ``forms_served``).
+_SERVED: dict[str, int] = {}
 
 _PLAN = "_fastcomm_kq_plan"  # per layer: a LayerPlan, or None (the plugin's path)
 _ORIGINAL = "_fastcomm_original"  # on a wrapped method: the plugin's own
@@ -220,9 +223,10 @@ def linear_plan(layer, settings: Settings) -> LayerPlan | None:
     segs = kquant.plan_linear(types, offsets, row_stride, cols)
     if segs is None:
         return None
-    found = measured.forms_for(_table(settings.forms, _device_name(qweight)), measured.LinearShape.of(segs, cols),
-                               tensor_cores=settings.tensor_cores, mma=kquant.mma_ok(segs, cols))
-    return LayerPlan(segs, settings, found)
+    table = _table(settings.forms, _device_name(qweight))
+    found = measured.forms_for(table, measured.LinearShape.of(segs, cols), tensor_cores=settings.tensor_cores,
+                               mma=kquant.mma_ok(segs, cols))
+    return LayerPlan(segs, settings, _served(table, found))
 
 
 def moe_plan(layer, settings: Settings) -> LayerPlan | None:
@@ -244,9 +248,21 @@ def moe_plan(layer, settings: Settings) -> LayerPlan | None:
     if w13.is_cuda:  # the staged form's stage against this GPU's (or the emulated one's) shared memory
         block = kquant.limits(w13.device.index).smem_per_block
         fits = lambda n: kquant.moe_stage_bytes(n, topk, hidden, inter) <= block  # noqa: E731
-    found = measured.forms_for(_table(settings.forms, _device_name(w13)), measured.MoeShape(t13, t2, hidden, inter, topk),
+    table = _table(settings.forms, _device_name(w13))
+    found = measured.forms_for(table, measured.MoeShape(t13, t2, hidden, inter, topk),
                                tensor_cores=settings.tensor_cores, staged_fits=fits)
-    return LayerPlan(None, settings, found)
+    return LayerPlan(None, settings, _served(table, found))
+
+
+def _served(table: measured.Table | None, found: tuple[str, ...]) -> tuple[str, ...]:
+    if table is not None and any(found):
+        _SERVED[table.source] = _SERVED.get(table.source, 0) + 1
+    return found
+
+
+def forms_served() -> dict[str, int]:
+    """Layers of this process that took a measured form, by the source of the table it came from."""
+    return dict(_SERVED)
 
 
 def _top_k(layer) -> int | None:
