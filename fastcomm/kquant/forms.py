@@ -8,8 +8,10 @@ beat the tensor-core form at 2 tokens on six of the nine linears (q_b 3.71 again
 against 7.11) and lost on the other three (bench/results/2026-12-07-h100x1-kquant-kernels-tp8-7ba2134.json), where
 the rule takes the tensor cores for all. A table holds, per product shape (a linear's segments' types and rows
 and its input columns; a MoE's two types, hidden, intermediate and top-k), the form timed fastest at each token
-count; a shape or token count it lacks keeps the rule. Every form gives the same sums a form may (each is
-tested against the same reference), so a table moves only speed.
+count; a shape or token count it lacks keeps the rule. Each form is tested against the same reference (to the
+int8 activations' error), so a table changes which kernel computes a product, not what the product is; ranks on
+GPUs of one name read the same table, so a product every rank computes (the replicated q_a / kv_a) stays the
+same on each.
 
 Plain data and pure functions (no GPU, no torch): ``Table`` and its JSON round trip (rejecting what it does not
 fully understand, naming the file and the field), ``from_rows`` (a benchmark run's rows -> a table), ``forms_for``
@@ -76,7 +78,7 @@ class Entry:
 
 @dataclasses.dataclass(frozen=True)
 class Table:
-    device: str          # torch.cuda.get_device_name() of the GPU that measured it
+    device: str          # the GPU's name its launches planned for (kquant.limits: torch's name of the GPU)
     source: str          # what measured it (the command, the commit, the result file)
     entries: tuple[Entry, ...]
     margin: float = MARGIN
