@@ -6,6 +6,7 @@
     python -m fastcomm_bench.gguf_kernels --tp 8 --tokens 1,2   # one rank's products at tensor parallel 8
     python -m fastcomm_bench.gguf_kernels --tp 8 --tokens 1,2,3,4,5,6,7,8 --forms-out FILE   # this GPU's forms
     python -m fastcomm_bench.gguf_kernels --forms-from RUN.json --forms-out FILE   # a saved run's forms
+    python -m fastcomm_bench.gguf_kernels --tp 8 --tokens 1,2,3,4,5,6,7,8 --save-forms  # served here from now on
 
 Every product of one GLM-5 decoder layer at full width (the 78-layer benchmark model's shapes and UD-Q4_K_XL
 types, fastcomm_vllm/gguf/synth.py), the LM head, and the routed experts (16 experts, top 8; at ``--tp`` GLM-5's 256,
@@ -606,6 +607,9 @@ def main(argv=None) -> int:
                    help="write the run's fastest forms as a table FASTCOMM_GGUF_FORMS serves (fastcomm.kquant.forms)")
     p.add_argument("--forms-from", metavar="JSON", default=None,
                    help="with --forms-out: the table of a run saved earlier (--json), without a GPU")
+    p.add_argument("--save-forms", action="store_true",
+                   help="write the run's forms table where FASTCOMM_GGUF_FORMS=auto reads this machine's "
+                        "(FASTCOMM_CACHE_DIR/kquant-forms/GPU.json): served from then on, on this GPU")
     args = p.parse_args(argv)
     if args.forms_from:
         if not args.forms_out:
@@ -657,7 +661,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(run, f, indent=1)
-    if args.forms_out:
+    if args.forms_out or args.save_forms:
+        from fastcomm.config import read
         from fastcomm.kquant import forms
         from fastcomm.measure import source_commit
         import os
@@ -665,7 +670,13 @@ def main(argv=None) -> int:
         commit = source_commit(os.environ.get("FASTCOMM_COMMIT"))
         table = forms_table(run, f"python -m fastcomm_bench.gguf_kernels --tp {args.tp} --tokens {args.tokens}"
                                  + (f" at commit {commit}" if commit else ""))
-        forms.dump(table, args.forms_out)
+        for path in [args.forms_out] if args.forms_out else []:
+            forms.dump(table, path)
+        if args.save_forms:
+            path = forms.machine_path(read("FASTCOMM_CACHE_DIR"), table.device)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            forms.dump(table, path)
+            print(f"# forms table saved to {path}: FASTCOMM_GGUF_FORMS=auto serves it on {table.device}")
         print(forms_summary(table))
     return 0
 

@@ -73,7 +73,7 @@ class Entry:
     shape: LinearShape | MoeShape
     forms: tuple[str, ...]
     op: str = ""
-    us: tuple[tuple[float, float] | None, ...] = ()
+    us: tuple[tuple[float, float] | None, ...] = (None,) * policy.MAX_TOKENS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,18 +151,41 @@ def forms_for(table: Table | None, shape: LinearShape | MoeShape, *, tensor_core
 
 # ---- which table ------------------------------------------------------------------------------------------
 
-AUTO, OFF = "auto", "none"   # FASTCOMM_GGUF_FORMS: the shipped table for this GPU, none, or a file
+AUTO, OFF = "auto", "none"   # FASTCOMM_GGUF_FORMS: this GPU's table (measured here, else shipped), none, a file
+MACHINE_DIR = "kquant-forms"  # under FASTCOMM_CACHE_DIR: the tables measured on this machine (``machine_path``)
 
 
-def resolve(setting: str, device: str, tables: Iterable[Table] | None = None) -> Table | None:
+def file_name(device: str) -> str:
+    """A table's file name for a GPU of that name (letters and digits kept, the rest '_')."""
+    return "".join(c if c.isalnum() else "_" for c in device).strip("_") + ".json"
+
+
+def machine_path(cache_dir: str | Path, device: str) -> Path:
+    """Where ``gguf_kernels --save-forms`` writes this machine's table for ``device``, and ``auto`` reads it."""
+    return Path(cache_dir).expanduser() / MACHINE_DIR / file_name(device)
+
+
+def resolve(setting: str, device: str, tables: Iterable[Table] | None = None,
+            cache_dir: str | Path | None = None) -> Table | None:
     """The table that serves on ``device`` (a GPU's name) for FASTCOMM_GGUF_FORMS=``setting``: for ``auto`` the
-    one of ``tables`` (None: the shipped ones) measured on a GPU of that name, for ``none`` none, else the file
-    ``setting`` names, wherever it was measured (a user's own table for their GPU)."""
+    one measured on this machine for a GPU of that name (``machine_path`` under ``cache_dir``), else the one of
+    ``tables`` (None: the shipped ones) for it; for ``none`` none; else the file ``setting`` names, wherever it
+    was measured. A machine's table that cannot be read is left out with a warning (nobody named it), a named
+    file's or a shipped one's raises FormsError."""
     if setting == OFF:
         return None
-    if setting == AUTO:
-        return next((t for t in (shipped() if tables is None else tables) if t.device == device), None)
-    return load(setting)
+    if setting != AUTO:
+        return load(setting)
+    if cache_dir is not None:
+        path = machine_path(cache_dir, device)
+        if path.is_file():
+            try:
+                return load(path)
+            except FormsError as e:
+                import logging
+
+                logging.getLogger("fastcomm").warning("fastcomm: %s; this machine's forms table is left out", e)
+    return next((t for t in (shipped() if tables is None else tables) if t.device == device), None)
 
 
 def describe(setting: str, tables: Iterable[Table] | None = None) -> str:
@@ -173,9 +196,9 @@ def describe(setting: str, tables: Iterable[Table] | None = None) -> str:
     if setting != AUTO:
         return f"the forms table {setting} where it measured, the thresholds elsewhere"
     names = ", ".join(t.device for t in (shipped() if tables is None else tables)) or "none"
-    return (f"the forms table shipped for the GPU's name where it measured (shipped: {names}), else the token "
-            "thresholds (`python -m fastcomm_bench.gguf_kernels --forms-out FILE` makes a table for a GPU; "
-            "FASTCOMM_GGUF_FORMS=FILE serves it)")
+    return (f"the forms table for the GPU's name where it measured (one made on this machine by `python -m "
+            f"fastcomm_bench.gguf_kernels --tp N --tokens 1,2,3,4,5,6,7,8 --save-forms`, else a shipped one: "
+            f"{names}), else the token thresholds")
 
 
 def shipped() -> tuple[Table, ...]:

@@ -57,10 +57,11 @@ VARIABLES: tuple[Var, ...] = (
         boolean),
     Var("FASTCOMM_GGUF_FORMS", "forms", FORMS_AUTO, "auto | none | FILE: which form each GGUF product of 1-8 "
         "tokens takes where a table measured it fastest on this GPU (fastcomm.kquant.forms; per product shape and "
-        "token count, in place of the MMA / GROUPED thresholds there): auto, the table fastcomm ships for a GPU of "
-        "this name (fastcomm/kquant/tables/), unless FASTCOMM_GGUF_MMA_MIN_TOKENS or _GROUPED_MIN_TOKENS is set; "
-        "none, the thresholds alone; FILE, the table `python -m fastcomm_bench.gguf_kernels --forms-out FILE` "
-        "wrote (on whatever GPU it serves).", _forms, names_file=True),
+        "token count, in place of the MMA / GROUPED thresholds there): auto, this GPU's table, the one "
+        "`python -m fastcomm_bench.gguf_kernels --save-forms` measured on this machine (FASTCOMM_CACHE_DIR/"
+        "kquant-forms/), else the one fastcomm ships for a GPU of this name (fastcomm/kquant/tables/), unless "
+        "FASTCOMM_GGUF_MMA_MIN_TOKENS or _GROUPED_MIN_TOKENS is set; none, the thresholds alone; FILE, the "
+        "table `gguf_kernels --forms-out FILE` wrote (on whatever GPU it serves).", _forms, names_file=True),
     Var("FASTCOMM_GGUF_DEQUANT_MIN_TOKENS", "dequant_min_tokens", "16", "Tokens from which a GGUF linear "
         "layer's product past fastcomm's 1-8 (a prefill) dequantizes its weight to bf16 and multiplies on the tensor "
         "cores (cuBLAS) instead of the plugin's dp4a MMQ kernel; 0: never. 16 from an H200 (bench/RESULTS.md); "

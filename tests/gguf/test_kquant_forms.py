@@ -161,9 +161,29 @@ def test_the_shipped_table_is_the_committed_runs_and_keyed_as_the_tp8_shards_lay
     assert set(gguf_kernels.forms_shapes(8).values()) == shard
 
 
+def test_a_table_measured_on_this_machine_serves_ahead_of_the_shipped_one(tmp_path, caplog):
+    """gguf_kernels --save-forms writes FASTCOMM_CACHE_DIR/kquant-forms/<GPU>.json; auto serves it on a GPU of that
+    name before a shipped table; one that cannot be read is left out with a warning (nobody named it)."""
+    h100 = forms.Table(H100, "shipped", ())
+    here = forms.Table(H100, "measured here", (forms.Entry(forms.LinearShape((Q.Q4_K,), (16,), 256), ("staged",) * 8),))
+    path = forms.machine_path(tmp_path, H100)
+    assert path == tmp_path / "kquant-forms" / "NVIDIA_H100_80GB_HBM3.json"
+    assert forms.file_name(H100) == forms.TABLES.joinpath("NVIDIA_H100_80GB_HBM3.json").name  # the shipped one's
+    assert forms.resolve("auto", H100, [h100], cache_dir=tmp_path) is h100  # nothing measured here yet
+    path.parent.mkdir()
+    forms.dump(here, path)
+    assert forms.resolve("auto", H100, [h100], cache_dir=tmp_path) == here
+    assert forms.resolve("auto", "other GPU", [h100], cache_dir=tmp_path) is None
+    assert forms.resolve("none", H100, [h100], cache_dir=tmp_path) is None
+    path.write_text("{")
+    with caplog.at_level("WARNING", logger="fastcomm"):
+        assert forms.resolve("auto", H100, [h100], cache_dir=tmp_path) is h100
+    assert "this machine's forms table is left out" in caplog.text and str(path) in caplog.text
+
+
 def test_the_one_line_on_which_forms_serve():
-    assert "(shipped: NVIDIA H100 80GB HBM3)" in forms.describe("auto")
-    assert "(shipped: none)" in forms.describe("auto", [])
+    assert "else a shipped one: NVIDIA H100 80GB HBM3)" in forms.describe("auto")
+    assert "else a shipped one: none)" in forms.describe("auto", [])
     assert forms.describe("none") == "the token thresholds alone (FASTCOMM_GGUF_FORMS=none)"
     assert forms.describe("/x/t.json").startswith("the forms table /x/t.json where it measured")
 

@@ -158,7 +158,8 @@ def test_dry_run_says_which_kernels_take_the_products(capsys, tiny, monkeypatch)
     _, _, err = dry(capsys, [str(tiny[0]), "--gpus", "1"])
     assert "fastcomm's K-quant kernels (dp4a forms only: FASTCOMM_GGUF_KERNELS=dp4a)" in err
     # which forms tables can serve, and a bad one named before vLLM starts
-    assert "their forms by the forms table shipped for the GPU's name where it measured (shipped: NVIDIA H100" in err
+    assert "their forms by the forms table for the GPU's name where it measured" in err
+    assert "--save-forms`, else a shipped one: NVIDIA H100 80GB HBM3)" in err
     monkeypatch.setenv("FASTCOMM_GGUF_FORMS", "none")
     _, _, err = dry(capsys, [str(tiny[0]), "--gpus", "1"])
     assert "their forms by the token thresholds alone (FASTCOMM_GGUF_FORMS=none)" in err

@@ -284,11 +284,13 @@ def _table(setting: str, device: str | None) -> measured.Table | None:
     """The forms table for FASTCOMM_GGUF_FORMS=``setting`` on ``device``, read once a process."""
     if setting == measured.AUTO and device is None:  # a CPU rank: no GPU's table (it runs none of the kernels)
         return None
-    table = measured.resolve(setting, device)
+    from fastcomm.config import read
+
+    table = measured.resolve(setting, device, cache_dir=read("FASTCOMM_CACHE_DIR"))
     if table is not None:
         where = "" if device is None or table.device == device else f", measured on {table.device}"
         log.info("fastcomm: K-quant forms of %d product shapes from %s (%s%s)", len(table.entries),
-                 "the shipped table" if setting == measured.AUTO else setting, table.source, where)
+                 "this GPU's table" if setting == measured.AUTO else setting, table.source, where)
     return table
 
 
