@@ -49,6 +49,12 @@ done
 {
   fastcomm bench-decode --compare "$work"/*.json
   ls "$OUT"/profile-"$tag"-*.json >/dev/null 2>&1 && python3 -m fastcomm_bench.profile_summary --print "$OUT"/profile-"$tag"-*.json
+  # Where a step of N requests (a verify step of N - 1 drafts) spends beyond one request's, per backend.
+  for f in "$OUT"/profile-"$tag"-*-c[0-9]*.json; do
+    [ -f "$f" ] || continue
+    b="${f%-c[0-9]*.json}.json"
+    [ -f "$b" ] && { echo "# $(basename "$f" .json) beyond $(basename "$b" .json)"; python3 -m fastcomm_bench.profile_summary --diff "$b" "$f"; }
+  done
   echo "# GPU clocks while each backend ran (samples at >= 50 % utilization)"
   python3 -m fastcomm_bench.clocks "$work"/clocks-*.csv
 } >"$OUT/report-$tag.txt" 2>&1

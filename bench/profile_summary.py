@@ -269,12 +269,53 @@ def print_summary(summary: dict, file=None, *, layers: int = 78, floor: float | 
                 print(f"{'':<16}   top {k['calls']:>5}   {k['total_us'] / 1e3:>7.2f} ms  {k['name']}", file=file)
 
 
+def step_diff(base: dict, other: dict) -> list[dict]:
+    """Per kernel, the GPU time a graph step of ``other`` spends beyond ``base``'s (two summaries' graph_steps,
+    e.g. the 4-request profile against the 1-request one: where a verify step's increment goes), the largest
+    change first; a kernel one step lacks counts 0 there."""
+    a = {k["name"]: k for k in base.get("kernels") or []}
+    b = {k["name"]: k for k in other.get("kernels") or []}
+    rows = []
+    for name in set(a) | set(b):
+        ka, kb = a.get(name, {}), b.get(name, {})
+        rows.append({"name": name, "family": (kb or ka)["family"], "base_us": ka.get("us", 0.0),
+                     "us": kb.get("us", 0.0), "delta_us": round(kb.get("us", 0.0) - ka.get("us", 0.0), 1),
+                     "base_calls": ka.get("calls", 0), "calls": kb.get("calls", 0)})
+    return sorted(rows, key=lambda r: (-abs(r["delta_us"]), r["name"]))
+
+
+def _steps_of(summary: dict) -> dict | None:
+    """The one trace's graph_steps of a summary (a saved --json of one backend and trace)."""
+    found = [s["graph_steps"] for traces in summary.values() for s in traces.values() if s.get("graph_steps")]
+    return found[0] if len(found) == 1 else None
+
+
+def print_diff(base: dict, other: dict, rows: int = 20, file=None) -> None:
+    file = file or sys.stdout
+    fam: dict[str, float] = defaultdict(float)
+    diff = step_diff(base, other)
+    for r in diff:
+        fam[r["family"]] += r["delta_us"]
+    print(f"graph step: {base['median_span_us'] / 1e3:.3f} -> {other['median_span_us'] / 1e3:.3f} ms "
+          f"({(other['median_span_us'] - base['median_span_us']) / 1e3:+.3f}), nodes {base.get('nodes_per_step', 0):g} "
+          f"-> {other.get('nodes_per_step', 0):g}, GPU idle {base.get('median_idle_us', 0) / 1e3:.3f} -> "
+          f"{other.get('median_idle_us', 0) / 1e3:.3f} ms", file=file)
+    print("by family (ms): " + ", ".join(f"{f} {us / 1e3:+.3f}" for f, us in sorted(fam.items(), key=lambda x: -abs(x[1]))),
+          file=file)
+    for r in diff[:rows]:
+        print(f"  {r['delta_us'] / 1e3:+8.3f} ms  {r['base_us'] / 1e3:7.3f} -> {r['us'] / 1e3:7.3f} ms  calls "
+              f"{r['base_calls']:g} -> {r['calls']:g}  {r['family']:<19} {r['name']}", file=file)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("profile_dir", nargs="?")
     p.add_argument("--backend", default=None, help="only this backend's folder")
     p.add_argument("--json", default=None, help="write the summary here too")
     p.add_argument("--print", nargs="+", default=None, metavar="JSON", help="print summaries written earlier")
+    p.add_argument("--diff", nargs=2, default=None, metavar=("BASE", "OTHER"),
+                   help="two summaries written earlier (one trace each, e.g. the 1- and 4-request profiles): what "
+                        "OTHER's graph step spends beyond BASE's, by kernel and family")
     p.add_argument("--layers", type=int, default=78, help="decoder layers a step runs (nodes a layer)")
     p.add_argument("--kernels", type=int, default=20, help="a graph step's busiest kernels printed (the JSON: all)")
     p.add_argument("--weight-bytes", type=float, default=None,
@@ -289,6 +330,20 @@ def main(argv=None) -> int:
     if args.layers < 1 or (args.weight_bytes is not None and not (args.weight_bytes > 0 and args.copy_gbps > 0)):
         return _error("--layers, --weight-bytes and --copy-gbps must be positive")
     floor = floor_ms(args.weight_bytes, args.copy_gbps) if args.weight_bytes is not None else None
+    if args.diff:
+        steps = []
+        for f in args.diff:
+            try:
+                st = _steps_of(json.loads(Path(f).read_text()))
+            except OSError as e:
+                return _error(f"--diff {f}: {e.strerror or e}")
+            except (ValueError, AttributeError) as e:
+                return _error(f"--diff {f}: not a summary ({e})")
+            if st is None or "kernels" not in st:
+                return _error(f"--diff {f}: needs one trace with graph steps and their kernel table")
+            steps.append(st)
+        print_diff(*steps, rows=args.kernels)
+        return 0
     if args.print:
         summary = {}
         for f in args.print:

@@ -125,6 +125,32 @@ def test_graph_steps_table_every_kernel_with_its_calls_and_time_a_step(capsys):
     assert "step   0.005 ms =     1 calls of 1 other kernels" in out, out
 
 
+def test_the_difference_of_two_steps_by_kernel_and_family(tmp_path, capsys):
+    # A 1-request step and a 4-request one: the MoE kernel doubles, a quantize appears, the gemv is unchanged.
+    def summary(moe, extra):
+        ev = []
+        for step, t0 in ((1, 0), (2, 1000)):
+            ev += [launch(t0, step), k("fc_kq_moe_up_s_bf16", t0 + 1, moe, step), k("gemv", t0 + 200, 10, step)]
+            if extra:
+                ev.append(k("fc_kq_quantize_bf16", t0 + 300, extra, step))
+        return {"b": {"t": P.summarize_events(ev)}}
+
+    base, four = tmp_path / "c1.json", tmp_path / "c4.json"
+    base.write_text(json.dumps(summary(20, 0)))
+    four.write_text(json.dumps(summary(45, 3)))
+    rows = P.step_diff(P._steps_of(json.loads(base.read_text())), P._steps_of(json.loads(four.read_text())))
+    by = {r["name"]: r for r in rows}
+    assert by["fc_kq_moe_up_s_bf16"]["delta_us"] == 25.0 and by["gemv"]["delta_us"] == 0.0
+    assert by["fc_kq_quantize_bf16"] == {"name": "fc_kq_quantize_bf16", "family": "fastcomm K-quant", "base_us": 0.0,
+                                         "us": 3.0, "delta_us": 3.0, "base_calls": 0, "calls": 1}
+    assert rows[0]["name"] == "fc_kq_moe_up_s_bf16"  # the largest change first
+    assert P.main(["--diff", str(base), str(four)]) == 0
+    out = capsys.readouterr().out
+    assert "by family (ms): fastcomm K-quant +0.028" in out and "  +0.025 ms    0.020 ->   0.045 ms  calls 1 -> 1" in out, out
+    assert P.main(["--diff", str(base), str(tmp_path / "none.json")]) == 2
+    assert "--diff" in capsys.readouterr().err
+
+
 def test_a_summary_from_before_the_kernel_table_prints_its_top_kernels(capsys):
     st = {"steps": 1, "median_span_us": 100.0, "median_all_reduce_us": 1.0, "all_reduce_calls_per_step": 1,
           "all_reduce_share": 0.01, "top_other_kernels_us": [{"name": "gemv", "median_us": 75.0}]}
