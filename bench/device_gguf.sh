@@ -337,9 +337,12 @@ kernel_tests() {   # the tree in the current folder: its K-quant GPU tests (KQUA
 }
 
 kernel_table() {   # the tree in the current folder: the kernel table at $1 tokens, into $2.json and $2.txt, and
-  # its forms table into $2-forms.json (fastcomm.kquant.forms: a GPU's goes to fastcomm/kquant/tables/)
+  # its forms table into $2-forms.json (fastcomm.kquant.forms: a GPU's goes to fastcomm/kquant/tables/; a tree
+  # from before forms tables, as `ab` may run, writes none)
+  local forms=()
+  grep -q -- "--forms-out" bench/gguf_kernels.py && forms=(--forms-out "$2-forms.json")
   timeout "${KQUANT_TABLE_TIMEOUT_S:-300}" python -m fastcomm_bench.gguf_kernels --tokens "$1" --tp "${KQUANT_TP:-1}" \
-    --json "$2.json" --forms-out "$2-forms.json" > "$2.txt" 2>&1
+    --json "$2.json" "${forms[@]}" > "$2.txt" 2>&1
   local rc=$?
   tail -n 40 "$2.txt"
   return $rc
