@@ -54,6 +54,11 @@ FAMILIES = (
 )
 
 
+# A kernel's name in the per-step table, cut here: templated names (FlashAttention 3's, cutlass's) share long
+# prefixes, which the other lists' 90 characters would merge where they differ past them.
+KERNEL_NAME = 200
+
+
 def family(name: str) -> str:
     return next((fam for fam, pat in FAMILIES if pat.search(name)), "other")
 PROG = "python -m fastcomm_bench.profile_summary"
@@ -122,7 +127,7 @@ def graph_steps(events: list[dict], gpu: list[dict], top_kernels: int = 4) -> di
             name, dur = str(e.get("name", "?")), float(e["dur"])
             fam = family(name)  # the all-reduce test included: one regex pass per kernel
             per_family[fam] += dur
-            calls[name[:90]].append(dur)
+            calls[name[:KERNEL_NAME]].append(dur)
             if fam == "all-reduce":
                 ar.append(dur)
             else:
