@@ -20,6 +20,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from .config import Config
 from .errors import FastcommError
+# A problem inside the data (``from_json`` adds the file name), and the validated reads of the fields.
+from .fields import BadField as _Bad, enum as _enum, get as _get, integer as _int, need_obj as _need_obj, \
+    string as _str
 from .policy import SUPPORTED_DTYPES, Algo, LinkType, PolicyKey, Rule, Transport, lookup_rules
 
 log = logging.getLogger("fastcomm")
@@ -38,8 +41,6 @@ class TuneCacheError(FastcommError):
     """A tune cache file that cannot be used as written (missing, corrupt, foreign, or from a newer schema)."""
 
 
-class _Bad(ValueError):
-    """A problem inside the data; ``from_json`` adds the file name."""
 
 
 # ---- plain data ----------------------------------------------------------------------------------------
@@ -196,42 +197,6 @@ def default_path(cache_dir: Path) -> Path:
 
 def _plain(v):
     return v.value if isinstance(v, (Transport, LinkType, Algo)) else v
-
-
-def _need_obj(data: Any, where: str) -> None:
-    if not isinstance(data, dict):
-        raise _Bad(f"missing or ill-typed field '{where}' (expected an object)")
-
-
-def _get(data: dict, key: str, where: str):
-    name = f"{where}.{key}" if where else key
-    if key not in data:
-        raise _Bad(f"missing field '{name}'")
-    return name, data[key]
-
-
-def _int(data: dict, key: str, where: str, lo: int | None = None) -> int:
-    name, v = _get(data, key, where)
-    if isinstance(v, bool) or not isinstance(v, int):  # bool is an int to Python, never to us
-        raise _Bad(f"field '{name}' must be an integer, got {v!r}")
-    if lo is not None and v < lo:
-        raise _Bad(f"field '{name}' must be >= {lo}, got {v}")
-    return v
-
-
-def _str(data: dict, key: str, where: str) -> str:
-    name, v = _get(data, key, where)
-    if not isinstance(v, str):
-        raise _Bad(f"field '{name}' must be a string, got {v!r}")
-    return v
-
-
-def _enum(kind, value: str, where: str):
-    try:
-        return kind(value)
-    except ValueError:
-        known = ", ".join(e.value for e in kind)
-        raise _Bad(f"unknown {kind.__name__} {value!r} at '{where}' (known: {known})") from None
 
 
 def _parse_entry(entry: Any, where: str) -> tuple[PolicyKey, tuple[Rule, ...]]:

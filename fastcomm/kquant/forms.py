@@ -25,6 +25,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from .. import fields
 from ..config import ConfigError
 from . import policy
 
@@ -235,62 +236,43 @@ def to_json(table: Table) -> dict:
             "margin": table.margin, "entries": [entry(e) for e in table.entries]}
 
 
-class _Bad(ValueError):
-    pass
-
-
-def _field(data: Mapping, key: str, kind, where: str):
-    if key not in data:
-        raise _Bad(f"{where}: no {key!r}")
-    value = data[key]
-    if (kind is int and isinstance(value, bool)) or not isinstance(value, kind):
-        raise _Bad(f"{where}.{key}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
-    return value
-
-
-def _types(names: Any, where: str) -> tuple[int, ...]:
+def _types(data: dict, where: str) -> tuple[int, ...]:
     by_name = {v: k for k, v in policy.NAMES.items()}
+    name, names = fields.get(data, "types", where)
     if not isinstance(names, list) or not names or any(n not in by_name for n in names):
-        raise _Bad(f"{where}.types: expected a list of {', '.join(by_name)}, got {names!r}")
+        raise fields.BadField(f"field '{name}' must be a list of {', '.join(by_name)}, got {names!r}")
     return tuple(by_name[n] for n in names)
 
 
-def _positive(value: int, where: str) -> int:
-    if value < 1:
-        raise _Bad(f"{where}: must be positive, got {value}")
-    return value
-
-
 def _entry(data: Any, where: str) -> Entry:
-    if not isinstance(data, dict):
-        raise _Bad(f"{where}: expected an object")
-    kind = _field(data, "kind", str, where)
-    types = _types(data.get("types"), where)
+    fields.need_obj(data, where)
+    kind = fields.string(data, "kind", where)
+    types = _types(data, where)
     if kind == "linear":
-        rows = _field(data, "rows", list, where)
-        if len(rows) != len(types) or any(isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in rows):
-            raise _Bad(f"{where}.rows: expected a positive row count per type, got {rows!r}")
-        shape = LinearShape(types, tuple(rows), _positive(_field(data, "cols", int, where), f"{where}.cols"))
+        name, rows = fields.get(data, "rows", where)
+        if not isinstance(rows, list) or len(rows) != len(types) or \
+                any(isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in rows):
+            raise fields.BadField(f"field '{name}' must be a positive row count per type, got {rows!r}")
+        shape = LinearShape(types, tuple(rows), fields.integer(data, "cols", where, lo=1))
         names = policy.FORMS_LINEAR
     elif kind == "moe":
         if len(types) != 2:
-            raise _Bad(f"{where}.types: a MoE has two (up's, down's), got {data['types']!r}")
-        shape = MoeShape(types[0], types[1], *(_positive(_field(data, k, int, where), f"{where}.{k}")
-                                               for k in ("hidden", "inter", "topk")))
+            raise fields.BadField(f"field '{where}.types': a MoE has two (up's, down's), got {data['types']!r}")
+        shape = MoeShape(types[0], types[1], *(fields.integer(data, k, where, lo=1) for k in ("hidden", "inter", "topk")))
         names = policy.FORMS_MOE
     else:
-        raise _Bad(f"{where}.kind: expected 'linear' or 'moe', got {kind!r}")
-    forms = _field(data, "forms", dict, where)
+        raise fields.BadField(f"field '{where}.kind' must be 'linear' or 'moe', got {kind!r}")
+    name, forms = fields.get(data, "forms", where)
+    fields.need_obj(forms, name)
     out, us = [NONE] * policy.MAX_TOKENS, [None] * policy.MAX_TOKENS
     for key, value in forms.items():
-        at = f"{where}.forms[{key!r}]"
+        at = f"{name}.{key}"
         if not key.isdigit() or not 1 <= int(key) <= policy.MAX_TOKENS:
-            raise _Bad(f"{at}: a token count 1-{policy.MAX_TOKENS}")
-        if not isinstance(value, dict):
-            raise _Bad(f"{at}: expected an object")
-        form = _field(value, "form", str, at)
+            raise fields.BadField(f"field '{at}': a token count 1-{policy.MAX_TOKENS} is a form's key")
+        fields.need_obj(value, at)
+        form = fields.string(value, "form", at)
         if form not in names:
-            raise _Bad(f"{at}.form: {form!r} is not one of {', '.join(names)}")
+            raise fields.BadField(f"field '{at}.form': {form!r} is not one of {', '.join(names)}")
         out[int(key) - 1] = form
         if isinstance(value.get("us"), (int, float)) and isinstance(value.get("policy_us"), (int, float)):
             us[int(key) - 1] = (float(value["us"]), float(value["policy_us"]))
@@ -302,18 +284,20 @@ def from_json(data: Any, where: str = "forms table") -> Table:
     """The table ``data`` holds; FormsError naming ``where`` and the problem otherwise."""
     try:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise _Bad(f"not a {FORMAT} file")
-        schema = _field(data, "schema", int, "table")
+            raise fields.BadField(f"not a {FORMAT} file (no \"format\": \"{FORMAT}\" marker)")
+        schema = fields.integer(data, "schema", "")
         if schema > SCHEMA_VERSION:
-            raise _Bad(f"schema {schema} is newer than this fastcomm's {SCHEMA_VERSION}")
-        entries = _field(data, "entries", list, "table")
+            raise fields.BadField(f"schema {schema} is newer than this fastcomm's {SCHEMA_VERSION}")
+        name, entries = fields.get(data, "entries", "")
+        if not isinstance(entries, list):
+            raise fields.BadField(f"field '{name}' must be a list, got {entries!r}")
         parsed = tuple(_entry(e, f"entries[{i}]") for i, e in enumerate(entries))
         if len({e.shape for e in parsed}) != len(parsed):
-            raise _Bad("a shape appears twice in entries")
+            raise fields.BadField("a shape appears twice in entries")
         margin = data.get("margin", MARGIN)
-        return Table(_field(data, "device", str, "table"), str(data.get("source", "")), parsed,
+        return Table(fields.string(data, "device", ""), str(data.get("source", "")), parsed,
                      float(margin) if isinstance(margin, (int, float)) else MARGIN)
-    except _Bad as e:
+    except fields.BadField as e:
         raise FormsError(f"{where}: {e}") from None
 
 

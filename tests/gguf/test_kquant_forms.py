@@ -67,12 +67,12 @@ def test_the_json_round_trip_keeps_every_form_and_time(tmp_path):
 @pytest.mark.parametrize("edit, problem", [
     (lambda d: d.update(format="fastcomm-tune"), "not a fastcomm-kquant-forms file"),
     (lambda d: d.update(schema=forms.SCHEMA_VERSION + 1), "newer than this fastcomm's"),
-    (lambda d: d.pop("device"), "no 'device'"),
+    (lambda d: d.pop("device"), "missing field 'device'"),
     (lambda d: d["entries"][0].update(types=["Q3_K"]), "entries[0].types"),
     (lambda d: d["entries"][0].update(rows=[2048]), "entries[0].rows"),
     (lambda d: d["entries"][0]["forms"].update({"9": {"form": "mma"}}), "a token count 1-8"),
     (lambda d: d["entries"][0]["forms"].update({"2": {"form": "grouped"}}), "'grouped' is not one of"),
-    (lambda d: d["entries"][0].update(kind="conv"), "expected 'linear' or 'moe'"),
+    (lambda d: d["entries"][0].update(kind="conv"), "field 'entries[0].kind' must be 'linear' or 'moe'"),
     (lambda d: d["entries"].append(d["entries"][0]), "a shape appears twice"),
     (lambda d: d["entries"][-1].update(types=["Q4_K"]), "a MoE has two"),
 ])
