@@ -55,6 +55,7 @@
 #    runs the GPU tests on the first tree (AB_TESTS set) and python -m fastcomm_bench.gguf_kernels on each
 #    ($OUT/kernels-REV.{json,txt}, tests-REV.log). Why in one call: the same GPU, clocks and minute for every tree.
 #    AB_TAG=-x names a second table of the same trees (e.g. FASTCOMM_GGUF_PDL=0 AB_TAG=-nopdl: kernels-REV-nopdl).
+#    Here, `python -m fastcomm_bench.gguf_kernels --compare kernels-A.json kernels-B.json` sets two side by side.
 #    Where a kernel's time goes (ncu, one call, carry .gguf_stage; no vLLM): bash bench/device_gguf.sh ncu .gguf_stage
 #    profiles the grouped MoE and o_proj at 8 tokens (NCU_OPS=op:form:kernel-regex;..., NCU_TOKENS) into
 #    $OUT/ncu-OP-FORM.txt, through python -m fastcomm_bench.kquant_profile.

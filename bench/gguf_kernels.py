@@ -7,6 +7,7 @@
     python -m fastcomm_bench.gguf_kernels --tp 8 --tokens 1,2,3,4,5,6,7,8 --forms-out FILE   # this GPU's forms
     python -m fastcomm_bench.gguf_kernels --forms-from RUN.json --forms-out FILE   # a saved run's forms
     python -m fastcomm_bench.gguf_kernels --tp 8 --tokens 1,2,3,4,5,6,7,8 --save-forms  # served here from now on
+    python -m fastcomm_bench.gguf_kernels --compare BASE.json OTHER.json   # two runs (e.g. ab's trees) side by side
 
 Every product of one GLM-5 decoder layer at full width (the 78-layer benchmark model's shapes and UD-Q4_K_XL
 types, fastcomm_vllm/gguf/synth.py), the LM head, and the routed experts (16 experts, top 8; at ``--tp`` GLM-5's 256,
@@ -607,10 +608,35 @@ def main(argv=None) -> int:
                    help="write the run's fastest forms as a table FASTCOMM_GGUF_FORMS serves (fastcomm.kquant.forms)")
     p.add_argument("--forms-from", metavar="JSON", default=None,
                    help="with --forms-out: the table of a run saved earlier (--json), without a GPU")
+    p.add_argument("--compare", nargs=2, metavar=("BASE", "OTHER"), default=None,
+                   help="two saved runs (--json) side by side: each product's forms, OTHER's us against BASE's")
     p.add_argument("--save-forms", action="store_true",
                    help="write the run's forms table where FASTCOMM_GGUF_FORMS=auto reads this machine's "
                         "(FASTCOMM_CACHE_DIR/kquant-forms/GPU.json): served from then on, on this GPU")
     args = p.parse_args(argv)
+    if args.compare:
+        runs = []
+        for f in args.compare:
+            try:
+                with open(f) as fh:
+                    runs.append(json.load(fh))
+            except (OSError, ValueError) as e:
+                print(f"gguf_kernels: error: --compare {f}: {e}", file=sys.stderr)
+                return 2
+        if any(not isinstance(r, dict) or not isinstance(r.get("rows"), list) for r in runs):
+            print("gguf_kernels: error: --compare takes two gguf_kernels --json records", file=sys.stderr)
+            return 2
+        if runs[0].get("tp", 1) != runs[1].get("tp", 1):
+            print(f"gguf_kernels: error: --compare: the runs are of TP {runs[0].get('tp', 1)} and "
+                  f"{runs[1].get('tp', 1)} (different shapes)", file=sys.stderr)
+            return 2
+        print(f"| op | tokens | form | {args.compare[0]} us | {args.compare[1]} us | ratio |")
+        print("|---|---|---|---|---|---|")
+        for row in compare(runs[0]["rows"], runs[1]["rows"]):
+            note = "" if row["same_routing"] else " (other routing)"
+            for f, (a, b, ratio) in row["forms"].items():
+                print(f"| {row['op']}{note} | {row['tokens']} | {f} | {a} | {b} | {ratio if ratio else '-'} |")
+        return 0
     if args.forms_from:
         if not args.forms_out:
             print("gguf_kernels: error: --forms-from needs --forms-out", file=sys.stderr)
@@ -679,6 +705,29 @@ def main(argv=None) -> int:
             print(f"# forms table saved to {path}: FASTCOMM_GGUF_FORMS=auto serves it on {table.device}")
         print(forms_summary(table))
     return 0
+
+
+def compare(base: list[dict], other: list[dict]) -> list[dict]:
+    """Each decode product (op by short name, tokens) both runs timed: every form's GPU us in each and the ratio
+    (other / base), and whether the two timed the same routing (a MoE's experts, where the rows say: runs of
+    gguf_kernels before b05b432 timed 16 experts at --tp, from it 256). Same machine and call, as `ab` runs
+    revisions, makes a ratio a change's saving."""
+    def key(r):
+        return op_name(r["op"]), r["tokens"]
+
+    mine = {key(r): r for r in other if r["tokens"] <= MAX_DECODE}
+    out = []
+    for r in base:
+        if r["tokens"] > MAX_DECODE or key(r) not in mine:
+            continue
+        o = mine[key(r)]
+        forms = {}
+        for f in sorted(set(_forms(r)) & set(_forms(o))):
+            a, b = r[f"{f}_us"], o[f"{f}_us"]
+            forms[f] = (a, b, round(b / a, 3) if a and b else None)
+        out.append({"op": key(r)[0], "tokens": r["tokens"], "forms": forms,
+                    "same_routing": r.get("experts", MOE[1]) == o.get("experts", MOE[1])})
+    return out
 
 
 def forms_summary(table) -> str:

@@ -287,3 +287,31 @@ def test_routes_are_distinct_across_a_steps_tokens_where_the_experts_allow():
     assert len(set(gk.route_ids(2, 16, 8, np.random.default_rng(0)).flatten())) == 16
     ids = gk.route_ids(4, 16, 8, np.random.default_rng(0))
     assert all(len(set(row)) == 8 for row in ids) and ids.max() < 16
+
+
+def test_two_runs_side_by_side(tmp_path, capsys):
+    """--compare: each product and form both runs timed, the second's us against the first's; a MoE row of
+    another routing (16 against 256 experts) is marked; runs of different TP are refused."""
+    import json
+
+    base = {"tp": 8, "rows": [
+        {"op": "q_b", "tokens": 2, "mma_us": 4.75, "staged_us": 3.71, "unstaged_us": 6.0, "plugin_us": 7.2},
+        {"op": "routed experts (16, top 8; Q4_K up, Q5_K down)", "tokens": 1, "staged_us": 20.12, "pairs_us": 24.06},
+        {"op": "q_b", "tokens": 64, "dequant_us": 9.0, "plugin_us": 20.0}]}
+    other = {"tp": 8, "rows": [
+        {"op": "q_b", "tokens": 2, "mma_us": 4.70, "staged_us": 3.34, "unstaged_us": 6.1, "plugin_us": 7.3},
+        {"op": "routed experts (256, top 8; Q4_K up, Q5_K down)", "tokens": 1, "staged_us": 19.0, "pairs_us": 23.0,
+         "experts": 256}]}
+    rows = gk.compare(base["rows"], other["rows"])
+    assert [(r["op"], r["tokens"]) for r in rows] == [("q_b", 2), ("routed experts", 1)]
+    assert rows[0]["forms"]["staged"] == (3.71, 3.34, 0.9) and "plugin" not in rows[0]["forms"]
+    assert rows[0]["same_routing"] and not rows[1]["same_routing"]
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(base))
+    b.write_text(json.dumps(other))
+    assert gk.main(["--compare", str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "| q_b | 2 | staged | 3.71 | 3.34 | 0.9 |" in out and "| routed experts (other routing) | 1 |" in out, out
+    b.write_text(json.dumps({**other, "tp": 1}))
+    assert gk.main(["--compare", str(a), str(b)]) == 2
+    assert "TP 8 and 1" in capsys.readouterr().err
