@@ -164,7 +164,7 @@ def forms_shapes(tp: int) -> dict:
     vLLM layer of one rank has (kquant.forms.LinearShape / MoeShape)."""
     from fastcomm.kquant import forms
 
-    by_name = {v: k for k, v in kquant.NAMES.items()}
+    by_name = forms.TYPE_IDS
     linears, moe = tp_shapes(tp)
     out = {op_name(name): forms.LinearShape(tuple(by_name[t] for t, _ in shards), tuple(r for _, r in shards), cols)
            for name, shards, cols, _ in linears}
@@ -614,54 +614,37 @@ def main(argv=None) -> int:
                    help="write the run's forms table where FASTCOMM_GGUF_FORMS=auto reads this machine's "
                         "(FASTCOMM_CACHE_DIR/kquant-forms/GPU.json): served from then on, on this GPU")
     args = p.parse_args(argv)
-    if args.compare:
-        runs = []
-        for f in args.compare:
-            try:
-                with open(f) as fh:
-                    runs.append(json.load(fh))
-            except (OSError, ValueError) as e:
-                print(f"gguf_kernels: error: --compare {f}: {e}", file=sys.stderr)
-                return 2
-        if any(not isinstance(r, dict) or not isinstance(r.get("rows"), list) for r in runs):
-            print("gguf_kernels: error: --compare takes two gguf_kernels --json records", file=sys.stderr)
-            return 2
-        if runs[0].get("tp", 1) != runs[1].get("tp", 1):
-            print(f"gguf_kernels: error: --compare: the runs are of TP {runs[0].get('tp', 1)} and "
-                  f"{runs[1].get('tp', 1)} (different shapes)", file=sys.stderr)
-            return 2
-        print(f"| op | tokens | form | {args.compare[0]} us | {args.compare[1]} us | ratio |")
-        print("|---|---|---|---|---|---|")
-        for row in compare(runs[0]["rows"], runs[1]["rows"]):
-            note = "" if row["same_routing"] else " (other routing)"
-            for f, (a, b, ratio) in row["forms"].items():
-                print(f"| {row['op']}{note} | {row['tokens']} | {f} | {a} | {b} | {ratio if ratio else '-'} |")
-        return 0
-    if args.forms_from:
-        if not args.forms_out:
-            print("gguf_kernels: error: --forms-from needs --forms-out", file=sys.stderr)
-            return 2
-        from fastcomm.kquant import forms
-        from pathlib import Path
+    try:
+        if args.compare:
+            base, other = (_read_run("--compare", f) for f in args.compare)
+            if base.get("tp", 1) != other.get("tp", 1):
+                raise _RunError(f"--compare: the runs are of TP {base.get('tp', 1)} and {other.get('tp', 1)} "
+                                "(different shapes)")
+            print(f"| op | tokens | form | {args.compare[0]} us | {args.compare[1]} us | ratio |")
+            print("|---|---|---|---|---|---|")
+            for row in compare(base["rows"], other["rows"]):
+                note = "" if row["same_routing"] else " (other routing)"
+                for f, (a, b, ratio) in row["forms"].items():
+                    print(f"| {row['op']}{note} | {row['tokens']} | {f} | {a} | {b} | {ratio if ratio else '-'} |")
+            return 0
+        if args.forms_from:
+            if not args.forms_out:
+                raise _RunError("--forms-from needs --forms-out")
+            from pathlib import Path
 
-        try:
-            with open(args.forms_from) as f:
-                run = json.load(f)
-        except (OSError, ValueError) as e:
-            print(f"gguf_kernels: error: --forms-from {args.forms_from}: {e}", file=sys.stderr)
-            return 2
-        if not (isinstance(run, dict) and isinstance(run.get("rows"), list) and "device" in run):
-            print(f"gguf_kernels: error: --forms-from {args.forms_from}: not a gguf_kernels --json record (no "
-                  "device and rows)", file=sys.stderr)
-            return 2
-        table = forms_table(run, f"bench/gguf_kernels.py at TP {run.get('tp', 1)}: {Path(args.forms_from).name}")
-        forms.dump(table, args.forms_out)
-        print(forms_summary(table))
-        return 0
-    if args.suggest:
-        with open(args.suggest) as f:
-            print(_settings(suggest(json.load(f)["rows"])))
-        return 0
+            from fastcomm.kquant import forms
+
+            run = _read_run("--forms-from", args.forms_from, device=True)
+            table = forms_table(run, f"bench/gguf_kernels.py at TP {run.get('tp', 1)}: {Path(args.forms_from).name}")
+            forms.dump(table, args.forms_out)
+            print(forms_summary(table))
+            return 0
+        if args.suggest:
+            print(_settings(suggest(_read_run("--suggest", args.suggest)["rows"])))
+            return 0
+    except _RunError as e:
+        print(f"gguf_kernels: error: {e}", file=sys.stderr)
+        return 2
     import torch
 
     linears, moe = tp_shapes(args.tp)  # one rank's shapes (the names and layers a step runs are TP 1's)
@@ -728,6 +711,23 @@ def compare(base: list[dict], other: list[dict]) -> list[dict]:
         out.append({"op": key(r)[0], "tokens": r["tokens"], "forms": forms,
                     "same_routing": r.get("experts", MOE[1]) == o.get("experts", MOE[1])})
     return out
+
+
+class _RunError(Exception):
+    """A saved run that cannot be read, or options that do not go together: one line, exit status 2."""
+
+
+def _read_run(flag: str, path: str, device: bool = False) -> dict:
+    """A run ``--json`` saved (its rows, tp and, where ``device``, the GPU that ran it), or _RunError naming
+    ``flag`` and ``path``."""
+    try:
+        with open(path) as f:
+            run = json.load(f)
+    except (OSError, ValueError) as e:
+        raise _RunError(f"{flag} {path}: {e}") from None
+    if not (isinstance(run, dict) and isinstance(run.get("rows"), list) and (not device or "device" in run)):
+        raise _RunError(f"{flag} {path}: not a gguf_kernels --json record (no {'device and ' if device else ''}rows)")
+    return run
 
 
 def forms_summary(table) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -38,6 +39,7 @@ SCHEMA_VERSION = 1
 MARGIN = 0.05
 TABLES = Path(__file__).with_name("tables")   # the tables shipped with fastcomm, one a GPU (``shipped``)
 NONE = ""   # a token count the table has no form for: the policy's rule serves
+TYPE_IDS = {name: t for t, name in policy.NAMES.items()}  # "Q4_K" -> its ggml id, as tables name the types
 
 
 class FormsError(ConfigError):
@@ -184,8 +186,6 @@ def resolve(setting: str, device: str, tables: Iterable[Table] | None = None,
             try:
                 return load(path)
             except FormsError as e:
-                import logging
-
                 logging.getLogger("fastcomm").warning("fastcomm: %s; this machine's forms table is left out", e)
     return next((t for t in (shipped() if tables is None else tables) if t.device == device), None)
 
@@ -210,18 +210,14 @@ def shipped() -> tuple[Table, ...]:
 
 # ---- JSON ---------------------------------------------------------------------------------------------------
 
-def _type_name(t: int) -> str:
-    return policy.NAMES[t]
-
-
 def to_json(table: Table) -> dict:
     def entry(e: Entry) -> dict:
         s = e.shape
         if isinstance(s, LinearShape):
-            head = {"kind": "linear", "types": [_type_name(t) for t in s.types], "rows": list(s.rows),
+            head = {"kind": "linear", "types": [policy.NAMES[t] for t in s.types], "rows": list(s.rows),
                     "cols": s.cols}
         else:
-            head = {"kind": "moe", "types": [_type_name(s.t13), _type_name(s.t2)], "hidden": s.hidden,
+            head = {"kind": "moe", "types": [policy.NAMES[s.t13], policy.NAMES[s.t2]], "hidden": s.hidden,
                     "inter": s.inter, "topk": s.topk}
         forms = {}
         for n, form in enumerate(e.forms, start=1):
@@ -237,11 +233,10 @@ def to_json(table: Table) -> dict:
 
 
 def _types(data: dict, where: str) -> tuple[int, ...]:
-    by_name = {v: k for k, v in policy.NAMES.items()}
     name, names = fields.get(data, "types", where)
-    if not isinstance(names, list) or not names or any(n not in by_name for n in names):
-        raise fields.BadField(f"field '{name}' must be a list of {', '.join(by_name)}, got {names!r}")
-    return tuple(by_name[n] for n in names)
+    if not isinstance(names, list) or not names or any(n not in TYPE_IDS for n in names):
+        raise fields.BadField(f"field '{name}' must be a list of {', '.join(TYPE_IDS)}, got {names!r}")
+    return tuple(TYPE_IDS[n] for n in names)
 
 
 def _entry(data: Any, where: str) -> Entry:

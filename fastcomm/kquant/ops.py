@@ -69,23 +69,25 @@ def _resident(device: int, symbol: str, ring: int) -> tuple[int, ...]:
     """Blocks of 1 .. KQ_MMA_WARPS warps (a ring of ``ring`` bytes a warp: mma_smem) one SM of ``device`` holds,
     from its limits (``_device``) and the kernel's registers and static shared memory. Computed, not asked of the
     driver's occupancy query: under emulated limits the query would answer for the GPU in hand."""
+    regs, static = _resources(device, symbol)
+    return tuple(resident_blocks(_device(device), w, mma_smem(w, ring), static, regs)
+                 for w in range(1, abi.KQ_MMA_WARPS + 1))
+
+
+def _resources(device: int, symbol: str) -> tuple[int, int]:
+    """A kernel's registers a thread and static shared memory, which with its launch decide its residency."""
     from cupy_backends.cuda.api import driver
 
     fn = _smem_function(device, symbol)
-    regs = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_NUM_REGS, fn)
-    return tuple(resident_blocks(_device(device), w, mma_smem(w, ring), _static_smem(fn), regs)
-                 for w in range(1, abi.KQ_MMA_WARPS + 1))
+    return driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_NUM_REGS, fn), _static_smem(fn)
 
 
 @functools.lru_cache(maxsize=None)
 def _staged_resident(device: int, symbol: str, smem: int) -> int:
     """Blocks of a staged kernel (KQ_STAGED_THREADS, ``smem`` bytes of stage) one SM of ``device`` holds, from
     its limits (``_device``: an emulated GPU's under the test switch) and the kernel's registers."""
-    from cupy_backends.cuda.api import driver
-
-    fn = _smem_function(device, symbol)
-    regs = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_NUM_REGS, fn)
-    return resident_blocks(_device(device), abi.KQ_STAGED_THREADS // 32, smem, _static_smem(fn), regs)
+    regs, static = _resources(device, symbol)
+    return resident_blocks(_device(device), abi.KQ_STAGED_THREADS // 32, smem, static, regs)
 
 
 def _staged_grid(device: int, kernel: abi.Kernel, dtype: str, items: int, smem: int, variant: str = "") -> int:

@@ -689,25 +689,13 @@ def test_residency_is_computed_as_the_driver_answers(limits):
             assert ops._resident(0, symbol, ring) == want, (symbol, k.NAMES[t])
 
 
-def _stored(rng, qtype: int, rows: int, cols: int) -> np.ndarray:
-    """Random blocks of ``rows`` x ``cols`` (fast: no float truth; sane scales), as stored."""
-    import gguf
-
-    from fastcomm_vllm.gguf import synth
-
-    q = gguf.GGMLQuantizationType(qtype)
-    if q == gguf.GGMLQuantizationType.Q8_0:
-        x = (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
-        return np.ascontiguousarray(gguf.quants.quantize(x, q), np.uint8)
-    return np.ascontiguousarray(synth._kquant_blocks(rng, q, (rows,), cols, 1.0 / np.sqrt(cols)), np.uint8)
-
-
 def test_this_gpus_forms_table_runs_at_its_shapes(limits):
     """The forms table this GPU serves (fastcomm.kquant.forms, FASTCOMM_GGUF_FORMS=auto) at each of its shapes and
     token counts, in the full size of the shard's layer: the table's form runs and agrees with the rule's to the
     int8 activations' error, as the layer would take it (kquant_vllm.linear_plan / moe_plan's forms_for). Skipped
     where no table is for this GPU (the sm_120 emulation plans for a GPU no table names)."""
     from fastcomm.kquant import forms as measured
+    from fastcomm_bench import gguf_kernels  # the benchmark's weights and routes: those the table was timed on
 
     k = kq()
     table = measured.resolve("auto", limits.name)
@@ -718,15 +706,8 @@ def test_this_gpus_forms_table_runs_at_its_shapes(limits):
     for entry in table.entries:
         s = entry.shape
         if isinstance(s, measured.LinearShape):
-            parts = [_stored(rng, t, r, s.cols) for t, r in zip(s.types, s.rows)]
-            width = max(p.shape[1] for p in parts)
-            stored = np.zeros((sum(s.rows), width), np.uint8)
-            offsets, start = [], 0
-            for p in parts:
-                stored[start:start + p.shape[0], :p.shape[1]] = p
-                offsets.append((start, start + p.shape[0], p.shape[1]))
-                start += p.shape[0]
-            segs = k.plan_linear(list(s.types), offsets, width, s.cols)
+            stored, _, segs, _ = gguf_kernels.linear_weight(rng, [(k.NAMES[t], r) for t, r in zip(s.types, s.rows)],
+                                                            s.cols)
             use = measured.forms_for(table, s, tensor_cores=True, mma=k.mma_ok(segs, s.cols))
             w = torch.from_numpy(stored).cuda()
             for n, form in enumerate(use, start=1):
@@ -739,16 +720,16 @@ def test_this_gpus_forms_table_runs_at_its_shapes(limits):
                 ran += 1
         else:
             experts = 2 * s.topk * k.MAX_TOKENS  # routes distinct across a step's tokens, as the shard's
-            w13 = torch.from_numpy(_stored(rng, s.t13, experts * 2 * s.inter, s.hidden)).cuda().view(
-                experts, 2 * s.inter, -1)
-            w2 = torch.from_numpy(_stored(rng, s.t2, experts * s.hidden, s.inter)).cuda().view(experts, s.hidden, -1)
+            moe = ("routed experts", experts, s.topk, s.hidden, s.inter, k.NAMES[s.t13], k.NAMES[s.t2], 1)
+            a, b, _, _ = gguf_kernels.moe_weights(rng, moe)
+            w13, w2 = torch.from_numpy(a).cuda(), torch.from_numpy(b).cuda()
             fits = lambda n: k.moe_stage_bytes(n, s.topk, s.hidden, s.inter) <= limits.smem_per_block  # noqa: E731
             use = measured.forms_for(table, s, tensor_cores=True, staged_fits=fits)
             for n, form in enumerate(use, start=1):
                 if not form:
                     continue
                 x = torch.randn(n, s.hidden, dtype=torch.bfloat16, device="cuda") * 0.1
-                ids = torch.from_numpy(rng.permutation(experts)[:n * s.topk].reshape(n, s.topk).astype(np.int32)).cuda()
+                ids = torch.from_numpy(gguf_kernels.route_ids(n, experts, s.topk, rng)).cuda()
                 wts = torch.rand(n, s.topk, device="cuda")
                 got = k.moe(x, w13, w2, wts, ids, s.t13, s.t2, None, silu=True, form=form).float()
                 rule = k.moe(x, w13, w2, wts, ids, s.t13, s.t2, None, silu=True).float()
